@@ -1,0 +1,66 @@
+"""Argument checks shared by the public constructors.
+
+Every check raises ``ValueError`` (or ``TypeError`` for a wrong type) whose message names the
+argument, repeats the value it got and says what is allowed, so a typo in a config file is
+fixed in one read.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+__all__ = ["check_choice", "check_number", "check_int"]
+
+
+def _bad(name: str, value: Any, allowed: str) -> ValueError:
+    return ValueError(f"{name}={value!r} is not allowed: {name} must be {allowed}.")
+
+
+def check_choice(name: str, value: Any, choices: Iterable[Any]) -> Any:
+    """Return ``value`` if it is one of ``choices``."""
+    choices = tuple(choices)
+    if value not in choices:
+        raise _bad(name, value, "one of " + ", ".join(repr(c) for c in choices))
+    return value
+
+
+def check_number(
+    name: str,
+    value: Any,
+    *,
+    gt: float | None = None,
+    ge: float | None = None,
+    lt: float | None = None,
+    le: float | None = None,
+) -> float:
+    """Return ``value`` as a finite float inside the given open/closed bounds."""
+    bounds = []
+    if gt is not None:
+        bounds.append(f"> {gt:g}")
+    if ge is not None:
+        bounds.append(f">= {ge:g}")
+    if lt is not None:
+        bounds.append(f"< {lt:g}")
+    if le is not None:
+        bounds.append(f"<= {le:g}")
+    allowed = "a finite number" + (" " + " and ".join(bounds) if bounds else "")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name}={value!r} is not allowed: {name} must be {allowed}.")
+    value = float(value)
+    ok = math.isfinite(value)
+    ok = ok and (gt is None or value > gt) and (ge is None or value >= ge)
+    ok = ok and (lt is None or value < lt) and (le is None or value <= le)
+    if not ok:
+        raise _bad(name, value, allowed)
+    return value
+
+
+def check_int(name: str, value: Any, *, ge: int) -> int:
+    """Return ``value`` if it is an integer ``>= ge``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}={value!r} is not allowed: {name} must be an integer >= {ge}.")
+    if value < ge:
+        raise _bad(name, value, f"an integer >= {ge}")
+    return value
