@@ -1,0 +1,587 @@
+"""CpuHalfEmulation: each covered op equals "upcast, FP32 op, round once", bit for bit.
+
+Oracles. For a single covered op the emulated result is ``op(fp32 operands).to(dtype)``,
+so the forward oracle is the same op on FP32 copies of the half inputs, rounded once. The
+gradients of a covered op are computed by covered ops (the backward of ``mm`` is two
+``mm`` calls on half tensors), each rounded once, so the gradient oracle is the FP32
+autograd gradient on upcast leaf copies with the upcast half ``grad_output``, rounded
+once: e.g. ``grad_a == (grad_out.float() @ b.float().t()).to(dtype)``. Where autograd
+adds a non-matmul op (the bias gradient of ``linear`` is a ``sum``, a broadcast batch
+dimension is summed away) that op runs natively in half, and the oracle mirrors it.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
+
+from amp_plugin.emulation import EMULATED_OPS, HALF_DTYPES, CpuHalfEmulation, should_emulate
+
+DTYPES = [torch.float16, torch.bfloat16]
+ids = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+BACKENDS = ["kernel", "mode"]
+
+
+@pytest.fixture(params=DTYPES, ids=lambda d: ids[d])
+def dtype(request):
+    return request.param
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request):
+    return request.param
+
+
+def rnd(*shape, dtype, scale=1.0, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale).to(dtype)
+
+
+def leaves(tensors):
+    """Half leaves with grad and their FP32 upcast twins."""
+    half = [t.detach().clone().requires_grad_(True) for t in tensors]
+    full = [t.detach().float().requires_grad_(True) for t in tensors]
+    return half, full
+
+
+def assert_bitwise(actual, expected, what=""):
+    assert actual.dtype == expected.dtype, (what, actual.dtype, expected.dtype)
+    assert actual.shape == expected.shape, (what, actual.shape, expected.shape)
+    # equal() is False for NaN; compare bit patterns through a same-size integer view
+    bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[actual.element_size()]
+    ok = torch.equal(actual.contiguous().view(bits), expected.contiguous().view(bits))
+    if not ok:
+        diff = (actual.float() - expected.float()).abs().max().item()
+        raise AssertionError(f"{what}: not bitwise equal (max abs diff {diff})")
+
+
+def check_against_fp32(fn, inputs, dtype, backend, grad=True, seed=0):
+    """Run ``fn`` emulated on half leaves and in FP32 on upcast leaves; compare the
+    rounded FP32 forward and rounded FP32 gradients bitwise. Returns the emulator."""
+    half, full = leaves(inputs)
+    emu = CpuHalfEmulation(backend=backend)
+    with emu:
+        out = fn(*half)
+        if grad:
+            g = rnd(*out.shape, dtype=dtype, seed=seed + 1)
+            out.backward(g)
+    ref = fn(*full)
+    assert_bitwise(out, ref.to(dtype), "forward")
+    if grad:
+        ref.backward(g.float())
+        for i, (h, f) in enumerate(zip(half, full)):
+            if h.grad is None:
+                assert f.grad is None
+                continue
+            assert_bitwise(h.grad, f.grad.to(dtype), f"grad of input {i}")
+    return emu
+
+
+# ------------------------------------------------------------------ matmul family
+
+
+def test_mm(dtype, backend):
+    a, b = rnd(5, 7, dtype=dtype, seed=1), rnd(7, 3, dtype=dtype, seed=2)
+    emu = check_against_fp32(torch.mm, [a, b], dtype, backend)
+    # forward mm + two backward mm, nothing else
+    assert emu.emulated_calls == {"aten.mm.default": 3}
+
+
+def test_mm_gradient_oracle_explicit(dtype, backend):
+    a = rnd(4, 6, dtype=dtype, seed=3).requires_grad_()
+    b = rnd(6, 5, dtype=dtype, seed=4).requires_grad_()
+    g = rnd(4, 5, dtype=dtype, seed=5)
+    with CpuHalfEmulation(backend=backend):
+        (a @ b).backward(g)
+    assert_bitwise(a.grad, (g.float() @ b.detach().float().t()).to(dtype), "grad_a")
+    assert_bitwise(b.grad, (a.detach().float().t() @ g.float()).to(dtype), "grad_b")
+
+
+@pytest.mark.parametrize("beta,alpha", [(1.0, 1.0), (0.5, 2.0)])
+def test_addmm(dtype, beta, alpha, backend):
+    # beta/alpha powers of two: the backward's scalings are exact, so the FP32 autograd
+    # oracle is still exact; the bias gradient (beta * grad_out) needs no reduction here.
+    c, a, b = rnd(4, 3, dtype=dtype, seed=6), rnd(4, 5, dtype=dtype, seed=7), rnd(5, 3, dtype=dtype, seed=8)
+    emu = check_against_fp32(
+        lambda c, a, b: torch.addmm(c, a, b, beta=beta, alpha=alpha), [c, a, b], dtype, backend
+    )
+    assert emu.emulated_calls["aten.addmm.default"] == 1
+
+
+def test_addmm_forward_arbitrary_scalars(dtype, backend):
+    c, a, b = rnd(3, 4, dtype=dtype, seed=9), rnd(3, 6, dtype=dtype, seed=10), rnd(6, 4, dtype=dtype, seed=11)
+    with CpuHalfEmulation(backend=backend):
+        out = torch.addmm(c, a, b, beta=0.3, alpha=1.7)
+    ref = (0.3 * c.float() + 1.7 * (a.float() @ b.float()))
+    expected = torch.addmm(c.float(), a.float(), b.float(), beta=0.3, alpha=1.7).to(dtype)
+    assert_bitwise(out, expected, "addmm")
+    assert torch.allclose(out.float(), ref, rtol=1e-2, atol=1e-2)
+
+
+def test_bmm(dtype, backend):
+    a, b = rnd(3, 4, 6, dtype=dtype, seed=12), rnd(3, 6, 2, dtype=dtype, seed=13)
+    emu = check_against_fp32(torch.bmm, [a, b], dtype, backend)
+    assert emu.emulated_calls == {"aten.bmm.default": 3}
+
+
+def test_baddbmm(dtype, backend):
+    c, a, b = rnd(2, 3, 5, dtype=dtype, seed=14), rnd(2, 3, 4, dtype=dtype, seed=15), rnd(2, 4, 5, dtype=dtype, seed=16)
+    check_against_fp32(lambda c, a, b: torch.baddbmm(c, a, b, beta=0.5, alpha=2.0), [c, a, b], dtype, backend)
+    with CpuHalfEmulation(backend=backend):
+        out = torch.baddbmm(c, a, b, beta=0.7, alpha=1.3)
+    assert_bitwise(out, torch.baddbmm(c.float(), a.float(), b.float(), beta=0.7, alpha=1.3).to(dtype))
+
+
+def test_matmul_folds_batch_into_mm(dtype, backend):
+    a, b = rnd(2, 4, 3, dtype=dtype, seed=17), rnd(3, 5, dtype=dtype, seed=18)
+    emu = check_against_fp32(torch.matmul, [a, b], dtype, backend)
+    assert set(emu.emulated_calls) == {"aten.mm.default"}
+
+
+def test_matmul_broadcast_batch(dtype, backend):
+    a, b = rnd(2, 1, 4, 3, dtype=dtype, seed=19), rnd(3, 3, 5, dtype=dtype, seed=20)
+    g = rnd(2, 3, 4, 5, dtype=dtype, seed=21)
+    ah, bh = a.clone().requires_grad_(), b.clone().requires_grad_()
+    with CpuHalfEmulation(backend=backend) as emu:
+        out = ah @ bh
+        out.backward(g)
+    assert_bitwise(out, (a.float() @ b.float()).to(dtype), "forward")
+    assert set(emu.emulated_calls) == {"aten.bmm.default"}
+    # autograd: bmm on the expanded, flattened operands (rounded once), then the broadcast
+    # dimension is summed away by a native half sum
+    a6 = a.expand(2, 3, 4, 3).reshape(6, 4, 3).float()
+    b6 = b.expand(2, 3, 3, 5).reshape(6, 3, 5).float()
+    g6 = g.reshape(6, 4, 5).float()
+    grad_a = torch.bmm(g6, b6.transpose(1, 2)).to(dtype).view(2, 3, 4, 3).sum(1, keepdim=True)
+    grad_b = torch.bmm(a6.transpose(1, 2), g6).to(dtype).view(2, 3, 3, 5).sum(0)
+    assert_bitwise(ah.grad, grad_a, "grad_a")
+    assert_bitwise(bh.grad, grad_b, "grad_b")
+
+
+def test_matmul_vector_cases(dtype, backend):
+    m, v, w = rnd(4, 6, dtype=dtype, seed=22), rnd(6, dtype=dtype, seed=23), rnd(6, dtype=dtype, seed=24)
+    with CpuHalfEmulation(backend=backend) as emu:
+        mv, dot = m @ v, v @ w
+    assert_bitwise(mv, (m.float() @ v.float()).to(dtype), "mv")
+    assert_bitwise(dot, (v.float() @ w.float()).to(dtype), "dot")
+    assert emu.emulated_calls == {"aten.mv.default": 1, "aten.dot.default": 1}
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+@pytest.mark.parametrize("batch", [(5,), (2, 3)], ids=["2d", "3d"])
+def test_linear(dtype, bias, batch, backend):
+    x = rnd(*batch, 6, dtype=dtype, seed=25)
+    w = rnd(4, 6, dtype=dtype, seed=26)
+    b = rnd(4, dtype=dtype, seed=27)
+    g = rnd(*batch, 4, dtype=dtype, seed=28)
+    inputs = [x, w, b] if bias else [x, w]
+    half, full = leaves(inputs)
+    with CpuHalfEmulation(backend=backend) as emu:
+        out = F.linear(*half)
+        out.backward(g)
+    ref = F.linear(*full)
+    ref.backward(g.float())
+    assert_bitwise(out, ref.to(dtype), "forward")
+    assert_bitwise(half[0].grad, full[0].grad.to(dtype), "grad_x")
+    assert_bitwise(half[1].grad, full[1].grad.to(dtype), "grad_w")
+    if bias:
+        # the bias gradient is a plain (native, half) sum over the batch
+        assert_bitwise(half[2].grad, g.reshape(-1, 4).sum(0), "grad_bias")
+        assert emu.emulated_calls == {"aten.addmm.default": 1, "aten.mm.default": 2}
+    else:
+        assert emu.emulated_calls == {"aten.mm.default": 3}
+
+
+def test_out_and_inplace_variants(dtype, backend):
+    a, b, c = rnd(3, 4, dtype=dtype, seed=29), rnd(4, 5, dtype=dtype, seed=30), rnd(3, 5, dtype=dtype, seed=31)
+    out = torch.empty(3, 5, dtype=dtype)
+    c2 = c.clone()
+    with CpuHalfEmulation(backend=backend) as emu:
+        r = torch.mm(a, b, out=out)
+        c2.addmm_(a, b, beta=0.5, alpha=0.25)
+    assert r is out
+    assert_bitwise(out, (a.float() @ b.float()).to(dtype), "mm.out")
+    assert_bitwise(c2, torch.addmm(c.float(), a.float(), b.float(), beta=0.5, alpha=0.25).to(dtype), "addmm_")
+    assert emu.emulated_calls == {"aten.mm.out": 1, "aten.addmm_.default": 1}
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    m=st.integers(1, 9),
+    k=st.integers(1, 40),
+    n=st.integers(1, 9),
+    scale=st.sampled_from([1e-3, 1.0, 30.0]),
+    dt=st.sampled_from(DTYPES),
+    seed=st.integers(0, 2**16),
+    backend=st.sampled_from(BACKENDS),
+)
+def test_mm_property(m, k, n, scale, dt, seed, backend):
+    a, b = rnd(m, k, dtype=dt, scale=scale, seed=seed), rnd(k, n, dtype=dt, scale=scale, seed=seed + 1)
+    with CpuHalfEmulation(backend=backend):
+        out = a @ b
+    assert_bitwise(out, (a.float() @ b.float()).to(dt))
+
+
+# ------------------------------------------------------------------ convolution
+
+
+CONV_CASES = {  # name: (fn, input shape, weight shape, kwargs, bias)
+    "conv1d_bias": (F.conv1d, (2, 4, 9), (6, 4, 3), dict(stride=1, padding=1), True),
+    "conv1d_stride_groups": (F.conv1d, (1, 4, 10), (4, 2, 3), dict(stride=2, padding=2, groups=2), False),
+    "conv2d_bias": (F.conv2d, (2, 3, 6, 5), (4, 3, 3, 3), dict(stride=1, padding=1), True),
+    "conv2d_nobias": (F.conv2d, (2, 3, 6, 5), (4, 3, 3, 3), dict(padding=0), False),
+    "conv2d_stride_groups_bias": (
+        F.conv2d, (1, 4, 7, 7), (6, 2, 3, 2), dict(stride=(2, 1), padding=(1, 0), groups=2), True,
+    ),
+    "conv2d_dilation": (F.conv2d, (1, 2, 7, 7), (3, 2, 3, 3), dict(dilation=2), False),
+    "conv_transpose2d_bias": (F.conv_transpose2d, (1, 4, 4, 4), (4, 3, 3, 3), dict(stride=2, padding=1), True),
+}
+
+
+# every case with the default backend, a sample with the other one
+CONV_PARAMS = [("kernel", case) for case in CONV_CASES] + [
+    ("mode", case) for case in ("conv1d_stride_groups", "conv2d_stride_groups_bias", "conv_transpose2d_bias")
+]
+
+
+@pytest.mark.parametrize("backend,case", CONV_PARAMS)
+def test_convolution(dtype, backend, case):
+    fn, xs, ws, kw, bias = CONV_CASES[case]
+    out_ch = ws[1] * kw.get("groups", 1) if fn is F.conv_transpose2d else ws[0]
+    inputs = [rnd(*xs, dtype=dtype, seed=40), rnd(*ws, dtype=dtype, seed=41)]
+    if bias:
+        inputs.append(rnd(out_ch, dtype=dtype, seed=42))
+    emu = check_against_fp32(lambda x, w, *b: fn(x, w, *b, **kw), inputs, dtype, backend)
+    assert emu.emulated_calls == {"aten.convolution.default": 1, "aten.convolution_backward.default": 1}
+
+
+# ------------------------------------------------------------------ attention
+
+SDPA = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+SDPA_BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+
+
+@pytest.mark.parametrize("variant", ["plain", "causal", "float_mask"])
+def test_sdpa(dtype, variant, backend):
+    q, k, v = (rnd(2, 2, 5, 8, dtype=dtype, seed=50 + i) for i in range(3))
+    mask = rnd(5, 5, dtype=dtype, seed=53) if variant == "float_mask" else None
+    causal = variant == "causal"
+    g = rnd(2, 2, 5, 8, dtype=dtype, seed=54)
+    (qh, kh, vh), _ = leaves([q, k, v])
+    with CpuHalfEmulation(backend=backend) as emu:
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=causal)
+        out.backward(g)
+    assert emu.emulated_calls == {str(SDPA): 1, str(SDPA_BWD): 1}
+    q32, k32, v32 = q.float(), k.float(), v.float()
+    m32 = mask.float() if mask is not None else None
+    ref = F.scaled_dot_product_attention(q32, k32, v32, attn_mask=m32, is_causal=causal)
+    assert_bitwise(out, ref.to(dtype), "forward")
+    # backward: the FP32 kernel on the upcast saved tensors (the half output included,
+    # as a GPU flash-attention backward reads the stored half output), rounded once
+    _, lse = SDPA(q32, k32, v32, 0.0, causal, attn_mask=m32)
+    grads = SDPA_BWD(g.float(), q32, k32, v32, out.detach().float(), lse, 0.0, causal, attn_mask=m32)
+    for name, h, r in zip("qkv", (qh, kh, vh), grads):
+        assert_bitwise(h.grad, r.to(dtype), f"grad_{name}")
+
+
+def test_sdpa_dropout_math_path_is_left_alone(backend):
+    # with dropout, CPU SDPA takes the math path, which already upcasts half to FP32
+    q = rnd(1, 1, 4, 8, dtype=torch.float16, seed=55)
+    with CpuHalfEmulation(backend=backend) as emu:
+        out = F.scaled_dot_product_attention(q, q, q, dropout_p=0.5)
+    assert out.dtype == torch.float16
+    assert emu.emulated_calls == {}
+
+
+# ------------------------------------------------------------------ overflow and dtypes
+
+
+def test_fp16_overflow_becomes_inf(backend):
+    a = torch.tensor([[300.0]], dtype=torch.float16)
+    with CpuHalfEmulation(backend=backend):
+        assert torch.isinf(a @ a).all()  # 90000 > 65504
+        # the accumulator is FP32: partial sums beyond 65504 are harmless
+        x = torch.tensor([[300.0, 300.0]], dtype=torch.float16)
+        y = torch.tensor([[300.0], [-300.0]], dtype=torch.float16)
+        assert (x @ y).item() == 0.0
+        # gradients overflow the same way
+        w = torch.tensor([[300.0]], dtype=torch.float16, requires_grad=True)
+        (w @ w).backward(torch.tensor([[300.0]], dtype=torch.float16))
+    assert torch.isinf(w.grad).all()
+
+
+def test_bf16_keeps_fp32_range(backend):
+    a = torch.tensor([[300.0]], dtype=torch.bfloat16)
+    with CpuHalfEmulation(backend=backend):
+        out = a @ a
+    assert out.item() == 90112.0  # 90000 rounded to bf16's 8-bit significand
+
+
+def test_fp32_untouched(backend):
+    a, b = torch.randn(4, 5), torch.randn(5, 3)
+    native = a @ b
+    conv_native = F.conv1d(a[None], torch.randn(2, 4, 2, generator=torch.Generator().manual_seed(0)))
+    with CpuHalfEmulation(backend=backend) as emu:
+        inside = a @ b
+        conv_inside = F.conv1d(a[None], torch.randn(2, 4, 2, generator=torch.Generator().manual_seed(0)))
+        d = torch.randn(3, 3, dtype=torch.float64) @ torch.randn(3, 3, dtype=torch.float64)
+    assert torch.equal(native, inside) and torch.equal(conv_native, conv_inside)
+    assert d.dtype == torch.float64
+    assert emu.emulated_calls == {}
+
+
+def test_mixed_dtypes_raise_like_native(backend):
+    a, b = torch.randn(2, 2, dtype=torch.float16), torch.randn(2, 2)
+    with pytest.raises(RuntimeError) as native:
+        a @ b
+    with CpuHalfEmulation(backend=backend):
+        with pytest.raises(RuntimeError) as inside:
+            a @ b
+    assert str(native.value) == str(inside.value)
+
+
+# ------------------------------------------------------------------ routing and lifetime
+
+MATMULS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+
+
+class _Spy(TorchDispatchMode):
+    """Records (op, tensor dtypes) of what reaches it. Matmuls are run through their
+    CPU kernel with the spy still visible, so the ops issued *inside* that kernel
+    (the casts of an emulating kernel) are recorded too."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    @classmethod
+    def _should_skip_dynamo(cls):
+        return False  # plain eager method: no torch._dynamo import on first use
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        dtypes = tuple(a.dtype for a in args if isinstance(a, torch.Tensor))
+        if func in MATMULS:
+            self.seen.append((str(func), dtypes))
+            with self:
+                return func.redispatch(torch._C.DispatchKeySet(torch._C.DispatchKey.CPU), *args, **kwargs)
+        if func is torch.ops.aten._to_copy.default:
+            self.seen.append(("cast", (dtypes[0], kwargs.get("dtype"))))
+        elif func is torch.ops.aten.to.dtype:  # how ``t.float()`` shows up inside a mode
+            self.seen.append(("cast", (dtypes[0], args[1])))
+        return func(*args, **kwargs)
+
+
+def test_routes_through_fp32_kernels(dtype, backend):
+    x, w, b = rnd(3, 4, dtype=dtype, seed=60), rnd(2, 4, dtype=dtype, seed=61), rnd(2, dtype=dtype, seed=62)
+    f32 = torch.float32
+    up, down = ("cast", (dtype, f32)), ("cast", (f32, dtype))
+    with _Spy() as spy, CpuHalfEmulation(backend=backend) as emu:
+        F.linear(x, w, b)
+        x @ w.t()
+    assert emu.emulated_calls == {"aten.addmm.default": 1, "aten.mm.default": 1}
+    if backend == "mode":
+        # the spy sits below the mode: it sees the mode's upcasts, FP32 matmuls, downcasts
+        assert spy.seen == [
+            up, up, up, ("aten.addmm.default", (f32, f32, f32)), down,
+            up, up, ("aten.mm.default", (f32, f32)), down,
+        ]
+    else:
+        # the spy sits above the CPU kernels: it sees the half op enter the CPU kernel,
+        # which upcasts the operands, runs the FP32 kernel and rounds the result
+        assert spy.seen == [
+            ("aten.addmm.default", (dtype, dtype, dtype)), up, up, up, down,
+            ("aten.mm.default", (dtype, dtype)), up, up, down,
+        ]
+    with _Spy() as spy:  # outside: the native half kernel, no casts
+        x @ w.t()
+    assert spy.seen == [("aten.mm.default", (dtype, dtype))]
+
+
+def _mm_kernel():
+    return repr(torch.library.get_kernel("aten::mm", "CPU"))
+
+
+def test_nesting_and_exit(backend):
+    a = torch.randn(3, 3, dtype=torch.float16)
+    assert not CpuHalfEmulation.is_active()
+    modes, kernel = len(_get_current_dispatch_mode_stack()), _mm_kernel()
+    outer, inner = CpuHalfEmulation(backend=backend), CpuHalfEmulation(backend=backend)
+    with outer:
+        assert CpuHalfEmulation.is_active() and outer.active
+        installed = (len(_get_current_dispatch_mode_stack()), _mm_kernel())
+        assert installed != (modes, kernel)
+        with inner:
+            with outer:  # re-entering the same instance
+                a @ a
+            # nesting shares one interception: no extra per-op layer
+            assert (len(_get_current_dispatch_mode_stack()), _mm_kernel()) == installed
+            a @ a
+        assert CpuHalfEmulation.is_active() and not inner.active
+        a @ a
+    assert not CpuHalfEmulation.is_active() and not outer.active
+    # the mode is popped / the original CPU kernel is registered again
+    assert (len(_get_current_dispatch_mode_stack()), _mm_kernel()) == (modes, kernel)
+    assert outer.emulated_calls == {"aten.mm.default": 3}
+    assert inner.emulated_calls == {"aten.mm.default": 2}
+    a @ a  # native again: nothing counted
+    assert outer.emulated_calls == {"aten.mm.default": 3}
+    outer.reset_counts()
+    assert outer.emulated_calls == {}
+
+
+def test_exception_inside_exits_cleanly(backend):
+    modes, kernel = len(_get_current_dispatch_mode_stack()), _mm_kernel()
+    emu = CpuHalfEmulation(backend=backend)
+    with pytest.raises(ValueError):
+        with emu:
+            with CpuHalfEmulation(backend=backend):
+                raise ValueError("boom")
+    assert not CpuHalfEmulation.is_active()
+    assert (len(_get_current_dispatch_mode_stack()), _mm_kernel()) == (modes, kernel)
+    with emu:  # usable again
+        torch.ones(2, 2, dtype=torch.bfloat16) @ torch.ones(2, 2, dtype=torch.bfloat16)
+    assert emu.emulated_calls == {"aten.mm.default": 1}
+
+
+def test_disabled_is_a_no_op():
+    a = torch.randn(2, 2, dtype=torch.float16)
+    kernel = _mm_kernel()
+    with CpuHalfEmulation(enabled=False) as emu:
+        assert not CpuHalfEmulation.is_active() and _mm_kernel() == kernel
+        a @ a
+    assert emu.emulated_calls == {}
+
+
+def test_backends_agree():
+    x = rnd(2, 3, 4, dtype=torch.float16, seed=70)
+    w = rnd(5, 4, dtype=torch.float16, seed=71)
+    results = []
+    for backend in BACKENDS:
+        with CpuHalfEmulation(backend=backend):
+            results.append(F.linear(x, w).float().softmax(-1))
+    assert torch.equal(*results)
+    with pytest.raises(ValueError, match="backend"):
+        CpuHalfEmulation(backend="cuda")
+    assert CpuHalfEmulation().backend in BACKENDS
+
+
+def test_other_threads_unaffected(backend):
+    a = rnd(8, 8, dtype=torch.float16, seed=72)
+    native = a @ a
+    seen = {}
+
+    def worker():
+        seen["active"] = CpuHalfEmulation.is_active()
+        seen["result"] = a @ a
+
+    with CpuHalfEmulation(backend=backend) as emu:
+        t = threading.Thread(target=worker)
+        t.start()
+        t.join()
+        a @ a
+    assert seen["active"] is False
+    assert torch.equal(seen["result"], native)
+    assert emu.emulated_calls == {"aten.mm.default": 1}
+
+
+# ------------------------------------------------------------------ autocast and modules
+
+
+def test_under_autocast(dtype, backend):
+    lin = torch.nn.Linear(4, 3)
+    x = torch.randn(5, 4)
+    g = torch.randn(5, 3)
+    with CpuHalfEmulation(backend=backend) as emu, torch.autocast("cpu", dtype=dtype):
+        out = lin(x)
+        assert out.dtype == dtype
+    out.float().backward(g)
+    # backward ran outside the context: only the forward was emulated
+    assert emu.emulated_calls == {"aten.addmm.default": 1}
+    xh, wh, bh = x.to(dtype), lin.weight.detach().to(dtype), lin.bias.detach().to(dtype)
+    assert_bitwise(out, F.linear(xh.float(), wh.float(), bh.float()).to(dtype), "forward")
+
+    lin.zero_grad()
+    with CpuHalfEmulation(backend=backend) as emu, torch.autocast("cpu", dtype=dtype):
+        out = lin(x)
+        out.float().backward(g)
+    assert emu.emulated_calls == {"aten.addmm.default": 1, "aten.mm.default": 1}
+    gh = g.to(dtype)
+    assert_bitwise(lin.weight.grad, (gh.float().t() @ xh.float()).to(dtype).float(), "grad_w")
+
+
+def test_transformer_fast_path_is_emulated(backend):
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+    enc32 = torch.nn.TransformerEncoder(layer, 1, enable_nested_tensor=False).eval()
+    enc16 = torch.nn.TransformerEncoder(layer, 1, enable_nested_tensor=False).half().eval()
+    x = torch.randn(2, 4, 8)
+    with torch.no_grad():
+        ref = enc32(x)
+        with CpuHalfEmulation(backend=backend) as emu:
+            out = enc16(x.half())
+    calls = emu.emulated_calls
+    # the fused kernel's inner matmuls (QKV, out projection, both FFN linears, two bmm)
+    inner = sum(calls.get(f"aten.{op}", 0) for op in
+                ("addmm.default", "mm.default", "_addmm_activation.default", "bmm.default", "bmm.out"))
+    assert inner >= 4, calls
+    assert torch.allclose(out.float(), ref, atol=5e-2)
+
+
+def test_training_step_small_model(dtype, backend):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Conv1d(3, 4, 3, padding=1), torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(32, 2)
+    ).to(dtype)
+    x, y = torch.randn(4, 3, 8).to(dtype), torch.tensor([0, 1, 1, 0])
+    with CpuHalfEmulation(backend=backend) as emu:
+        loss = F.cross_entropy(model(x).float(), y)
+        loss.backward()
+    assert torch.isfinite(loss)
+    assert all(p.grad is not None and p.grad.dtype == dtype for p in model.parameters())
+    assert emu.emulated_calls == {
+        "aten.convolution.default": 1,
+        "aten.convolution_backward.default": 1,
+        "aten.addmm.default": 1,
+        "aten.mm.default": 2,
+    }
+
+
+# ------------------------------------------------------------------ helpers
+
+
+@pytest.mark.parametrize(
+    "device,dt,expected",
+    [
+        ("cpu", torch.float16, True),
+        ("cpu", torch.bfloat16, True),
+        (torch.device("cpu"), "fp16", True),
+        ("cpu", "bf16-mixed", True),
+        ("cpu", torch.float32, False),
+        ("cpu", "fp32", False),
+        ("cuda", torch.float16, False),
+        ("cuda:0", "bf16", False),
+        ("meta", torch.float16, False),
+        (0, torch.float16, False),
+    ],
+)
+def test_should_emulate(device, dt, expected):
+    assert should_emulate(device, dt) is expected
+
+
+def test_should_emulate_rejects_unknown_precision():
+    with pytest.raises(ValueError, match="fp8"):
+        should_emulate("cpu", "fp8")
+
+
+def test_exported_names():
+    assert HALF_DTYPES == {torch.float16, torch.bfloat16}
+    for name in ("aten.mm.default", "aten.addmm.default", "aten.bmm.default", "aten.baddbmm.default",
+                 "aten.convolution.default", "aten.convolution_backward.default"):
+        assert name in EMULATED_OPS
