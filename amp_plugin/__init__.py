@@ -5,16 +5,31 @@ master weights and CPU half-precision emulation work in a plain PyTorch loop.
 """
 
 from amp_plugin.dynamic_scaler import DynamicLossScaler, LossScaleCollapseError
+from amp_plugin.emulation import CpuHalfEmulation
+from amp_plugin.half_module import cast_module
 from amp_plugin.master_weights import MasterWeightOptimizer
 from amp_plugin.scaler import LossScaler, ScaleUpdate, StaticLossScaler
 
+
+def __getattr__(name: str):
+    # The Lightning layer is imported on first use, so the numerics core stays Lightning-free.
+    if name == "MixedPrecisionPlugin":
+        from amp_plugin.plugin import MixedPrecisionPlugin
+
+        return MixedPrecisionPlugin
+    raise AttributeError(f"module 'amp_plugin' has no attribute {name!r}")
+
+
 __all__ = [
+    "CpuHalfEmulation",
     "DynamicLossScaler",
     "LossScaleCollapseError",
     "LossScaler",
     "MasterWeightOptimizer",
+    "MixedPrecisionPlugin",
     "ScaleUpdate",
     "StaticLossScaler",
+    "cast_module",
 ]
 
 __version__ = "0.1.0"

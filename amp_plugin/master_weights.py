@@ -59,6 +59,7 @@ class MasterWeightOptimizer(Optimizer):
         self._master_params: list[torch.Tensor] = []
         self._half_pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._grads_ready = False
+        self._grad_buffers: dict[int, torch.Tensor] = {}
         for name in (
             "_optimizer_step_pre_hooks",
             "_optimizer_step_post_hooks",
@@ -124,6 +125,15 @@ class MasterWeightOptimizer(Optimizer):
         for grad in self._master_grads():
             groups.setdefault((grad.device, grad.dtype), []).append(grad)
         return unscale_grouped(groups, inv_scale_on)
+
+    @torch.no_grad()
+    def sync_grads(self) -> None:
+        """Copy the model's gradients into the FP32 master grads (no scaling, no inf check).
+
+        ``step()`` does this itself when needed; call it to inspect or clip the master
+        grads before stepping without a loss scaler.
+        """
+        self._master_grads()
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """Update the FP32 masters with the wrapped optimizer, then copy them into the model.
@@ -204,8 +214,13 @@ class MasterWeightOptimizer(Optimizer):
                 master.grad = None
                 continue
             if master is not model_p:
-                if master.grad is None or master.grad.shape != master.shape:
-                    master.grad = torch.empty_like(master)
+                if master.grad is None:
+                    # Reuse one FP32 buffer per master across steps: zero_grad(set_to_none=True)
+                    # drops the .grad reference, not the memory, so no page faults per step.
+                    buffer = self._grad_buffers.get(id(master))
+                    if buffer is None:
+                        buffer = self._grad_buffers[id(master)] = torch.empty_like(master)
+                    master.grad = buffer
                 copy_dst.append(master.grad)
                 copy_src.append(g)
             grads.append(master.grad)

@@ -1,0 +1,42 @@
+"""Run by test_ddp.py: two CPU processes (gloo), an overflow injected on rank 1 only.
+
+Usage: python _ddp_worker.py OUT_DIR PRECISION
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import torch
+from _models import TinyClassifier, quiet_trainer
+
+from amp_plugin import DynamicLossScaler, MixedPrecisionPlugin
+
+
+class RankOneOverflow(TinyClassifier):
+    def on_after_backward(self) -> None:
+        # After DDP's all-reduce: only this rank sees the inf.
+        if self.global_rank == 1 and self.global_step in (2, 5):
+            self.net[0].weight.grad[0, 0] = math.inf
+
+
+def main(out_dir: str, precision: str) -> None:
+    torch.manual_seed(0)
+    model = RankOneOverflow(n=64)
+    plugin = MixedPrecisionPlugin(precision, scaler=DynamicLossScaler(init_scale=2.0**10, growth_interval=3))
+    trainer = quiet_trainer(plugins=[plugin], max_steps=8, strategy="ddp", devices=2)
+    trainer.fit(model)
+    torch.save(
+        {
+            "skipped": plugin.scaler.skipped_steps,
+            "scale": plugin.scaler.get_scale(),
+            "params": [p.detach().clone() for p in model.parameters()],
+            "global_step": trainer.global_step,
+        },
+        f"{out_dir}/rank{trainer.global_rank}.pt",
+    )
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

@@ -1,0 +1,321 @@
+"""MixedPrecisionPlugin in a real Lightning Trainer: modes, skips, LR hold, clipping, accumulation."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+import pytorch_lightning as pl
+import torch
+import torch.nn.functional as F
+from _models import TinyClassifier, quiet_trainer, tiny_data
+
+from amp_plugin import (
+    DynamicLossScaler,
+    LossScaleCollapseError,
+    MasterWeightOptimizer,
+    MixedPrecisionPlugin,
+    StaticLossScaler,
+)
+
+
+def fit(model, plugin, **trainer_kwargs):
+    trainer = quiet_trainer(plugins=[plugin], **trainer_kwargs)
+    trainer.fit(model)
+    return trainer
+
+
+@pytest.mark.parametrize(
+    "kwargs, linear, norm, inputs, wrapped",
+    [
+        (dict(precision="fp16"), torch.float16, torch.float32, torch.float16, True),
+        (dict(precision="bf16"), torch.bfloat16, torch.float32, torch.bfloat16, True),
+        (dict(precision="fp16", master_weights=False, autocast=True), torch.float32, torch.float32, torch.float32, False),
+        (dict(precision="bf16", master_weights=False, autocast=True), torch.float32, torch.float32, torch.float32, False),
+        (dict(precision="fp16", master_weights=False), torch.float16, torch.float16, torch.float16, False),
+        (dict(precision="bf16", master_weights=False), torch.bfloat16, torch.bfloat16, torch.bfloat16, False),
+        (dict(precision="fp32"), torch.float32, torch.float32, torch.float32, False),
+    ],
+)
+def test_param_and_input_dtypes_per_mode(kwargs, linear, norm, inputs, wrapped):
+    model = TinyClassifier()
+    trainer = fit(model, MixedPrecisionPlugin(**kwargs), max_steps=2)
+    assert model.net[0].weight.dtype == linear
+    assert model.net[1].weight.dtype == norm
+    assert set(model.seen_dtypes) == {inputs}
+    opt = trainer.optimizers[0]
+    assert isinstance(opt, MasterWeightOptimizer) == wrapped
+    # The optimizer updates FP32 everywhere except in pure half precision.
+    pure = not kwargs.get("autocast", False) and kwargs.get("master_weights") is False
+    assert {p.dtype for g in opt.param_groups for p in g["params"]} == ({linear} if pure else {torch.float32})
+
+
+def test_default_scaler_per_precision():
+    assert isinstance(MixedPrecisionPlugin("fp16").scaler, DynamicLossScaler)
+    assert MixedPrecisionPlugin("bf16").scaler is None
+    assert MixedPrecisionPlugin("fp32").scaler is None
+    explicit = StaticLossScaler(8.0)
+    assert MixedPrecisionPlugin("bf16", scaler=explicit).scaler is explicit
+    assert MixedPrecisionPlugin("fp16", scaler=None).scaler is None
+
+
+def test_autocast_on_cpu_really_is_fp16():
+    seen = []
+    model = TinyClassifier()
+    model.net[0].register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    fit(model, MixedPrecisionPlugin("fp16", master_weights=False, autocast=True), max_steps=1)
+    assert seen == [torch.float16]
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(precision="fp17"), "precision='fp17' is not allowed: precision must be one of 'fp16', 'bf16', 'fp32'"),
+        (dict(emulate="maybe"), "emulate='maybe'"),
+        (dict(master_weights=True, autocast=True), "cannot be combined"),
+        (dict(precision="fp32", scaler=StaticLossScaler(2.0)), "precision='fp32'"),
+    ],
+)
+def test_bad_arguments(kwargs, message):
+    with pytest.raises(ValueError) as info:
+        MixedPrecisionPlugin(**kwargs)
+    assert message in str(info.value)
+
+
+def test_wrong_types():
+    with pytest.raises(TypeError, match="scaler="):
+        MixedPrecisionPlugin(scaler=torch.amp.GradScaler("cpu"))
+    with pytest.raises(TypeError, match="master_weights="):
+        MixedPrecisionPlugin(master_weights="yes")
+
+
+class Snapshots(pl.Callback):
+    """Records the model's weights before and after every batch."""
+
+    def __init__(self):
+        self.before, self.after = {}, {}
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.before[trainer.global_step] = [p.detach().clone() for p in pl_module.parameters()]
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.after[trainer.global_step - 1] = [p.detach().clone() for p in pl_module.parameters()]
+
+
+@pytest.mark.parametrize("kwargs", [dict(), dict(master_weights=False, autocast=True), dict(master_weights=False)])
+def test_injected_overflows_are_skipped_and_change_nothing(kwargs):
+    # SGD: Adam with eps=1e-8 is itself broken in pure FP16 (eps rounds to 0, v underflows).
+    model = TinyClassifier(overflow_at=(2, 5, 6), optimizer="sgd")
+    plugin = MixedPrecisionPlugin("fp16", scaler=DynamicLossScaler(init_scale=2.0**10), **kwargs)
+    snaps = Snapshots()
+    trainer = fit(model, plugin, max_steps=8, callbacks=[snaps])
+    assert plugin.scaler.skipped_steps == 3
+    assert plugin.scaler.get_scale() == 2.0**7
+    assert trainer.global_step == 8  # global_step counts attempted optimizer steps
+    for step in range(8):
+        same = all(torch.equal(a, b) for a, b in zip(snaps.before[step], snaps.after[step]))
+        assert same == (step in (2, 5, 6)), step
+
+
+def test_overflowing_parameter_is_named():
+    model = TinyClassifier(overflow_at=(3,))
+    plugin = MixedPrecisionPlugin("fp16")
+    names = {}
+
+    class Record(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            names[trainer.global_step - 1] = list(plugin.last_nonfinite_params)
+
+    fit(model, plugin, max_steps=5, callbacks=[Record()])
+    assert names[3] == [("net.0.weight", 1)]
+    assert names[2] == [] and names[4] == []
+
+
+@pytest.mark.parametrize("skip_lr, expected", [(True, 0.5**7), (False, 0.5**10)])
+def test_skipped_steps_hold_the_lr_schedule(skip_lr, expected):
+    model = TinyClassifier(overflow_at=(1, 4, 8), scheduler_gamma=0.5, lr=0.1)
+    plugin = MixedPrecisionPlugin("fp16", skip_lr_on_overflow=skip_lr)
+    trainer = fit(model, plugin, max_steps=10)
+    assert plugin.scaler.skipped_steps == 3
+    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.1 * expected, rel=1e-12)
+
+
+class CaptureGrads(pl.Callback):
+    """Master grads as hooks see them (before clipping) and as the optimizer sees them (after)."""
+
+    def __init__(self):
+        self.seen, self.stepped = [], []
+        self.handle = None
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.seen.append([p.grad.clone() for g in optimizer.param_groups for p in g["params"]])
+        if self.handle is None:
+            inner = optimizer.optimizer if hasattr(optimizer, "optimizer") else optimizer
+            inner = getattr(inner, "optimizer", inner)
+            self.handle = inner.register_step_pre_hook(
+                lambda opt, args, kwargs: self.stepped.append(
+                    [p.grad.clone() for g in opt.param_groups for p in g["params"]]
+                )
+            )
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw_fused"])
+@pytest.mark.parametrize("algorithm, clip", [("norm", 0.05), ("value", 0.01)])
+def test_clipping_sees_unscaled_fp32_grads(optimizer, algorithm, clip):
+    model = TinyClassifier(optimizer=optimizer)
+    capture = CaptureGrads()
+    plugin = MixedPrecisionPlugin("fp16", scaler=DynamicLossScaler(init_scale=2.0**12))
+    fit(model, plugin, max_steps=3, callbacks=[capture], gradient_clip_val=clip, gradient_clip_algorithm=algorithm)
+    assert len(capture.seen) == len(capture.stepped) == 3
+    for before, after in zip(capture.seen, capture.stepped):
+        assert all(g.dtype == torch.float32 for g in before)
+        for e, a in zip(clipped(before, algorithm, clip), after):
+            assert torch.equal(e, a)
+    total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in capture.seen[0]]))
+    assert total > clip  # clipping really acted (unscaled grads are not tiny)
+
+
+def clipped(grads, algorithm, clip):
+    """Lightning's clipping applied by hand to FP32 unscaled grads."""
+    params = []
+    for g in grads:
+        p = torch.nn.Parameter(torch.zeros_like(g))
+        p.grad = g.clone()
+        params.append(p)
+    if algorithm == "norm":
+        torch.nn.utils.clip_grad_norm_(params, clip)
+    else:
+        torch.nn.utils.clip_grad_value_(params, clip)
+    return [p.grad for p in params]
+
+
+def test_accumulation_steps_once_per_optimizer_step_and_matches_fp32():
+    results = {}
+    for precision in ("fp32", "fp16"):
+        pl.seed_everything(0)
+        model = TinyClassifier(lr=1e-2)
+        plugin = MixedPrecisionPlugin(precision)
+        trainer = fit(model, plugin, max_steps=4, accumulate_grad_batches=2)
+        assert trainer.global_step == 4
+        if plugin.scaler is not None:
+            assert plugin.scaler.update_count == 4
+        results[precision] = [p.detach().float() for p in model.parameters()]
+    for a, b in zip(results["fp32"], results["fp16"]):
+        torch.testing.assert_close(a, b, atol=4e-3, rtol=0)
+
+
+class TwoOptimizers(pl.LightningModule):
+    def __init__(self, overflow_at_iteration: int):
+        super().__init__()
+        self.automatic_optimization = False
+        self.a = torch.nn.Linear(8, 2)
+        self.b = torch.nn.Linear(8, 2)
+        self.overflow_at_iteration = overflow_at_iteration
+        self.iteration = 0
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        opt_a, opt_b = self.optimizers()
+        for net, opt in ((self.a, opt_a), (self.b, opt_b)):
+            opt.zero_grad()
+            self.manual_backward(F.cross_entropy(net(x).float(), y))
+            if net is self.b and self.iteration == self.overflow_at_iteration:
+                self.b.weight.grad[0, 0] = math.inf
+            opt.step()
+        self.iteration += 1
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.a.parameters(), lr=0.1), torch.optim.AdamW(self.b.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(tiny_data(48), batch_size=8)
+
+
+def test_manual_optimization_updates_the_scale_once_per_iteration():
+    model = TwoOptimizers(overflow_at_iteration=2)
+    scaler = DynamicLossScaler(init_scale=2.0**8, growth_interval=2)
+    fit(model, MixedPrecisionPlugin("fp16", scaler=scaler), max_epochs=1)
+    assert model.iteration == 6
+    assert scaler.update_count == 6
+    assert scaler.skipped_steps == 1
+    # clean, grow, overflow (back off), clean, grow, clean
+    assert scaler.get_scale() == 2.0**8 * 2 / 2 * 2
+
+
+def test_nan_loss_is_skipped():
+    class NanLoss(TinyClassifier):
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            return loss * math.nan if self.global_step == 1 else loss
+
+    model = NanLoss()
+    plugin = MixedPrecisionPlugin("fp16")
+    fit(model, plugin, max_steps=3)
+    assert plugin.scaler.skipped_steps == 1
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize(
+    "kwargs, emulating",
+    [
+        (dict(precision="fp16"), True),
+        (dict(precision="bf16", master_weights=False, autocast=True), True),
+        (dict(precision="fp16", emulate="off"), False),
+        (dict(precision="fp32", emulate="on"), False),
+    ],
+)
+def test_emulation_auto_choice_is_logged_once(kwargs, emulating, caplog):
+    plugin = MixedPrecisionPlugin(**kwargs)
+    with caplog.at_level(logging.INFO):
+        fit(TinyClassifier(), plugin, max_steps=2)
+    assert plugin.emulating == emulating
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("amp_plugin:")]
+    assert len(lines) == 1
+    assert ("emulation on" in lines[0]) == emulating
+
+
+def test_norm_layers_are_never_rounded_through_half():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4), torch.nn.BatchNorm1d(4))
+    with torch.no_grad():
+        model[1].weight.fill_(1 + 2**-20)  # not representable in FP16 or BF16
+        model[2].running_var.fill_(1 + 2**-20)
+    MixedPrecisionPlugin("bf16").convert_module(model)
+    assert model[0].weight.dtype == torch.bfloat16
+    assert model[1].weight.dtype == model[2].running_var.dtype == torch.float32
+    assert model[1].weight[0].item() == model[2].running_var[0].item() == 1 + 2**-20
+    out = model(torch.randn(3, 4, dtype=torch.bfloat16))
+    assert out.dtype == torch.bfloat16  # the FP32 norms hand half-precision activations on
+
+
+def test_scale_collapse_saves_the_last_good_state_then_raises(tmp_path):
+    class AlwaysOverflow(TinyClassifier):
+        def on_after_backward(self):
+            if self.global_step >= 2:
+                self.net[0].weight.grad[0, 0] = math.inf
+
+    model = AlwaysOverflow()
+    plugin = MixedPrecisionPlugin("fp16", scaler=DynamicLossScaler(init_scale=4.0, min_scale=1.0))
+    snaps = Snapshots()
+    trainer = quiet_trainer(plugins=[plugin], max_steps=20, default_root_dir=tmp_path, callbacks=[snaps])
+    with pytest.raises(LossScaleCollapseError) as info:
+        trainer.fit(model)
+    err = info.value
+    assert (err.scale, err.consecutive_skips) == (1.0, 3)  # 4 -> 2 -> 1 -> collapse
+    assert err.checkpoint_path == str(tmp_path / "checkpoints" / "last-good.ckpt")
+    assert err.checkpoint_path in str(err)
+    saved = torch.load(err.checkpoint_path, weights_only=False)
+    good = snaps.after[1]  # the state after the last real step
+    for name, value in zip([n for n, _ in model.named_parameters()], good):
+        assert torch.equal(saved["state_dict"][name], value)
+
+
+def test_on_min_scale_skip_keeps_training():
+    class AlwaysOverflow(TinyClassifier):
+        def on_after_backward(self):
+            if self.global_step >= 2:
+                self.net[0].weight.grad[0, 0] = math.inf
+
+    plugin = MixedPrecisionPlugin("fp16", scaler=DynamicLossScaler(init_scale=4.0, on_min_scale="skip"))
+    trainer = fit(AlwaysOverflow(), plugin, max_steps=10)
+    assert trainer.global_step == 10 and plugin.scaler.skipped_steps == 8

@@ -1,0 +1,110 @@
+"""Checkpoints carry the scaler and the FP32 masters; resuming continues bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import pytorch_lightning as pl
+from pytorch_lightning.callbacks import ModelCheckpoint
+import torch
+from _models import TinyClassifier, quiet_trainer
+
+from amp_plugin import DynamicLossScaler, MasterWeightOptimizer, MixedPrecisionPlugin
+from amp_plugin.plugin import CHECKPOINT_KEY
+
+
+def make(precision="fp16", **plugin_kwargs):
+    pl.seed_everything(0)
+    # Overflows only where a scaler can skip them (bf16 has none by default).
+    overflow_at = (1, 5, 6) if precision == "fp16" else ()
+    model = TinyClassifier(overflow_at=overflow_at, n=24, scheduler_gamma=0.9, step_keyed=True)
+    scaler = DynamicLossScaler(init_scale=2.0**10, growth_interval=2, hysteresis=2) if precision == "fp16" else None
+    return model, MixedPrecisionPlugin(precision, scaler=scaler, **plugin_kwargs)
+
+
+def final_state(trainer, model, plugin):
+    opt = trainer.optimizers[0]
+    masters = opt.master_params() if isinstance(opt, MasterWeightOptimizer) else list(model.parameters())
+    return {
+        "params": [p.detach().clone() for p in model.parameters()],
+        "masters": [m.detach().clone() for m in masters],
+        "opt": opt.state_dict(),
+        "scaler": plugin.scaler.state_dict() if plugin.scaler is not None else {},
+        "lr": opt.param_groups[0]["lr"],
+    }
+
+
+def assert_same(a, b):
+    for key in ("params", "masters"):
+        for x, y in zip(a[key], b[key]):
+            assert x.dtype == y.dtype and torch.equal(x, y), key
+    assert a["scaler"] == b["scaler"]
+    assert a["lr"] == b["lr"]
+    for sa, sb in zip(a["opt"]["state"].values(), b["opt"]["state"].values()):
+        for k in sa:
+            assert torch.equal(torch.as_tensor(sa[k]), torch.as_tensor(sb[k])), k
+
+
+@pytest.mark.parametrize(
+    "precision, kwargs",
+    [("fp16", {}), ("bf16", {}), ("fp16", dict(master_weights=False, autocast=True))],
+)
+def test_resume_is_bit_exact(tmp_path, precision, kwargs):
+    """A run that saves a checkpoint each epoch; resuming from the first gives the same end state.
+
+    Batches are keyed by global_step: Lightning restarts a plain DataLoader from its first
+    batch on resume, which would change the data, not our state.
+    """
+    model, plugin = make(precision, **kwargs)
+    saver = ModelCheckpoint(dirpath=tmp_path, filename="{epoch}", save_top_k=-1, every_n_epochs=1)
+    trainer = quiet_trainer(plugins=[plugin], max_steps=8, callbacks=[saver], enable_checkpointing=True)
+    trainer.fit(model)
+    uninterrupted = final_state(trainer, model, plugin)
+
+    model, plugin = make(precision, **kwargs)
+    trainer = quiet_trainer(plugins=[plugin], max_steps=8)
+    trainer.fit(model, ckpt_path=tmp_path / "epoch=0.ckpt")  # saved after step 3 of 8
+    assert_same(final_state(trainer, model, plugin), uninterrupted)
+    if precision == "fp16":
+        assert plugin.scaler.skipped_steps == 3
+
+
+def test_checkpoint_layout(tmp_path):
+    model, plugin = make()
+    trainer = quiet_trainer(plugins=[plugin], max_steps=3)
+    trainer.fit(model)
+    trainer.save_checkpoint(tmp_path / "c.ckpt")
+    ckpt = torch.load(tmp_path / "c.ckpt", weights_only=False)
+    saved = ckpt[CHECKPOINT_KEY]
+    assert saved["precision"] == "fp16" and saved["scaler_type"] == "DynamicLossScaler"
+    assert saved["scaler"]["scale"] == plugin.scaler.get_scale()
+    assert saved["scaler"]["skipped_steps"] == 1
+    assert "MixedPrecisionPlugin" not in ckpt  # not keyed by class name
+    masters = ckpt["optimizer_states"][0]["master_params"]
+    # Two Linear layers (weight, bias); the FP32 LayerNorm is its own master.
+    assert [m.dtype for m in masters] == [torch.float32] * 4
+
+
+def test_resuming_with_another_precision_warns_and_keeps_the_new_scaler(tmp_path):
+    model, plugin = make("fp16")
+    trainer = quiet_trainer(plugins=[plugin], max_steps=3)
+    trainer.fit(model)
+    trainer.save_checkpoint(tmp_path / "c.ckpt")
+    model, plugin = make("bf16")
+    trainer = quiet_trainer(plugins=[plugin], max_steps=4)
+    with pytest.warns(UserWarning, match=r"precision: checkpoint 'fp16', now 'bf16'.*not restored"):
+        trainer.fit(model, ckpt_path=tmp_path / "c.ckpt")
+
+
+def test_changed_scaler_settings_warn_and_win(tmp_path):
+    model, plugin = make("fp16")
+    trainer = quiet_trainer(plugins=[plugin], max_steps=3)
+    trainer.fit(model)
+    scale = plugin.scaler.get_scale()
+    trainer.save_checkpoint(tmp_path / "c.ckpt")
+    model = TinyClassifier(n=32)
+    plugin = MixedPrecisionPlugin("fp16", scaler=DynamicLossScaler(init_scale=2.0**10, growth_interval=50, hysteresis=2))
+    trainer = quiet_trainer(plugins=[plugin], max_steps=3)
+    with pytest.warns(UserWarning, match=r"growth_interval: 2 -> 50"):
+        trainer.fit(model, ckpt_path=tmp_path / "c.ckpt")
+    assert plugin.scaler.growth_interval == 50
+    assert plugin.scaler.get_scale() == scale
