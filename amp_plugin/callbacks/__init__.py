@@ -1,0 +1,24 @@
+"""Lightning callbacks that make mixed precision visible.
+
+- :class:`LossScaleMonitor`: the loss scale and skipped steps as metrics, every scale event
+  (with the parameters that overflowed) in ``scale_events.csv``.
+- :class:`GradientHealthMonitor`: per-parameter zero/underflow fractions and FP16 headroom
+  every N steps, in ``grad_health.csv``.
+- :class:`PreflightChecks`: known-bad half-precision setups reported at the start of ``fit``.
+- :class:`FaultInjector`: inf/NaN gradients, NaN losses or NaN batches at chosen steps.
+"""
+
+from amp_plugin.callbacks.fault_injection import FaultInjector
+
+from amp_plugin.callbacks.grad_health import GradientHealthMonitor, ParamGradHealth
+from amp_plugin.callbacks.loss_scale import LossScaleMonitor, ScaleEvent
+from amp_plugin.callbacks.preflight import PreflightChecks
+
+__all__ = [
+    "FaultInjector",
+    "GradientHealthMonitor",
+    "LossScaleMonitor",
+    "ParamGradHealth",
+    "PreflightChecks",
+    "ScaleEvent",
+]

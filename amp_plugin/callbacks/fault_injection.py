@@ -1,0 +1,107 @@
+"""Inject the faults mixed precision must survive: inf/NaN gradients, a NaN loss, a NaN batch.
+
+Usable from the command line (``+fault.inject_inf_at=[3,7]``) to watch the scaler skip,
+count and recover, and from tests to prove it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+from typing_extensions import override
+
+__all__ = ["FaultInjector"]
+
+
+def _steps(name: str, value: Sequence[int] | None) -> frozenset[int]:
+    if value is None:
+        return frozenset()
+    steps = list(value)
+    if any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in steps):
+        raise ValueError(f"{name}={value!r} is not allowed: {name} must be a list of optimizer steps (integers >= 0).")
+    return frozenset(steps)
+
+
+class FaultInjector(pl.Callback):
+    """Write non-finite values into a run at chosen optimizer steps (``trainer.global_step``).
+
+    Args:
+        inject_inf_at: steps whose gradient gets ``+inf`` (one element of ``param``).
+        inject_nan_at: steps whose gradient gets a NaN.
+        nan_loss_at: steps whose loss is multiplied by NaN before backward.
+        nan_input_at: steps whose first floating-point batch tensor gets a NaN.
+        param: name of the parameter to corrupt (default: the first with a gradient).
+        rank: only inject on this global rank (default: every rank).
+    """
+
+    def __init__(
+        self,
+        inject_inf_at: Sequence[int] | None = None,
+        inject_nan_at: Sequence[int] | None = None,
+        nan_loss_at: Sequence[int] | None = None,
+        nan_input_at: Sequence[int] | None = None,
+        param: str | None = None,
+        rank: int | None = None,
+    ) -> None:
+        self.inject_inf_at = _steps("inject_inf_at", inject_inf_at)
+        self.inject_nan_at = _steps("inject_nan_at", inject_nan_at)
+        self.nan_loss_at = _steps("nan_loss_at", nan_loss_at)
+        self.nan_input_at = _steps("nan_input_at", nan_input_at)
+        self.param = param
+        self.rank = rank
+        self.injected: list[tuple[int, str]] = []
+
+    def _active(self, trainer: pl.Trainer, steps: frozenset[int]) -> bool:
+        return trainer.global_step in steps and (self.rank is None or trainer.global_rank == self.rank)
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        if not self._active(trainer, self.nan_input_at):
+            return
+        tensor = _first_floating(batch)
+        if tensor is None:
+            raise ValueError(
+                "nan_input_at needs a floating-point tensor in the batch; this recipe's batches hold "
+                "only integer tensors (token ids?). Use nan_loss_at or inject_nan_at instead."
+            )
+        tensor.view(-1)[0] = math.nan
+        self.injected.append((trainer.global_step, "nan_input"))
+
+    @override
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+        if self._active(trainer, self.nan_loss_at):
+            loss.mul_(math.nan)
+            self.injected.append((trainer.global_step, "nan_loss"))
+
+    @override
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        for steps, value, kind in ((self.inject_inf_at, math.inf, "inf_grad"), (self.inject_nan_at, math.nan, "nan_grad")):
+            if self._active(trainer, steps):
+                name, grad = self._target(pl_module)
+                grad.view(-1)[0] = value
+                self.injected.append((trainer.global_step, f"{kind}:{name}"))
+
+    def _target(self, pl_module: pl.LightningModule) -> tuple[str, torch.Tensor]:
+        for name, p in pl_module.named_parameters():
+            if p.grad is not None and (self.param is None or name == self.param):
+                return name, p.grad
+        names = [n for n, _ in pl_module.named_parameters()]
+        raise ValueError(
+            f"param={self.param!r} is not allowed: it must name a parameter with a gradient, one of {names[:10]}"
+            + (" ..." if len(names) > 10 else "")
+        )
+
+
+def _first_floating(batch: Any) -> torch.Tensor | None:
+    if isinstance(batch, torch.Tensor):
+        return batch if batch.is_floating_point() else None
+    items = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else ()
+    for item in items:
+        found = _first_floating(item)
+        if found is not None:
+            return found
+    return None
