@@ -114,7 +114,7 @@ class LossScaler:
             return outputs * self._device_scale(outputs.device)
         if isinstance(outputs, (list, tuple)):
             return type(outputs)(self.scale(o) for o in outputs)
-        if isinstance(outputs, Iterable):
+        if isinstance(outputs, Iterable) and not isinstance(outputs, (str, bytes)):
             return map(self.scale, outputs)
         raise TypeError(f"scale() takes a tensor or an iterable of tensors, got {type(outputs).__name__}")
 
