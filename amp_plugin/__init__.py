@@ -5,7 +5,7 @@ master weights and CPU half-precision emulation work in a plain PyTorch loop.
 """
 
 from amp_plugin.dynamic_scaler import DynamicLossScaler, LossScaleCollapseError
-from amp_plugin.emulation import CpuHalfEmulation
+from amp_plugin.emulation import CpuHalfEmulation, should_emulate
 from amp_plugin.half_module import cast_module
 from amp_plugin.master_weights import MasterWeightOptimizer
 from amp_plugin.scaler import LossScaler, ScaleUpdate, StaticLossScaler
@@ -30,6 +30,7 @@ __all__ = [
     "ScaleUpdate",
     "StaticLossScaler",
     "cast_module",
+    "should_emulate",
 ]
 
 __version__ = "0.1.0"

@@ -97,26 +97,38 @@ What is not covered
 How it is intercepted (``backend=``)
 ------------------------------------
 ``"kernel"`` (the default where the installed torch offers
-``torch.library.get_kernel``): while at least one thread is inside the context,
-a small Python kernel is registered for the CPU dispatch key of each covered op
-(and removed again when the last context exits). It sits below autograd,
-autocast and any Python dispatch mode, so it sees exactly the ops that reach the
-CPU kernels, including those issued from inside fused C++ kernels. Ops that are
+``torch.library.get_kernel``): while at least one thread is inside the context
+(or :meth:`CpuHalfEmulation.keep_installed` is held), a small Python kernel is
+registered for the CPU dispatch key of each covered op (and removed again when
+the last context exits). It sits below autograd, autocast and any Python dispatch
+mode, so it sees exactly the ops that reach the CPU kernels, including those
+issued from inside fused C++ kernels. Ops that are
 not covered never touch Python, so their cost is unchanged. A covered op checks a
 thread-local flag: reached from a thread without an active context, it calls the
 original kernel (a few microseconds of Python and a brief hold of the GIL while
 the kernels are registered). Registering and removing the kernels costs a
-fraction of a millisecond per outermost enter/exit, so keep one context around a
-whole step (or longer) rather than around single ops.
+fraction of a millisecond per outermost enter/exit: keep one context around a
+whole step rather than around single ops, or hold
+:meth:`CpuHalfEmulation.keep_installed` around code that enters many short
+contexts. (Un)registering while other threads are running ops is best avoided;
+hold ``keep_installed()`` in multi-threaded programs, or use the "mode" backend.
 
 ``"mode"``: a :class:`torch.utils._python_dispatch.TorchDispatchMode`, strictly
 thread-local and cheap to enter. Every aten op executed in the context makes one
 call into Python (a dict lookup for ops that are not covered), about ten
 microseconds per op on a slow core; the fused fast-path kernels above are
 re-dispatched to their CPU kernel with the mode visible so the matmuls inside
-them are seen.
+them are seen, and, under ``torch.inference_mode()`` (where composite ops such as
+``matmul`` and ``conv2d`` reach the mode undecomposed), composite ops are
+decomposed with the mode visible.
 
 Both backends give bit-identical results.
+
+Memory: large operands (32768 elements and up) are upcast into
+FP32 buffers that each thread reuses while its emulation is on and frees when the
+outermost context exits; a fresh multi-megabyte allocation per upcast would cost
+more than the conversion. So, inside a context, the FP32 size of the largest
+operands stays allocated (one buffer per operand position).
 """
 
 from __future__ import annotations
@@ -146,25 +158,77 @@ Handler = Callable[[Callable[..., Any], tuple, dict], Any]
 
 
 # ----------------------------------------------------------------------------
+# upcasting into reused FP32 buffers
+# ----------------------------------------------------------------------------
+
+# Operands at least this large (elements) are upcast into per-thread FP32 scratch
+# buffers that live as long as emulation is on in the thread. A fresh large
+# allocation for every upcast costs more than the conversion itself (the memory
+# comes back from the OS zeroed page by page); below this size the allocator's
+# free lists make a fresh tensor cheap.
+_SCRATCH_MIN_NUMEL = 32768
+
+
+def _upcast(t: torch.Tensor, slot: int, scratch: Optional[dict]) -> torch.Tensor:
+    """``t.float()``, with the same strides, written into ``scratch[slot]`` when
+    ``t`` is large and dense (contiguous, or contiguous but for its last two dims
+    being swapped); the caller must be done with the result before the next call."""
+    n = t.numel()
+    if (
+        scratch is None
+        or n < _SCRATCH_MIN_NUMEL
+        or not (t.is_contiguous() or (t.dim() >= 2 and t.transpose(-1, -2).is_contiguous()))
+    ):
+        return t.float()
+    buf = scratch.get(slot)
+    if buf is None or buf.numel() < n:
+        buf = scratch[slot] = torch.empty(n, dtype=torch.float32)
+    view = buf.as_strided(t.shape, t.stride())
+    view.copy_(t)
+    return view
+
+
+def _take_scratch() -> Optional[dict]:
+    state = _state
+    if state.scratch_busy:  # an emulated op inside an emulated op: plain upcasts
+        return None
+    state.scratch_busy = True
+    return state.scratch
+
+
+def _give_scratch(scratch: Optional[dict]) -> None:
+    if scratch is not None:
+        _state.scratch_busy = False
+
+
+# ----------------------------------------------------------------------------
 # handlers
 # ----------------------------------------------------------------------------
 
 
 def _binary(call, args, kwargs):
-    """mm, bmm, mv, dot, vdot: ``(a, b)``."""
+    """mm, bmm, mv, dot: ``(a, b)``."""
     a, b = args
     dt = a.dtype
     if dt in _HALF and a.is_cpu and b.dtype is dt and not kwargs:
-        return call(a.float(), b.float()).to(dt)
+        scratch = _take_scratch()
+        try:
+            return call(_upcast(a, 0, scratch), _upcast(b, 1, scratch)).to(dt)
+        finally:
+            _give_scratch(scratch)
     return _PASS
 
 
 def _ternary(call, args, kwargs):
-    """addmm, baddbmm, addbmm, addmv, _addmm_activation: ``(self, m1, m2, *, beta, alpha)``."""
+    """addmm, baddbmm, addmv, _addmm_activation: ``(self, m1, m2, *, beta, alpha)``."""
     c, a, b = args
     dt = a.dtype
     if dt in _HALF and a.is_cpu and b.dtype is dt and c.dtype is dt:
-        return call(c.float(), a.float(), b.float(), **kwargs).to(dt)
+        scratch = _take_scratch()
+        try:
+            return call(_upcast(c, 2, scratch), _upcast(a, 0, scratch), _upcast(b, 1, scratch), **kwargs).to(dt)
+        finally:
+            _give_scratch(scratch)
     return _PASS
 
 
@@ -183,21 +247,25 @@ def _generic(operands: Tuple[int, ...], optional_kw: Tuple[str, ...], round_outp
         dt = x.dtype
         if dt not in _HALF or not x.is_cpu:
             return _PASS
-        new_args = list(args)
         for i in operands:
             t = args[i]
-            if t is None:
-                continue
-            if t.dtype is not dt:
+            if t is not None and t.dtype is not dt:
                 return _PASS
-            new_args[i] = t.float()
-        if optional_kw and kwargs:
-            kwargs = dict(kwargs)
-            for k in optional_kw:
-                t = kwargs.get(k)
-                if t is not None and t.dtype is dt:
-                    kwargs[k] = t.float()
-        out = call(*new_args, **kwargs)
+        scratch = _take_scratch()
+        try:
+            new_args = list(args)
+            for i in operands:
+                if args[i] is not None:
+                    new_args[i] = _upcast(args[i], i, scratch)
+            if optional_kw and kwargs:
+                kwargs = dict(kwargs)
+                for j, k in enumerate(optional_kw):
+                    t = kwargs.get(k)
+                    if t is not None and t.dtype is dt:
+                        kwargs[k] = _upcast(t, 100 + j, scratch)
+            out = call(*new_args, **kwargs)
+        finally:
+            _give_scratch(scratch)
         if round_outputs is None:
             return out.to(dt)
         out = list(out)
@@ -337,6 +405,13 @@ class _ThreadState(threading.local):
         self.mode: Optional[_EmulationMode] = None  # mode pushed by the outermost "mode" context
         self.prev_modes: list = []
         self.counts: Dict[str, int] = {}  # op name -> emulated calls in this thread
+        self.scratch: Dict[int, torch.Tensor] = {}  # slot -> FP32 buffer, see _upcast
+        self.scratch_busy = False
+
+    def maybe_release_scratch(self) -> None:
+        """Free the FP32 buffers once emulation is off in this thread."""
+        if self.kernel_depth == 0 and self.mode is None:
+            self.scratch = {}
 
 
 _state = _ThreadState()
@@ -368,11 +443,36 @@ class _EmulationMode(TorchDispatchMode):
             kwargs = {}
         op = _OPS.get(func)
         if op is not None:
-            res = op.handler(func if op.handler is _transparent else op.base, args, kwargs)
+            if op.handler is _transparent:
+                res = _transparent(func, args, kwargs)  # the matmuls inside count themselves
+            else:
+                res = op.handler(op.base, args, kwargs)
+                if res is not _PASS:
+                    _count(op.name)
             if res is not _PASS:
-                _count(op.name)
+                return res
+        elif _is_composite(func):
+            # Without autograd (inference_mode) composite ops such as matmul, linear and
+            # conv2d reach the mode before they are decomposed: decompose them here, with
+            # the mode visible, as the CPU backend would.
+            with self:
+                res = func.decompose(*args, **kwargs)
+            if res is not NotImplemented:
                 return res
         return func(*args, **kwargs)
+
+
+_COMPOSITE: Dict[Any, bool] = {}
+
+
+def _is_composite(func) -> bool:
+    known = _COMPOSITE.get(func)
+    if known is None:
+        has = getattr(func, "has_kernel_for_dispatch_key", None)
+        known = _COMPOSITE[func] = bool(
+            has is not None and has(torch._C.DispatchKey.CompositeImplicitAutograd)
+        )
+    return known
 
 
 def _active_mode() -> Optional[_EmulationMode]:
@@ -462,6 +562,24 @@ class _KernelOverrides:
             lib._destroy()
             raise
         return lib
+
+
+class _KeepInstalled:
+    """See :meth:`CpuHalfEmulation.keep_installed`."""
+
+    def __init__(self) -> None:
+        self._held = False
+
+    def __enter__(self) -> "_KeepInstalled":
+        if _KERNEL_BACKEND_AVAILABLE and not self._held:
+            _KernelOverrides.acquire()
+            self._held = True
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if self._held:
+            self._held = False
+            _KernelOverrides.release()
 
 
 # ----------------------------------------------------------------------------
@@ -557,6 +675,7 @@ class CpuHalfEmulation:
                 )
             pushed.__exit__(exc_type, exc, tb)
             state.mode = state.prev_modes.pop()
+        state.maybe_release_scratch()
         return None
 
     @staticmethod
@@ -576,6 +695,31 @@ class CpuHalfEmulation:
     def is_active() -> bool:
         """True when emulation is on in the current thread (any instance, any backend)."""
         return _state.kernel_depth > 0 or _active_mode() is not None
+
+    @staticmethod
+    def keep_installed() -> "_KeepInstalled":
+        """Keep the "kernel" backend's CPU kernels registered while this is held.
+
+        Emulation itself stays off outside a ``CpuHalfEmulation`` context; what
+        changes is that entering and leaving contexts inside the hold costs a
+        counter update instead of registering and removing the kernels (a fraction
+        of a millisecond each time). For code that enters short contexts many times,
+        e.g. one for every forward and every backward of a training run::
+
+            with CpuHalfEmulation.keep_installed():
+                for batch in loader:
+                    with CpuHalfEmulation():
+                        loss = step(batch)
+                    with CpuHalfEmulation():
+                        loss.backward()
+
+        Also usable without ``with``: ``hold = CpuHalfEmulation.keep_installed();
+        hold.__enter__()`` at setup, ``hold.__exit__(None, None, None)`` at teardown.
+        While held, covered CPU ops run outside a context go through a short Python
+        check before the original kernel (a few microseconds per matmul call). A no-op
+        where the "kernel" backend is unavailable.
+        """
+        return _KeepInstalled()
 
     @property
     def emulated_calls(self) -> Dict[str, int]:

@@ -121,6 +121,7 @@ class MixedPrecisionPlugin(Precision):
         self._device_type = "cpu"
         self._module: pl.LightningModule | None = None
         self._pending_update = False
+        self._emulation_hold: Any = None
 
     # ------------------------------------------------------------------ setup
     @override
@@ -139,12 +140,23 @@ class MixedPrecisionPlugin(Precision):
         self._device_type = param.device.type if param is not None else "cpu"
         if self.emulate == "on" or (self.emulate == "auto" and should_emulate(self._device_type, self.compute_dtype)):
             self.emulating = self.amp_precision != "fp32"
+        if self.emulating and self._emulation_hold is None:
+            # Keep the emulation kernels registered for the whole run: each forward/backward
+            # context then costs a counter update instead of a kernel registration.
+            self._emulation_hold = CpuHalfEmulation.keep_installed()
+            self._emulation_hold.__enter__()
         module = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
         if isinstance(module, pl.LightningModule):
             self._module = module
             self._hold_schedulers_on_skip(module, lr_schedulers)
         rank_zero_info(f"amp_plugin: {self.describe()}")
         return model, optimizers, lr_schedulers
+
+    @override
+    def teardown(self) -> None:
+        if self._emulation_hold is not None:
+            self._emulation_hold.__exit__(None, None, None)
+            self._emulation_hold = None
 
     def describe(self) -> str:
         """One line saying what this plugin does on this run."""

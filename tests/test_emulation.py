@@ -173,9 +173,12 @@ def test_matmul_vector_cases(dtype, backend):
     assert emu.emulated_calls == {"aten.mv.default": 1, "aten.dot.default": 1}
 
 
-@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
-@pytest.mark.parametrize("batch", [(5,), (2, 3)], ids=["2d", "3d"])
-def test_linear(dtype, bias, batch, backend):
+@pytest.mark.parametrize(
+    "backend,batch,bias",
+    [("kernel", batch, bias) for batch in [(5,), (2, 3)] for bias in (True, False)]
+    + [("mode", (5,), False), ("mode", (2, 3), True)],
+)
+def test_linear(dtype, backend, batch, bias):
     x = rnd(*batch, 6, dtype=dtype, seed=25)
     w = rnd(4, 6, dtype=dtype, seed=26)
     b = rnd(4, dtype=dtype, seed=27)
@@ -209,6 +212,43 @@ def test_out_and_inplace_variants(dtype, backend):
     assert_bitwise(out, (a.float() @ b.float()).to(dtype), "mm.out")
     assert_bitwise(c2, torch.addmm(c.float(), a.float(), b.float(), beta=0.5, alpha=0.25).to(dtype), "addmm_")
     assert emu.emulated_calls == {"aten.mm.out": 1, "aten.addmm_.default": 1}
+
+
+def test_large_operands_reuse_fp32_buffers(dtype, backend):
+    # operands above the scratch threshold are upcast into reused FP32 buffers, with
+    # their strides kept (w.t() stays a transposed view): still bitwise the oracle
+    from amp_plugin import emulation
+
+    x, w, b = rnd(200, 192, dtype=dtype, seed=80), rnd(176, 192, dtype=dtype, seed=81), rnd(176, dtype=dtype, seed=82)
+    assert x.numel() >= emulation._SCRATCH_MIN_NUMEL and w.numel() >= emulation._SCRATCH_MIN_NUMEL
+    half, full = leaves([x, w, b])
+    g = rnd(200, 176, dtype=dtype, seed=83)
+    with CpuHalfEmulation(backend=backend) as emu:
+        out = F.linear(*half)
+        out.backward(g)
+        out2 = half[0].detach() @ half[1].detach().t()  # buffers reused by a second call
+        assert emulation._state.scratch  # buffers held while the context is on
+    assert not emulation._state.scratch  # and dropped when it ends
+    ref = F.linear(*full)
+    ref.backward(g.float())
+    assert_bitwise(out, ref.to(dtype), "forward")
+    assert_bitwise(out2, (x.float() @ w.float().t()).to(dtype), "second call")
+    assert_bitwise(half[0].grad, full[0].grad.to(dtype), "grad_x")
+    assert_bitwise(half[1].grad, full[1].grad.to(dtype), "grad_w")
+    assert emu.emulated_calls == {"aten.addmm.default": 1, "aten.mm.default": 3}
+
+
+def test_inference_mode(dtype, backend):
+    # without autograd, composite ops (matmul, linear, conv2d) reach the interception
+    # undecomposed; they are still emulated
+    x, w = rnd(3, 5, dtype=dtype, seed=84), rnd(4, 5, dtype=dtype, seed=85)
+    img, k = rnd(1, 2, 6, 6, dtype=dtype, seed=86), rnd(3, 2, 3, 3, dtype=dtype, seed=87)
+    with CpuHalfEmulation(backend=backend) as emu, torch.inference_mode():
+        lin, mat, conv = F.linear(x, w), x @ w.t(), F.conv2d(img, k)
+    assert_bitwise(lin, F.linear(x.float(), w.float()).to(dtype), "linear")
+    assert_bitwise(mat, (x.float() @ w.float().t()).to(dtype), "matmul")
+    assert_bitwise(conv, F.conv2d(img.float(), k.float()).to(dtype), "conv2d")
+    assert emu.emulated_calls == {"aten.mm.default": 2, "aten.convolution.default": 1}
 
 
 @settings(max_examples=25, deadline=None)
@@ -267,8 +307,11 @@ SDPA = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 SDPA_BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
 
 
-@pytest.mark.parametrize("variant", ["plain", "causal", "float_mask"])
-def test_sdpa(dtype, variant, backend):
+@pytest.mark.parametrize(
+    "backend,variant",
+    [("kernel", "plain"), ("kernel", "causal"), ("kernel", "float_mask"), ("mode", "float_mask")],
+)
+def test_sdpa(dtype, backend, variant):
     q, k, v = (rnd(2, 2, 5, 8, dtype=dtype, seed=50 + i) for i in range(3))
     mask = rnd(5, 5, dtype=dtype, seed=53) if variant == "float_mask" else None
     causal = variant == "causal"
@@ -457,6 +500,25 @@ def test_disabled_is_a_no_op():
         assert not CpuHalfEmulation.is_active() and _mm_kernel() == kernel
         a @ a
     assert emu.emulated_calls == {}
+
+
+def test_keep_installed_makes_contexts_cheap_but_not_active():
+    a = rnd(6, 6, dtype=torch.float16, seed=73)
+    native, kernel = a @ a, _mm_kernel()
+    with CpuHalfEmulation.keep_installed() as hold:
+        installed = _mm_kernel()
+        assert installed != kernel and not CpuHalfEmulation.is_active()
+        assert torch.equal(a @ a, native)  # registered, but off outside a context
+        with CpuHalfEmulation(backend="kernel") as emu:
+            emulated = a @ a
+        assert _mm_kernel() == installed  # leaving the context kept the kernels
+        with CpuHalfEmulation(backend="kernel") as emu2:
+            a @ a
+    assert _mm_kernel() == kernel
+    assert_bitwise(emulated, (a.float() @ a.float()).to(torch.float16))
+    assert emu.emulated_calls == emu2.emulated_calls == {"aten.mm.default": 1}
+    hold.__exit__(None, None, None)  # a second exit is harmless
+    assert _mm_kernel() == kernel
 
 
 def test_backends_agree():
