@@ -217,7 +217,7 @@ def test_out_and_inplace_variants(dtype, backend):
 def test_large_operands_reuse_fp32_buffers(dtype, backend):
     # operands above the scratch threshold are upcast into reused FP32 buffers, with
     # their strides kept (w.t() stays a transposed view): still bitwise the oracle
-    from amp_plugin import emulation
+    from amp_plugin.emulation import _ops as emulation
 
     x, w, b = rnd(200, 192, dtype=dtype, seed=80), rnd(176, 192, dtype=dtype, seed=81), rnd(176, dtype=dtype, seed=82)
     assert x.numel() >= emulation._SCRATCH_MIN_NUMEL and w.numel() >= emulation._SCRATCH_MIN_NUMEL

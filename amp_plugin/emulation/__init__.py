@@ -1,0 +1,137 @@
+"""Tensor-Core-style FP16/BF16 matmul numerics on CPU, at FP32 speed.
+
+Why this exists
+---------------
+On a GPU, half-precision training is fast because Tensor Cores take FP16/BF16
+inputs, multiply them exactly, accumulate the products in FP32 and round the
+result to the output dtype once. A CPU without native half-precision units runs
+PyTorch's FP16/BF16 GEMMs and convolutions one to two orders of magnitude slower
+than FP32 (a 512x512 FP16 ``mm`` takes some 35-80x the FP32 time on x86 cores),
+which makes CPU experiments with "real" half precision painfully slow.
+
+:class:`CpuHalfEmulation` is a context manager that, for CPU tensors in FP16 or
+BF16, runs the matmul family of aten ops as::
+
+    out = op(*[t.float() for t in half_operands]).to(half_dtype)
+
+i.e. the operands are upcast to FP32, the ordinary FP32 kernel does the work, and
+the result is rounded to the input dtype exactly once. For ``mm`` this is
+bit-for-bit ``(a.float() @ b.float()).to(a.dtype)``; for ``addmm`` it is
+``torch.addmm(bias.float(), a.float(), b.float(), beta=beta, alpha=alpha).to(dtype)``.
+
+The numerics
+------------
+* **Half inputs are exact in FP32.** Every FP16 value (11-bit significand,
+  exponents down to the subnormal 2**-24) and every BF16 value (8-bit significand,
+  FP32's exponent range) is exactly representable in FP32, so the upcast loses
+  nothing.
+* **Products are exact.** An FP16 x FP16 product has at most 22 significant bits
+  and a BF16 x BF16 product at most 16, both within FP32's 24, so the FP32 GEMM
+  forms every product exactly (for BF16: unless the product leaves FP32's
+  exponent range, as it would on the GPU too).
+* **Accumulation is FP32.** The products are summed in FP32, as in a Tensor
+  Core's FP32 accumulator. Partial sums may exceed 65504 without harm.
+* **One rounding.** Only the final result is rounded (round-to-nearest-even) to
+  FP16/BF16, which is what the GPU's output conversion does. A result outside
+  FP16's range becomes ``inf`` (a product above 65504 gives ``inf`` in FP16),
+  exactly where a GPU run would overflow.
+
+What is reproduced is the error model (exact products, FP32 sums, one output
+rounding), not the bits of one particular GPU: the order in which an FP32 GEMM
+sums its products differs between any two GEMM implementations, Tensor Cores
+included.
+
+What is covered
+---------------
+Inside the context, when the operands are CPU tensors of one half dtype:
+
+* ``mm``, ``addmm``, ``bmm``, ``baddbmm``, ``mv``, ``addmv``, ``dot``,
+  ``_addmm_activation``; the ``out=`` forms of ``mm``, ``bmm``, ``addmm``,
+  ``baddbmm`` and the in-place ``addmm_``, ``baddbmm_``, ``addmv_``.
+  ``torch.matmul``, ``F.linear``, ``einsum``, ``tensordot``, ``nn.MultiheadAttention``
+  (``need_weights=True`` path) and the RNN cells reach the dispatcher as these ops,
+  so they are covered too.
+* ``convolution`` and ``convolution_backward`` (all of ``F.conv1d/2d/3d`` and
+  ``conv_transpose*``, any stride, padding, dilation, groups; bias gradients are
+  computed inside ``convolution_backward`` in FP32 and rounded once).
+* Scaled-dot-product attention: on CPU, ``F.scaled_dot_product_attention`` without
+  dropout runs ``_scaled_dot_product_flash_attention_for_cpu`` and, in backward,
+  ``..._backward``. Both are emulated: query/key/value (and a floating
+  ``attn_mask``) are upcast, the FP32 flash kernel runs, and ``output`` (and the
+  three input gradients) are rounded once; ``logsumexp`` stays FP32, as the native
+  kernel returns it. The backward kernel receives the stored half ``output``
+  upcast, as a GPU flash-attention backward reads the stored half output. With
+  ``dropout_p > 0`` PyTorch uses the math path, which on CPU already upcasts half
+  inputs to FP32 itself, so nothing is intercepted there.
+* Autograd: the backward of every covered op is built from covered ops (the
+  backward of ``mm`` is two ``mm`` calls on half tensors, that of ``convolution``
+  is ``convolution_backward``), so gradients get the same treatment. The backward
+  must run inside the context too (ops are intercepted when they execute).
+  The bias gradient of ``F.linear``/``addmm`` is a plain ``sum`` and runs natively.
+* ``torch.autocast("cpu", dtype=torch.float16 / torch.bfloat16)``: autocast casts
+  sit above the interception point, so the ops arrive here in half and are
+  emulated.
+* Fused CPU fast paths (``_transformer_encoder_layer_fwd``, used by
+  ``nn.TransformerEncoderLayer`` in eval mode without grad,
+  ``_native_multi_head_attention``, ``_trilinear``): the ``addmm``/``bmm`` calls
+  inside them are emulated, everything else in them runs natively.
+
+What is not covered
+-------------------
+* Everything else runs untouched in its native half kernel: elementwise ops,
+  reductions (``sum``, ``mean``), ``softmax``, ``layer_norm``, losses, optimizer
+  updates. (Many of these already accumulate in FP32 internally on CPU.)
+* FP32/FP64/integer tensors and non-CPU tensors are never touched; neither are
+  ops with mixed operand dtypes (the native kernel raises as usual).
+* ``mm.dtype``/``bmm.dtype``/``addmm.dtype``/``baddbmm.dtype`` (explicit output
+  dtype), ``addbmm``, ``vdot``, ``addr`` (an outer product has nothing to
+  accumulate), the ``out=`` forms not listed above, sparse, quantized and nested
+  tensors.
+* Emulation is per thread: ops run by other Python threads keep their native
+  numerics.
+* The FP32 kernels are used as configured: under
+  ``torch.set_float32_matmul_precision("high"/"medium")`` oneDNN may compute FP32
+  matmuls with reduced-precision internals on CPUs that support it, and the
+  emulation inherits that. Keep the default ``"highest"`` for Tensor-Core numerics.
+
+How it is intercepted (``backend=``)
+------------------------------------
+``"kernel"`` (the default where the installed torch offers
+``torch.library.get_kernel``): while at least one thread is inside the context
+(or :meth:`CpuHalfEmulation.keep_installed` is held), a small Python kernel is
+registered for the CPU dispatch key of each covered op (and removed again when
+the last context exits). It sits below autograd, autocast and any Python dispatch
+mode, so it sees exactly the ops that reach the CPU kernels, including those
+issued from inside fused C++ kernels. Ops that are
+not covered never touch Python, so their cost is unchanged. A covered op checks a
+thread-local flag: reached from a thread without an active context, it calls the
+original kernel (a few microseconds of Python and a brief hold of the GIL while
+the kernels are registered). Registering and removing the kernels costs a
+fraction of a millisecond per outermost enter/exit: keep one context around a
+whole step rather than around single ops, or hold
+:meth:`CpuHalfEmulation.keep_installed` around code that enters many short
+contexts. (Un)registering while other threads are running ops is best avoided;
+hold ``keep_installed()`` in multi-threaded programs, or use the "mode" backend.
+
+``"mode"``: a :class:`torch.utils._python_dispatch.TorchDispatchMode`, strictly
+thread-local and cheap to enter. Every aten op executed in the context makes one
+call into Python (a dict lookup for ops that are not covered), about ten
+microseconds per op on a slow core; the fused fast-path kernels above are
+re-dispatched to their CPU kernel with the mode visible so the matmuls inside
+them are seen, and, under ``torch.inference_mode()`` (where composite ops such as
+``matmul`` and ``conv2d`` reach the mode undecomposed), composite ops are
+decomposed with the mode visible.
+
+Both backends give bit-identical results.
+
+Memory: large operands (32768 elements and up) are upcast into
+FP32 buffers that each thread reuses while its emulation is on and frees when the
+outermost context exits; a fresh multi-megabyte allocation per upcast would cost
+more than the conversion. So, inside a context, the FP32 size of the largest
+operands stays allocated (one buffer per operand position).
+"""
+
+from amp_plugin.emulation._context import CpuHalfEmulation, should_emulate
+from amp_plugin.emulation._ops import EMULATED_OPS, HALF_DTYPES
+
+__all__ = ["CpuHalfEmulation", "should_emulate", "EMULATED_OPS", "HALF_DTYPES"]
