@@ -1,0 +1,20 @@
+"""The Hydra app: config schemas, ``train(cfg)``, per-run plots and run comparison.
+
+``train`` is imported lazily (it pulls in Lightning); the schemas are not, so validating a
+config costs no Lightning import.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from amp_plugin.app.schema import ConfigError, register_configs, validate
+
+__all__ = ["ConfigError", "register_configs", "train", "validate"]
+
+
+def train(cfg: Any) -> dict[str, Any]:
+    """See :func:`amp_plugin.app.run.train`."""
+    from amp_plugin.app.run import train as _train
+
+    return _train(cfg)

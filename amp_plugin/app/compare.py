@@ -1,0 +1,163 @@
+"""Compare runs: ``python -m amp_plugin.compare multirun/2025-01-01/12-00-00``.
+
+Finds every run directory below the given paths (a directory holding ``summary.json``, or a
+``FAILED`` note), prints one table row per run (the overrides that distinguish it,
+precision, scaler, final loss and metric, skipped steps, loss-scale end value, wall time)
+and writes ``compare.csv`` and ``compare.png`` (all runs' loss, loss scale and skipped
+steps on shared axes) into the first directory given, or ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from amp_plugin.app import plots
+
+__all__ = ["collect_runs", "format_table", "main"]
+
+_METRICS = ("train/loss", "val/loss", "val/acc")
+
+
+def _run_dirs(root: Path) -> list[Path]:
+    if (root / "summary.json").is_file() or (root / "FAILED").is_file():
+        return [root]
+    found = {p.parent for name in ("summary.json", "FAILED") for p in root.rglob(name)}
+    return sorted(found, key=_sort_key)
+
+
+def _sort_key(path: Path) -> tuple:
+    # Hydra names multirun jobs 0, 1, ..., 10: sort numerically where the name is a number.
+    return tuple((0, int(part), "") if part.isdigit() else (1, 0, part) for part in path.parts)
+
+
+def _overrides(run_dir: Path) -> list[str] | None:
+    """The command-line overrides Hydra saved for the run, without ``hydra.*`` ones."""
+    path = run_dir / ".hydra" / "overrides.yaml"
+    if not path.is_file():
+        return None
+    from omegaconf import OmegaConf
+
+    return [str(o) for o in OmegaConf.load(path) if not str(o).startswith("hydra.")]
+
+
+def _labels(run_dirs: Sequence[Path]) -> list[str]:
+    """Short run labels: the overrides that tell the runs apart (a sweep's parameters)."""
+    overrides = [_overrides(d) for d in run_dirs]
+    known = [o for o in overrides if o is not None]
+    common = set.intersection(*(set(o) for o in known)) if len(known) > 1 else set()
+    labels = []
+    for run_dir, items in zip(run_dirs, overrides):
+        distinct = [o for o in items or [] if o not in common]
+        labels.append(" ".join(distinct) if distinct else run_dir.name)
+    return labels
+
+
+def collect_runs(paths: Sequence[str | Path]) -> list[dict[str, Any]]:
+    """One dict per run found below ``paths``: the run's ``summary.json`` plus ``label``,
+    ``dir`` and ``history`` (per-step rows), or ``status="failed"`` and ``error``."""
+    run_dirs: list[Path] = []
+    for root in map(Path, paths):
+        if not root.exists():
+            raise FileNotFoundError(f"{root}: no such directory")
+        run_dirs += _run_dirs(root)
+    runs = []
+    for run_dir, label in zip(run_dirs, _labels(run_dirs)):
+        summary_file = run_dir / "summary.json"
+        if summary_file.is_file():
+            run = json.loads(summary_file.read_text())
+            history_file = run_dir / "training_curves.csv"
+            run["history"] = plots.read_history(history_file) if history_file.is_file() else []
+        else:
+            error = (run_dir / "FAILED").read_text().strip()
+            run = {"status": "failed", "error": error, "history": []}
+        run["dir"] = str(run_dir)
+        run["label"] = label
+        runs.append(run)
+    return runs
+
+
+def _num(value: Any, digits: int = 4) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    if isinstance(value, float) and value.is_integer() and abs(value) >= 1e3:
+        return str(int(value))
+    if isinstance(value, float) and (abs(value) >= 1e5 or 0 < abs(value) < 1e-3):
+        return f"{value:.3g}"
+    return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
+
+
+def _rows(runs: Sequence[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
+    metrics = [m for m in _METRICS if any(m in r.get("final_metrics", {}) for r in runs)]
+    header = ["run", "precision", "scaler", "recipe", "steps", *metrics, "skipped", "scale end", "time s"]
+    table = []
+    for run in runs:
+        if run.get("status") != "ok":
+            table.append([run["label"], "FAILED"] + ["-"] * (len(header) - 2))
+            continue
+        final = run.get("final_metrics", {})
+        table.append([
+            run["label"], run["precision"], run["scaler"], run["recipe"], str(run["steps"]),
+            *(_num(final.get(m)) for m in metrics),
+            str(run["skipped_steps"]),
+            _num(run["loss_scale"]["end"]) if run["loss_scale"]["end"] is not None else "-",
+            f"{run['wall_time_s']:.1f}",
+        ])
+    return header, table
+
+
+def format_table(runs: Sequence[dict[str, Any]]) -> str:
+    """A fixed-width table, one row per run."""
+    header, table = _rows(runs)
+    widths = [max(len(row[i]) for row in [header, *table]) for i in range(len(header))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in [header, *table]]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    for run in runs:
+        if run.get("status") != "ok":
+            lines.append(f"FAILED {run['label']}: {' '.join(run.get('error', '').split())[:300]}")
+    return "\n".join(lines)
+
+
+def write_csv(runs: Sequence[dict[str, Any]], path: str | Path) -> Path:
+    header, table = _rows(runs)
+    path = Path(path)
+    with path.open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(header + ["dir"])
+        for row, run in zip(table, runs):
+            writer.writerow(row + [run["dir"]])
+    return path
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m amp_plugin.compare",
+        description="Compare amp_plugin training runs (for example the jobs of one Hydra multirun).",
+    )
+    parser.add_argument("dirs", nargs="+", help="run or multirun directories (searched recursively)")
+    parser.add_argument("--out", help="directory for compare.csv and compare.png (default: the first dir)")
+    parser.add_argument("--no-plot", action="store_true", help="only print the table and write compare.csv")
+    args = parser.parse_args(argv)
+    try:
+        runs = collect_runs(args.dirs)
+    except FileNotFoundError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if not runs:
+        print(f"error: no runs (directories with summary.json) found under {' '.join(args.dirs)}", file=sys.stderr)
+        return 1
+    print(format_table(runs))
+    out = Path(args.out or args.dirs[0])
+    out.mkdir(parents=True, exist_ok=True)
+    written = [write_csv(runs, out / "compare.csv")]
+    ok = [(run["label"], run["history"]) for run in runs if run.get("status") == "ok" and run["history"]]
+    if ok and not args.no_plot:
+        written.append(plots.plot_compare(ok, out / "compare.png", title=f"{len(ok)} runs"))
+    print("\nwrote " + ", ".join(str(p) for p in written))
+    return 0 if all(run.get("status") == "ok" for run in runs) else 1

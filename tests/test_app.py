@@ -1,0 +1,199 @@
+"""The app end to end: ``train(cfg)`` per preset and recipe, resume, multirun + compare, the default run.
+
+In-process runs use a few steps (``trainer.max_steps=3``, one validation batch). The CLI runs
+(multirun + compare, and the true no-argument default, about a minute) are marked slow.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from amp_plugin.app.compare import collect_runs, format_table
+from amp_plugin.app.compare import main as compare_main
+from amp_plugin.app.plots import plot_run, read_history, write_history
+from amp_plugin.app.run import format_summary, train
+from amp_plugin.app.schema import PRESETS, register_configs
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG_DIR = ROOT / "configs"
+QUICK = ["trainer.max_steps=3", "trainer.limit_val_batches=1", "trainer.enable_progress_bar=false"]
+
+
+def compose_config(*overrides: str, output_dir: Path):
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        return compose("train", overrides=[*overrides, f"output_dir={output_dir}"])
+
+
+def csv_header(path: str | Path) -> list[str]:
+    with open(path, newline="") as f:
+        return next(csv.reader(f))
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_every_preset_trains_and_writes_its_outputs(tmp_path, preset, capsys):
+    result = train(compose_config(f"precision={preset}", *QUICK, output_dir=tmp_path))
+    precision, master_weights, autocast = PRESETS[preset]
+    plugin = result["plugin"]
+    assert (plugin.amp_precision, plugin.master_weights, plugin.autocast) == (precision, master_weights, autocast)
+    assert result["status"] == "ok" and result["precision"] == preset and result["recipe"] == "digits"
+    assert result["steps"] == result["global_step"] == 3
+    assert {"train/loss", "val/loss", "val/acc"} <= set(result["final_metrics"])
+    scaled = preset.startswith("fp16")
+    assert result["scaler"] == ("dynamic" if scaled else "none")
+    assert (result["loss_scale"]["start"] == 2.0**16) if scaled else (result["loss_scale"]["start"] is None)
+
+    paths = {k: Path(v) for k, v in result["paths"].items() if v is not None}
+    for key in ("metrics", "last_checkpoint", "history", "plot", "summary"):
+        assert paths[key].is_file(), key
+    assert paths["metrics"] == tmp_path / "logs" / "metrics.csv"
+    if scaled:  # LossScaleMonitor has nothing to record without a scaler
+        assert csv_header(paths["scale_events"]) == ["step", "old_scale", "new_scale", "reason", "nonfinite_params"]
+    assert paths["plot"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    history = read_history(paths["history"])
+    assert [row["step"] for row in history] == [1, 2, 3]
+    assert not (tmp_path / "FAILED").exists()
+
+    summary = json.loads(paths["summary"].read_text())
+    assert summary["final_metrics"].keys() == result["final_metrics"].keys()
+    assert summary["loss_scale"] == result["loss_scale"] and summary["skipped_steps"] == result["skipped_steps"]
+    printed = capsys.readouterr().out
+    assert "amp_plugin run summary" in printed and str(tmp_path) in printed
+
+
+@pytest.mark.parametrize("recipe", sorted(p.stem for p in (CONFIG_DIR / "recipe").glob("*.yaml")))
+def test_every_recipe_trains_a_few_steps(tmp_path, recipe):
+    overrides = [f"recipe={recipe}", "trainer.max_steps=2", "trainer.limit_val_batches=1",
+                 "trainer.enable_progress_bar=false", "callbacks=none", "plot=false"]
+    if recipe == "char_gpt":
+        overrides.append("recipe.max_chars=20000")  # a small corpus keeps the test quick
+    result = train(compose_config(*overrides, output_dir=tmp_path))
+    assert result["recipe"] == recipe and result["steps"] == 2
+    assert "train/loss" in result["final_metrics"] and "val/loss" in result["final_metrics"]
+    assert result["paths"]["plot"] is None and not (tmp_path / "training_curves.png").exists()
+
+
+def test_tensorboard_logger_and_diagnostic_callbacks(tmp_path):
+    result = train(compose_config("logger=tensorboard", "callbacks=diagnostics",
+                                  "callbacks.grad_health_monitor.every_n_steps=1", *QUICK, output_dir=tmp_path))
+    logs = tmp_path / "logs"
+    assert any(p.name.startswith("events.out.tfevents") for p in logs.iterdir())
+    assert (logs / "scale_events.csv").is_file()
+    assert csv_header(logs / "grad_health.csv")[:3] == ["step", "param", "numel"]
+    assert result["paths"]["metrics"] is None  # TensorBoard keeps its own files
+    assert "logs" in format_summary(result)
+
+
+def test_no_callbacks_still_summarizes_and_plots(tmp_path):
+    result = train(compose_config("callbacks=none", *QUICK, output_dir=tmp_path))
+    assert result["paths"]["last_checkpoint"] is None and not (tmp_path / "checkpoints").exists()
+    assert result["loss_scale"]["end"] == 2.0**16 and result["skipped_steps"] == 0
+    assert (tmp_path / "training_curves.png").is_file()
+
+
+def test_resume_from_checkpoint_continues_step_count_and_loss_scale(tmp_path):
+    # growth_interval=2 makes the scale move, so a resume that forgot it would show.
+    first = train(compose_config("scaler.growth_interval=2", "trainer.max_steps=6", "trainer.limit_val_batches=1",
+                                 "trainer.enable_progress_bar=false", output_dir=tmp_path / "a"))
+    assert first["loss_scale"]["end"] > first["loss_scale"]["start"]
+    ckpt = first["paths"]["last_checkpoint"]
+    assert ckpt is not None
+    second = train(compose_config("scaler.growth_interval=2", "trainer.max_steps=10", "trainer.limit_val_batches=1",
+                                  "trainer.enable_progress_bar=false", f"ckpt_path={ckpt}", output_dir=tmp_path / "b"))
+    assert second["resumed_from"] == ckpt
+    assert (second["global_step"], second["steps"]) == (10, 4)
+    assert second["loss_scale"]["start"] == first["loss_scale"]["end"]
+    assert [row["step"] for row in read_history(second["paths"]["history"])] == [7, 8, 9, 10]
+    assert "resumed at step 6" in format_summary(second)
+
+
+def test_resume_past_max_steps_is_rejected_before_training(tmp_path):
+    from amp_plugin.app.schema import ConfigError
+
+    first = train(compose_config(*QUICK, output_dir=tmp_path / "a"))
+    out = tmp_path / "b"
+    out.mkdir()
+    with pytest.raises(ConfigError, match=r"trainer.max_steps=3 leaves nothing to train.*already at step 3"):
+        train(compose_config(*QUICK, f"ckpt_path={first['paths']['last_checkpoint']}", output_dir=out))
+    assert sorted(p.name for p in out.iterdir()) == ["FAILED"]
+
+
+def test_compare_reads_runs_and_reports_failures(tmp_path, capsys):
+    for name, acc in (("0", 0.9), ("1", 0.95)):
+        run = tmp_path / name
+        run.mkdir()
+        rows = [{"step": 1.0, "train_loss": 2.0, "loss_scale": 65536.0, "skipped_steps": 0.0, "lr": 0.1},
+                {"step": 2.0, "train_loss": 1.0, "loss_scale": 32768.0, "skipped_steps": 1.0, "lr": 0.1,
+                 "val/loss": 1.1, "val/acc": acc}]
+        write_history(rows, run / "training_curves.csv")
+        plot_run(rows, run / "training_curves.png", title=name)
+        (run / "summary.json").write_text(json.dumps({
+            "status": "ok", "precision": "fp16", "scaler": "dynamic", "recipe": "digits", "steps": 2,
+            "final_metrics": {"train/loss": 1.0, "val/loss": 1.1, "val/acc": acc}, "skipped_steps": 1,
+            "loss_scale": {"start": 65536.0, "end": 32768.0}, "wall_time_s": 1.5}))
+    (tmp_path / "2").mkdir()
+    (tmp_path / "2" / "FAILED").write_text("ConfigError: scaler.hysteresis=0 is not allowed\n")
+    runs = collect_runs([tmp_path])
+    assert [Path(r["dir"]).name for r in runs] == ["0", "1", "2"]
+    table = format_table(runs)
+    assert "val/acc" in table and "0.9500" in table and "32768" in table and "FAILED" in table
+    assert compare_main([str(tmp_path)]) == 1  # a failed run makes the exit status non-zero
+    assert (tmp_path / "compare.png").is_file() and (tmp_path / "compare.csv").is_file()
+    assert "scaler.hysteresis=0" in capsys.readouterr().out
+
+
+def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    environ = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+    return subprocess.run([sys.executable, *args], cwd=cwd, env=environ, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.slow
+def test_multirun_of_two_presets_then_compare(tmp_path):
+    # fp32 x static is a contradiction: that job fails, the sweep goes on, the exit status is 1.
+    sweep = tmp_path / "multi"
+    proc = run_cli(str(ROOT / "train.py"), "-m", "precision=fp32,fp16", "scaler=none,static", *QUICK,
+                   f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert proc.stdout.count("amp_plugin run summary") == 3
+    assert "1 job(s) of this sweep failed" in proc.stderr and "Traceback" not in proc.stderr
+    (failed,) = sweep.glob("*/FAILED")
+    assert "scaler=static is not allowed with precision=fp32" in failed.read_text()
+    assert not (failed.parent / "checkpoints").exists()
+    assert len(list(sweep.glob("*/checkpoints/last.ckpt"))) == 3
+
+    proc = run_cli("-m", "amp_plugin.compare", str(sweep), cwd=ROOT)
+    assert proc.returncode == 1, proc.stderr[-3000:]  # one run failed
+    lines = proc.stdout.splitlines()
+    assert lines[0].split()[:4] == ["run", "precision", "scaler", "recipe"]
+    assert any(line.startswith("precision=fp32 scaler=none ") and " fp32 " in line for line in lines)
+    assert any(line.startswith("precision=fp16 scaler=static ") and " static " in line for line in lines)
+    assert any(line.startswith("precision=fp32 scaler=static ") and "FAILED" in line for line in lines)
+    assert (sweep / "compare.png").is_file() and (sweep / "compare.csv").is_file()
+
+
+@pytest.mark.slow
+def test_the_default_run(tmp_path):
+    """``python train.py`` with no arguments: digits, FP16, dynamic scaling, FP32 master weights."""
+    proc = run_cli(str(ROOT / "train.py"), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert "amp_plugin run summary" in out
+    assert "FP16 weights and compute, FP32 master weights, dynamic loss scaling" in out
+    for label in ("final", "loss scale   start 65536", "skipped", "outputs", "checkpoint", "plot"):
+        assert label in out
+    (summary_file,) = (tmp_path / "outputs").glob("*/*/summary.json")
+    summary = json.loads(summary_file.read_text())
+    assert (summary["precision"], summary["scaler"], summary["recipe"]) == ("fp16", "dynamic", "digits")
+    assert summary["plugin_settings"]["master_weights"] is True
+    assert summary["final_metrics"]["val/acc"] > 0.9
+    run_dir = summary_file.parent
+    for name in ("logs/metrics.csv", "logs/scale_events.csv", "checkpoints/last.ckpt", "training_curves.png"):
+        assert (run_dir / name).is_file(), name

@@ -1,0 +1,348 @@
+"""The Hydra configs: every option composes, defaults follow the rules, bad input fails cleanly.
+
+Composition and validation run in-process (fast). A table of bad command lines also goes
+through the real CLI (``python train.py ...`` in a subprocess): non-zero exit, one short
+message naming the key and what is allowed, no traceback, and no run directory that looks
+like a success.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
+from omegaconf.errors import ConfigKeyError, ValidationError
+
+from amp_plugin import DynamicLossScaler, StaticLossScaler
+from amp_plugin.app.schema import PRESETS, ConfigError, register_configs, scaler_kind, validate
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG_DIR = ROOT / "configs"
+RECIPES = sorted(p.stem for p in (CONFIG_DIR / "recipe").glob("*.yaml"))
+DEFAULT_SCALER = {"fp16": "dynamic", "fp16_autocast": "dynamic", "fp16_pure": "dynamic",
+                  "bf16": "none", "bf16_autocast": "none", "bf16_pure": "none", "fp32": "none"}
+
+
+def compose_config(*overrides: str, output_dir: str | Path = "/nonexistent/amp_plugin_test"):
+    """``configs/train.yaml`` composed with ``overrides`` (as on the command line)."""
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        return compose("train", overrides=[*overrides, f"output_dir={output_dir}"])
+
+
+def test_config_groups_match_the_design():
+    groups = {p.name: sorted(q.stem for q in p.glob("*.yaml")) for p in CONFIG_DIR.iterdir() if p.is_dir()}
+    assert groups["precision"] == sorted(PRESETS)
+    assert groups["scaler"] == ["dynamic", "none", "static"]
+    assert {"digits", "char_gpt", "underflow_demo", "stagnation_demo"} <= set(groups["recipe"])
+    assert {"csv", "tensorboard"} <= set(groups["logger"])
+    assert {"default", "diagnostics", "none"} <= set(groups["callbacks"])
+    assert "default" in groups["trainer"]
+
+
+def test_default_config_is_fp16_dynamic_digits():
+    cfg = compose_config()
+    validate(cfg)
+    assert (cfg.precision.name, cfg.precision.precision, cfg.precision.master_weights) == ("fp16", "fp16", True)
+    assert scaler_kind(cfg.scaler) == "dynamic"
+    assert cfg.recipe._target_ == "recipes.digits.DigitsRecipe"
+    assert cfg.logger._target_.endswith("CSVLogger")
+    assert cfg.seed == 0 and cfg.ckpt_path is None
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (["precision=bf16", "scaler=static"], "static"),
+        (["scaler=static", "precision=bf16"], "static"),  # order on the command line does not matter
+        (["precision=bf16_pure", "scaler=dynamic"], "dynamic"),
+        (["precision=fp16", "scaler=none"], "none"),
+    ],
+)
+def test_explicit_scaler_on_the_command_line_wins(overrides, expected):
+    cfg = compose_config(*overrides)
+    assert scaler_kind(cfg.scaler) == expected
+    validate(cfg)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_every_preset_and_recipe_instantiates(preset, recipe):
+    from amp_plugin.app.run import build
+    from amp_plugin.plugin import MixedPrecisionPlugin
+
+    cfg = compose_config(f"precision={preset}", f"recipe={recipe}")
+    parts = build(cfg)
+    plugin = parts["plugin"]
+    precision, master_weights, autocast = PRESETS[preset]
+    assert isinstance(plugin, MixedPrecisionPlugin)
+    assert (plugin.amp_precision, plugin.master_weights, plugin.autocast) == (precision, master_weights, autocast)
+    expected_scaler = {"dynamic": DynamicLossScaler, "none": type(None)}[DEFAULT_SCALER[preset]]
+    assert type(plugin.scaler) is expected_scaler
+    assert type(parts["module"]).__module__ == f"recipes.{recipe}"
+    assert [type(c).__name__ for c in parts["callbacks"]] == ["LossScaleMonitor", "ModelCheckpoint", "PreflightChecks"]
+
+
+def test_scaler_settings_reach_the_scaler():
+    from amp_plugin.app.run import build
+
+    parts = build(compose_config("scaler.init_scale=1024", "scaler.growth_interval=7", "scaler.hysteresis=2",
+                                 "scaler.on_min_scale=skip"))
+    scaler = parts["plugin"].scaler
+    assert isinstance(scaler, DynamicLossScaler)
+    assert (scaler.get_scale(), scaler.growth_interval, scaler.hysteresis, scaler.on_min_scale) == (1024, 7, 2, "skip")
+    static = build(compose_config("precision=bf16", "scaler=static", "scaler.scale=128"))["plugin"].scaler
+    assert isinstance(static, StaticLossScaler) and static.get_scale() == 128
+
+
+@pytest.mark.parametrize(
+    "group, option",
+    [("logger", "tensorboard"), ("logger", "csv"), ("callbacks", "diagnostics"), ("callbacks", "none"),
+     ("callbacks", "default"), ("trainer", "default"), ("trainer", "ddp")],
+)
+def test_every_group_option_composes_and_builds(group, option):
+    from amp_plugin.app.run import build
+
+    cfg = compose_config(f"{group}={option}")
+    parts = build(cfg)
+    if group == "callbacks":
+        names = [type(c).__name__ for c in parts["callbacks"]]
+        assert ("GradientHealthMonitor" in names) == (option == "diagnostics")
+        assert (names == []) == (option == "none")
+    if group == "logger":
+        assert type(parts["loggers"][0]).__name__ == {"csv": "CSVLogger", "tensorboard": "TensorBoardLogger"}[option]
+
+
+# Each row: overrides, then strings the message must contain (the key, the value, what is allowed).
+BAD_VALUES = [
+    (["scaler.growth_factor=0.5"], ["scaler.growth_factor=0.5", "> 1"]),
+    (["scaler.backoff_factor=1.5"], ["scaler.backoff_factor=1.5", "> 0 and < 1"]),
+    (["scaler.growth_interval=0"], ["scaler.growth_interval=0", "integer >= 1"]),
+    (["scaler.hysteresis=0"], ["scaler.hysteresis=0", "integer >= 1"]),
+    (["scaler.hysteresis_reset=never"], ["scaler.hysteresis_reset='never'", "growth, finite"]),
+    (["scaler.on_min_scale=ignore"], ["scaler.on_min_scale='ignore'", "raise, skip"]),
+    (["scaler.init_scale=0"], ["scaler.init_scale=0", "> 0"]),
+    (["scaler.init_scale=1e9"], ["scaler.init_scale=1000000000", "[1, 16777216]"]),
+    (["scaler.init_scale=inf"], ["scaler.init_scale=inf", "finite"]),
+    (["scaler.min_scale=100", "scaler.max_scale=10", "scaler.init_scale=50"],
+     ["scaler.min_scale=100", "scaler.max_scale=10"]),
+    (["scaler=static", "scaler.scale=-1"], ["scaler.scale=-1", "> 0"]),
+    (["+scaler.enabled=false"], ["scaler.enabled", "init_scale, growth_factor"]),
+    (["scaler=none", "+scaler.init_scale=8"], ["scaler.init_scale", "scaler=none"]),
+    (["precision=fp32", "scaler=static"], ["scaler=static", "precision=fp32", "scaler=none"]),
+    (["precision=bf16_pure", "precision.master_weights=true"],
+     ["precision.master_weights=true", "precision=bf16_pure", "precision=bf16"]),
+    (["precision=fp16_pure", "precision.autocast=true"],
+     ["precision.autocast=true", "precision=fp16_pure", "precision=fp16_autocast"]),
+    (["precision=fp16", "precision.master_weights=false"],
+     ["precision.master_weights=false", "precision=fp16", "precision=fp16_pure"]),
+    (["precision=fp16_autocast", "precision.master_weights=true"],
+     ["precision.master_weights=true", "precision=fp16_autocast"]),
+    (["precision=fp32", "precision.precision=fp16"], ["precision.precision='fp16'", "precision=fp32"]),
+    (["precision.name=mine", "precision.autocast=true"], ["master_weights=true", "autocast=true"]),
+    (["precision.precision=fp17"], ["precision.precision='fp17'", "fp16, bf16, fp32"]),
+    (["precision.emulate=maybe"], ["precision.emulate='maybe'", "auto, on, off"]),
+    (["trainer.max_steps=-2"], ["trainer.max_steps=-2", "integer >= -1"]),
+    (["trainer.limit_val_batches=1.5"], ["trainer.limit_val_batches=1.5", "[0.0, 1.0]"]),
+    (["trainer.devices=0"], ["trainer.devices=0", "'auto'"]),
+    (["+trainer.precision=16-mixed"], ["trainer.precision='16-mixed'", "precision=fp32|fp16|bf16"]),
+    (["seed=-1"], ["seed=-1", "[0, 2**32 - 1]"]),
+    (["num_threads=0"], ["num_threads=0", "integer >= 1"]),
+    (["ckpt_path=/no/such/file.ckpt"], ["ckpt_path='/no/such/file.ckpt'", "no such file", "checkpoint file"]),
+]
+
+
+@pytest.mark.parametrize("overrides, expected", BAD_VALUES, ids=[" ".join(o) for o, _ in BAD_VALUES])
+def test_bad_values_are_rejected_with_the_key_and_what_is_allowed(overrides, expected):
+    cfg = compose_config(*overrides)
+    with pytest.raises(ConfigError) as info:
+        validate(cfg)
+    message = str(info.value)
+    for part in expected:
+        assert part in message
+    assert "\n" not in message  # one paragraph
+
+
+BAD_TYPES = [
+    (["scaler.init_scale=abc"], "scaler.init_scale"),
+    (["scaler.growth_interval=2.5"], "scaler.growth_interval"),
+    (["precision.master_weights=maybe"], "precision.master_weights"),
+    (["trainer.max_steps=ten"], "trainer.max_steps"),
+    (["seed=abc"], "seed"),
+    (["foo=1"], "foo"),
+    (["scaler.foo=1"], "scaler.foo"),
+    (["recipe.lrr=0.1"], "recipe.lrr"),
+]
+
+
+@pytest.mark.parametrize("overrides, key", BAD_TYPES, ids=[" ".join(o) for o, _ in BAD_TYPES])
+def test_wrong_types_and_unknown_keys_fail_while_composing(overrides, key):
+    with pytest.raises((ConfigCompositionException, ValidationError, ConfigKeyError)) as info:
+        compose_config(*overrides)
+    text = str(info.value) + str(info.value.__cause__ or "")
+    assert key.split(".")[-1] in text
+
+
+@pytest.mark.parametrize("option", ["fp17", "FP16"])
+def test_unknown_preset_lists_the_choices(option):
+    with pytest.raises(ConfigCompositionException) as info:
+        compose_config(f"precision={option}")
+    message = str(info.value)
+    assert f"precision/{option}" in message
+    for preset in PRESETS:
+        assert preset in message
+
+
+def test_recipe_arguments_are_type_checked_against_the_recipe_signature():
+    from amp_plugin.app.run import build
+
+    with pytest.raises(ConfigError, match=r"recipe.lr='abc' is not allowed: DigitsRecipe takes lr as a number"):
+        build(compose_config("recipe.lr=abc"))
+    with pytest.raises(ConfigError, match=r"recipe.hidden_sizes=\['a'\]"):
+        build(compose_config("recipe.hidden_sizes=[a]"))
+    with pytest.raises(ConfigError, match=r"recipe.extra is not a setting of DigitsRecipe: the allowed keys are lr,"):
+        build(compose_config("+recipe.extra=1"))
+    with pytest.raises(ConfigError, match=r"model='rnn' is not supported"):
+        build(compose_config("recipe.model=rnn"))
+    with pytest.raises(ConfigError, match=r"recipe._target_='recipes.nope.Nope'"):
+        build(compose_config("recipe._target_=recipes.nope.Nope"))
+
+
+def test_unreadable_checkpoint_is_a_config_error(tmp_path):
+    from amp_plugin.app.run import train
+
+    bad = tmp_path / "broken.ckpt"
+    bad.write_bytes(b"not a checkpoint")
+    out = tmp_path / "run"
+    out.mkdir()
+    with pytest.raises(ConfigError, match=r"ckpt_path=.*broken.ckpt.*cannot be read as a checkpoint"):
+        train(compose_config(f"ckpt_path={bad}", output_dir=out))
+    assert sorted(p.name for p in out.iterdir()) == ["FAILED"]
+
+
+# ------------------------------------------------------------------------------ the real CLI
+# Each row: the command-line arguments, then strings stderr must contain.
+CLI_CASES = [
+    (["precision=fp17"], ["precision/fp17", "fp16_autocast", "bf16_pure"]),
+    (["scaler=dynamc"], ["scaler/dynamc", "dynamic", "static", "none"]),
+    (["recipe=mnist"], ["recipe/mnist", "digits", "char_gpt"]),
+    (["scaler.growth_factor=0.5"], ["scaler.growth_factor=0.5", "> 1"]),
+    (["scaler.backoff_factor=2"], ["scaler.backoff_factor=2", "> 0 and < 1"]),
+    (["scaler.init_scale=abc"], ["scaler.init_scale", "abc", "Float"]),
+    (["scaler.hysteresis=0"], ["scaler.hysteresis=0", "integer >= 1"]),
+    (["scaler.growth_interval=-3"], ["scaler.growth_interval=-3", "integer >= 1"]),
+    (["scaler.init_scale=1e30"], ["scaler.init_scale=1e+30", "[1, 16777216]"]),
+    (["learning_rate=0.1"], ["learning_rate", "+learning_rate=0.1"]),
+    (["scaler.foo=1"], ["scaler.foo", "DynamicScalerConf"]),
+    (["+scaler.foo=1"], ["scaler.foo is not a setting of scaler=dynamic", "init_scale"]),
+    (["precision=fp32", "scaler=static"], ["scaler=static", "precision=fp32", "scaler=none"]),
+    (["precision=bf16_pure", "precision.master_weights=true"], ["precision.master_weights=true", "bf16_pure"]),
+    (["precision.autocast=true"], ["precision.autocast=true", "precision=fp16", "fp16_autocast"]),
+    (["trainer.max_steps=abc"], ["trainer.max_steps", "abc", "Integer"]),
+    (["ckpt_path=missing.ckpt"], ["ckpt_path='missing.ckpt'", "no such file"]),
+    (["ckpt_path=corrupt.ckpt"], ["ckpt_path='corrupt.ckpt'", "cannot be read as a checkpoint"]),
+    (["recipe.lr=abc"], ["recipe.lr='abc'", "as a number"]),
+    (["recipe.model=rnn"], ["model='rnn'", "'mlp', 'cnn'"]),
+]
+
+# Runs train.py's real entry point (``@hydra.main`` -> run_job) for every case in ONE
+# subprocess, so the table costs one torch/Lightning import instead of one per row. The
+# exit status is the SystemExit code the process would have exited with.
+_DRIVER = """
+import contextlib, io, json, os, runpy, sys
+from hydra.core.global_hydra import GlobalHydra
+root, cases_file, out_file = sys.argv[1:4]
+sys.path.insert(0, root)
+results = []
+for i, args in enumerate(json.load(open(cases_file))):
+    run_dir = os.path.abspath(f"run{i}")
+    sys.argv = ["train.py", *args, "trainer.max_steps=1", f"hydra.run.dir={run_dir}"]
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            runpy.run_path(os.path.join(root, "train.py"), run_name="__main__")
+        except SystemExit as exit:
+            code = exit.code
+    GlobalHydra.instance().clear()
+    listing = sorted(os.listdir(run_dir)) if os.path.isdir(run_dir) else None
+    results.append({"code": code, "stdout": out.getvalue(), "stderr": err.getvalue(), "listing": listing})
+json.dump(results, open(out_file, "w"))
+"""
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"} | extra
+
+
+@pytest.fixture(scope="module")
+def cli_results(tmp_path_factory):
+    work = tmp_path_factory.mktemp("cli")
+    (work / "corrupt.ckpt").write_bytes(b"\x00 truncated")
+    (work / "driver.py").write_text(_DRIVER)
+    (work / "cases.json").write_text(json.dumps([args for args, _ in CLI_CASES]))
+    proc = subprocess.run([sys.executable, "driver.py", str(ROOT), "cases.json", "results.json"], cwd=work,
+                          env=clean_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads((work / "results.json").read_text())
+
+
+@pytest.mark.parametrize("index", range(len(CLI_CASES)), ids=[" ".join(a) for a, _ in CLI_CASES])
+def test_bad_input_through_the_cli_exits_nonzero_with_a_short_message(cli_results, index):
+    result, expected = cli_results[index], CLI_CASES[index][1]
+    stderr = result["stderr"]
+    assert result["code"] not in (0, None)
+    for part in expected:
+        assert part in stderr
+    assert "Traceback" not in stderr + result["stdout"]
+    assert "HYDRA_FULL_ERROR=1" in stderr
+    assert len(stderr.split("\n\n")) <= 4  # a paragraph or two (Hydra adds a search-path block), not a wall
+    # Nothing that looks like a finished run: Hydra may have created the directory, but no
+    # checkpoints, metrics or summary, and a FAILED note when the job itself started.
+    if result["listing"] is not None:
+        assert not set(result["listing"]) & {"checkpoints", "logs", "summary.json", "training_curves.png"}
+        assert "FAILED" in result["listing"]
+
+
+def run_cli(args: list[str], cwd: Path, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "train.py"), *args], cwd=cwd, env=clean_env(**env),
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("args, expected", [(["precision=fp17"], "Available options in 'precision'"),
+                                            (["scaler.growth_factor=0.5"], "scaler.growth_factor=0.5")])
+def test_cli_process_exits_with_status_1(tmp_path, args, expected):
+    run_dir = tmp_path / "run"
+    proc = run_cli([*args, f"hydra.run.dir={run_dir}"], cwd=tmp_path)
+    assert proc.returncode == 1
+    assert expected in proc.stderr and "Traceback" not in proc.stderr
+    assert not run_dir.exists() or sorted(p.name for p in run_dir.iterdir()) == [".hydra", "FAILED", "train.log"]
+
+
+def test_hydra_full_error_shows_the_traceback(tmp_path):
+    proc = run_cli(["scaler.hysteresis=0", f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, HYDRA_FULL_ERROR="1")
+    assert proc.returncode != 0
+    assert "Traceback" in proc.stderr and "ConfigError" in proc.stderr
+
+
+def test_console_script_finds_the_configs(monkeypatch, tmp_path):
+    from amp_plugin.app.cli import config_dir
+
+    assert Path(config_dir()) == CONFIG_DIR
+    mine = tmp_path / "configs"
+    mine.mkdir()
+    (mine / "train.yaml").write_text("defaults:\n  - train_schema\n")
+    monkeypatch.setenv("AMP_PLUGIN_CONFIG_DIR", str(mine))
+    assert Path(config_dir()) == mine
+
+
+def test_composed_config_round_trips_to_yaml():
+    cfg = compose_config("precision=bf16", "scaler=static")
+    text = OmegaConf.to_yaml(cfg)
+    assert "amp_plugin.StaticLossScaler" in text and "name: bf16" in text
