@@ -122,6 +122,7 @@ class MixedPrecisionPlugin(Precision):
         self._module: pl.LightningModule | None = None
         self._pending_update = False
         self._emulation_hold: Any = None
+        self._described = False
 
     # ------------------------------------------------------------------ setup
     @override
@@ -149,7 +150,9 @@ class MixedPrecisionPlugin(Precision):
         if isinstance(module, pl.LightningModule):
             self._module = module
             self._hold_schedulers_on_skip(module, lr_schedulers)
-        rank_zero_info(f"amp_plugin: {self.describe()}")
+        if not self._described:  # once per plugin, not once per fit/validate stage
+            self._described = True
+            rank_zero_info(f"amp_plugin: {self.describe()}")
         return model, optimizers, lr_schedulers
 
     @override

@@ -119,6 +119,8 @@ class LossScaleMonitor(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         scaler = self._scaler()
         if scaler is None:
+            if self._plugin is not None:
+                self._csv.start(trainer, rows=[])  # header only: every run dir has the file
             return
         # Events past the resume point (same instance reused) will happen again.
         self.events = [e for e in self.events if e.step < trainer.global_step]
