@@ -252,8 +252,9 @@ class LossScaler:
     def _found_inf_host(self, state: _OptimizerState) -> bool:
         if state.found_inf_host is None:
             flags = list(state.found_inf.values())
-            if not flags:
-                found = torch.zeros((), dtype=torch.float32, device=self._scale.device if self._scale is not None else "cpu")
+            if not flags:  # no gradients at all: nothing overflowed (still joins the all-reduce)
+                device = self._scale.device if self._scale is not None else "cpu"
+                found = torch.zeros((), dtype=torch.float32, device=device)
             else:
                 found = flags[0] if len(flags) == 1 else torch.stack([f.to(flags[0].device) for f in flags]).sum()
             if torch.distributed.is_available() and torch.distributed.is_initialized():
