@@ -46,6 +46,8 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
+from recipes._sampling import train_loader
+
 __all__ = ["CORPUS_FILES", "VOCAB_SIZE", "CharGPT", "CharGPTRecipe", "build_corpus"]
 
 VOCAB_SIZE = 256  # byte-level tokens
@@ -293,10 +295,7 @@ class CharGPTRecipe(pl.LightningModule):
     @override
     def train_dataloader(self) -> DataLoader:
         self.setup("fit")
-        return DataLoader(
-            _Windows(self._splits[0], self.hparams.block_size),
-            batch_size=self.hparams.batch_size, shuffle=True, num_workers=0,
-        )
+        return train_loader(_Windows(self._splits[0], self.hparams.block_size), self.hparams.batch_size)
 
     @override
     def val_dataloader(self) -> DataLoader:

@@ -36,6 +36,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from typing_extensions import override
 
+from recipes._sampling import train_loader
+
 __all__ = ["DigitsRecipe", "load_digits_split"]
 
 _MODELS = ("mlp", "cnn")
@@ -154,22 +156,17 @@ class DigitsRecipe(pl.LightningModule):
         if self._data is None:
             self._data = load_digits_split(self.hparams.seed, self.hparams.val_fraction)
 
-    def _loader(self, x: torch.Tensor, y: torch.Tensor, shuffle: bool) -> DataLoader:
-        return DataLoader(
-            TensorDataset(x, y), batch_size=self.hparams.batch_size, shuffle=shuffle, num_workers=0
-        )
-
     @override
     def train_dataloader(self) -> DataLoader:
         self.setup("fit")
         x_train, y_train, _, _ = self._data
-        return self._loader(x_train, y_train, shuffle=True)
+        return train_loader(TensorDataset(x_train, y_train), self.hparams.batch_size)
 
     @override
     def val_dataloader(self) -> DataLoader:
         self.setup("validate")
         _, _, x_val, y_val = self._data
-        return self._loader(x_val, y_val, shuffle=False)
+        return DataLoader(TensorDataset(x_val, y_val), batch_size=self.hparams.batch_size, num_workers=0)
 
     # ---------------------------------------------------------------------------- steps
 

@@ -43,6 +43,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from typing_extensions import override
 
+from recipes._sampling import train_loader
+
 __all__ = ["StagnationDemoRecipe"]
 
 
@@ -112,18 +114,14 @@ class StagnationDemoRecipe(pl.LightningModule):
 
     # ----------------------------------------------------------------------------- data
 
-    def _loader(self, x: torch.Tensor, y: torch.Tensor, shuffle: bool) -> DataLoader:
-        return DataLoader(
-            TensorDataset(x, y), batch_size=self.hparams.batch_size, shuffle=shuffle, num_workers=0
-        )
-
     @override
     def train_dataloader(self) -> DataLoader:
-        return self._loader(self._data[0], self._data[1], shuffle=True)
+        return train_loader(TensorDataset(self._data[0], self._data[1]), self.hparams.batch_size)
 
     @override
     def val_dataloader(self) -> DataLoader:
-        return self._loader(self._data[2], self._data[3], shuffle=False)
+        return DataLoader(TensorDataset(self._data[2], self._data[3]), batch_size=self.hparams.batch_size,
+                          num_workers=0)
 
     # ---------------------------------------------------------------------------- steps
 

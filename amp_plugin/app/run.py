@@ -10,10 +10,12 @@ Files of a run (``cfg.output_dir``, the Hydra run directory)::
 
     logs/metrics.csv          per-step metrics (CSV logger; TensorBoard event files with logger=tensorboard)
     logs/scale_events.csv     every loss-scale change (LossScaleMonitor)
-    checkpoints/last.ckpt     resume with ckpt_path=...
+    checkpoints/last.ckpt     resume with ckpt_path=... (written atomically: AtomicCheckpointIO)
+    checkpoints/last-good.ckpt  the state before a loss-scale collapse stopped the run
     training_curves.csv       loss, loss scale, skipped steps and LR per step, validation metrics
     training_curves.png       the same, plotted
     summary.json              what train() returns, minus the live objects
+    FAILED                    instead of summary.json: the error that stopped the run
 """
 
 from __future__ import annotations
@@ -42,7 +44,9 @@ from pytorch_lightning.callbacks import Callback
 from typing_extensions import override
 
 from amp_plugin.app import plots
-from amp_plugin.app.schema import ConfigError, scaler_kind, validate
+from amp_plugin.app.checkpoint_io import AtomicCheckpointIO
+from amp_plugin.app.schema import FAULT_STEP_KEYS, ConfigError, scaler_kind, validate
+from amp_plugin.callbacks import FaultInjector
 
 __all__ = ["RunRecorder", "build", "describe", "format_summary", "train"]
 
@@ -207,10 +211,11 @@ def _check_checkpoint(path: str, max_steps: int) -> None:
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as err:
+        reason = _message(err).split(". ")[0][:200]  # torch's zip errors go on for several sentences
         raise ConfigError(
             f"ckpt_path={path!r} is not allowed: the file cannot be read as a checkpoint "
-            f"({type(err).__name__}: {_message(err)[:200]}). ckpt_path must be a .ckpt file written by "
-            "an earlier run (e.g. its checkpoints/last.ckpt)."
+            f"({type(err).__name__}: {reason}); it is truncated, corrupt or not a checkpoint. ckpt_path must be "
+            "a .ckpt file written by an earlier run (e.g. its checkpoints/last.ckpt)."
         ) from err
     if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
         raise ConfigError(
@@ -239,8 +244,41 @@ def build(cfg: DictConfig) -> dict[str, Any]:
     precision.pop("name", None)
     plugin = _instantiate("precision", precision, scaler=scaler)
     callbacks = [_instantiate(f"callbacks.{name}", node) for name, node in _entries(cfg.callbacks)]
+    injector = _fault_injector(cfg.get("fault"), module)
+    if injector is not None:
+        callbacks.insert(0, injector)
     loggers = [_instantiate(f"logger.{name}" if name else "logger", node) for name, node in _entries(cfg.logger)]
     return {"module": module, "plugin": plugin, "callbacks": callbacks, "loggers": loggers}
+
+
+def _fault_injector(node: Any, module: pl.LightningModule) -> FaultInjector | None:
+    """A :class:`FaultInjector` from ``cfg.fault``, or None when no fault step is set."""
+    fault = _container(node) or {}
+    if all(fault.get(key) is None for key in FAULT_STEP_KEYS):
+        return None
+    param = fault.get("param")
+    if param is not None:
+        names = [name for name, p in module.named_parameters() if p.requires_grad]
+        if param not in names:
+            shown = ", ".join(names[:12]) + (", ..." if len(names) > 12 else "")
+            raise ConfigError(
+                f"fault.param={param!r} is not allowed: fault.param must name a trainable parameter of "
+                f"{type(module).__name__} ({shown}), or be null for the first one with a gradient."
+            )
+    try:
+        return FaultInjector(**fault)
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"fault: {_message(err)}") from err
+
+
+def _check_fault_rank(cfg: DictConfig, trainer: pl.Trainer) -> None:
+    rank = cfg.fault.rank if cfg.get("fault") is not None else None
+    if rank is not None and rank >= trainer.world_size:
+        raise ConfigError(
+            f"fault.rank={rank} is not allowed: this run has {trainer.world_size} process(es), so fault.rank "
+            f"must be in [0, {trainer.world_size - 1}] (or null for every rank). More processes: "
+            "trainer.devices=N trainer.strategy=ddp."
+        )
 
 
 def _entries(node: Any) -> list[tuple[str, Any]]:
@@ -257,7 +295,7 @@ def _trainer(cfg: DictConfig, parts: dict[str, Any], recorder: RunRecorder, outp
     kwargs.pop("_target_", None)
     target = cfg.trainer._target_
     kwargs.update(
-        plugins=[parts["plugin"]],
+        plugins=[parts["plugin"], AtomicCheckpointIO()],
         callbacks=[*parts["callbacks"], recorder],
         logger=parts["loggers"] or False,
         default_root_dir=str(output_dir),
@@ -331,6 +369,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         parts = build(cfg)
         recorder = RunRecorder()
         trainer = _trainer(cfg, parts, recorder, output_dir)
+        _check_fault_rank(cfg, trainer)
     except ConfigError as err:
         _mark_failed(output_dir, err)
         raise
@@ -412,6 +451,7 @@ def _summarize(cfg: DictConfig, trainer: pl.Trainer, parts: dict[str, Any], reco
         "summary": output_dir / SUMMARY_FILE,
     }
     target = cfg.recipe._target_
+    injector = next((c for c in parts["callbacks"] if isinstance(c, FaultInjector)), None)
     return {
         "status": "ok",
         "recipe": _recipe_name(target),
@@ -440,6 +480,8 @@ def _summarize(cfg: DictConfig, trainer: pl.Trainer, parts: dict[str, Any], reco
         },
         "skipped_steps": (scaler.skipped_steps - recorder.start_skipped) if scaler is not None else 0,
         "skipped_steps_total": scaler.skipped_steps if scaler is not None else 0,
+        # (step, kind) of each fault written by this process (fault.* options; rank 0's view).
+        "faults_injected": [[step, kind] for step, kind in injector.injected] if injector is not None else [],
         "output_dir": str(output_dir),
         "paths": {k: (str(v) if v is not None else None) for k, v in paths.items()},
     }
@@ -512,8 +554,12 @@ def format_summary(summary: Mapping[str, Any]) -> str:
         f"  final        {metrics or '-'}",
         f"  loss scale   {scale}",
         f"  skipped      {summary['skipped_steps']} of {steps} steps",
-        f"  outputs      {out}",
     ]
+    faults = summary.get("faults_injected") or []
+    if faults:
+        shown = ", ".join(f"{kind} at {step}" for step, kind in faults[:4]) + (", ..." if len(faults) > 4 else "")
+        lines.append(f"  faults       {len(faults)} injected: {shown}")
+    lines.append(f"  outputs      {out}")
     for label, key in (("metrics", "metrics"), ("scale log", "scale_events"), ("checkpoint", "last_checkpoint"),
                        ("plot", "plot"), ("summary", "summary")):
         shown = rel(key)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
@@ -25,6 +25,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 __all__ = [
     "ConfigError",
     "DynamicScalerConf",
+    "FaultConf",
     "NoScalerConf",
     "PRESETS",
     "PrecisionConf",
@@ -118,6 +119,28 @@ class TrainerConf:
 
 
 @dataclass
+class FaultConf:
+    """Arguments of :class:`amp_plugin.callbacks.FaultInjector`; all null means no injector.
+
+    Every field is null by default, so both ``fault.inject_inf_at=[3,7]`` and Hydra's
+    ``+fault.inject_inf_at=[3,7]`` work. Steps are ``trainer.global_step`` values (0-based
+    optimizer steps, skipped ones included).
+    """
+
+    inject_inf_at: Optional[list[int]] = None  # steps whose gradient gets +inf
+    inject_nan_at: Optional[list[int]] = None  # steps whose gradient gets a NaN
+    nan_loss_at: Optional[list[int]] = None  # steps whose loss becomes NaN before backward
+    nan_input_at: Optional[list[int]] = None  # steps whose batch gets a NaN (float inputs only)
+    inject_inf_from: Optional[int] = None  # every step from this one on gets +inf (persistent overflow)
+    param: Optional[str] = None  # the parameter to corrupt; null = the first with a gradient
+    rank: Optional[int] = None  # the only global rank that injects; null = every rank
+
+
+FAULT_STEP_KEYS = ("inject_inf_at", "inject_nan_at", "nan_loss_at", "nan_input_at", "inject_inf_from")
+"""The ``fault`` keys that make the injector do something (``param`` and ``rank`` only refine them)."""
+
+
+@dataclass
 class TrainConf:
     """The primary config (``configs/train.yaml``)."""
 
@@ -130,6 +153,7 @@ class TrainConf:
     seed: int = 0
     num_threads: Optional[int] = None  # torch.set_num_threads for the run; None keeps PyTorch's default
     ckpt_path: Optional[str] = None
+    fault: FaultConf = field(default_factory=FaultConf)
     output_dir: str = "${hydra:runtime.output_dir}"
     plot: bool = True
 
@@ -385,6 +409,35 @@ def _short(node: Any) -> Any:
     return OmegaConf.to_container(node) if OmegaConf.is_config(node) else node
 
 
+def _check_fault(f: Any) -> None:
+    if f is None:
+        return
+    if not OmegaConf.is_dict(f):
+        raise _fail("fault", _short(f), "a set of fault-injection keys such as fault.inject_inf_at=[3,7]")
+    _check_keys("fault", f, FaultConf, "fault injection (amp_plugin.callbacks.FaultInjector)")
+    for key in ("inject_inf_at", "inject_nan_at", "nan_loss_at", "nan_input_at"):
+        steps = f[key]
+        if steps is None:
+            continue
+        if not OmegaConf.is_list(steps) or any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in steps):
+            raise ConfigError(
+                f"fault.{key}={_show_list(steps)} is not allowed: fault.{key} must be a list of optimizer steps "
+                f"(integers >= 0, trainer.global_step values), e.g. fault.{key}=[3,7]."
+            )
+    _integer("fault.inject_inf_from", f.inject_inf_from, ge=0, allow_none=True,
+             hint="Every step from this one on gets an inf gradient (persistent overflow).")
+    _integer("fault.rank", f.rank, ge=0, allow_none=True, hint="null injects on every rank.")
+    if f.param is not None and (not isinstance(f.param, str) or not f.param):
+        raise _fail("fault.param", f.param, "the name of a model parameter (e.g. net.1.weight) or null")
+
+
+def _show_list(value: Any) -> str:
+    items = _short(value)
+    if isinstance(items, list):
+        return "[" + ",".join(_show(v) for v in items) + "]"
+    return _show(items)
+
+
 def _check_ckpt_path(path: Any) -> None:
     if path is None:
         return
@@ -417,3 +470,4 @@ def validate(cfg: DictConfig) -> None:
     _integer("num_threads", cfg.num_threads, ge=1, allow_none=True,
              hint="It sets torch.set_num_threads for the run; null keeps PyTorch's default.")
     _check_ckpt_path(cfg.ckpt_path)
+    _check_fault(cfg.get("fault"))

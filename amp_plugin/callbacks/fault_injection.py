@@ -34,8 +34,12 @@ class FaultInjector(pl.Callback):
         inject_nan_at: steps whose gradient gets a NaN.
         nan_loss_at: steps whose loss is multiplied by NaN before backward.
         nan_input_at: steps whose first floating-point batch tensor gets a NaN.
+        inject_inf_from: every step from this one on gets a ``+inf`` gradient: a persistent
+            overflow, which a dynamic scaler answers by backing off down to ``min_scale``.
         param: name of the parameter to corrupt (default: the first with a gradient).
         rank: only inject on this global rank (default: every rank).
+
+    ``injected`` lists ``(step, kind)`` for every fault written so far on this rank.
     """
 
     def __init__(
@@ -44,6 +48,7 @@ class FaultInjector(pl.Callback):
         inject_nan_at: Sequence[int] | None = None,
         nan_loss_at: Sequence[int] | None = None,
         nan_input_at: Sequence[int] | None = None,
+        inject_inf_from: int | None = None,
         param: str | None = None,
         rank: int | None = None,
     ) -> None:
@@ -51,12 +56,32 @@ class FaultInjector(pl.Callback):
         self.inject_nan_at = _steps("inject_nan_at", inject_nan_at)
         self.nan_loss_at = _steps("nan_loss_at", nan_loss_at)
         self.nan_input_at = _steps("nan_input_at", nan_input_at)
+        for name, value in (("inject_inf_from", inject_inf_from), ("rank", rank)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                raise ValueError(f"{name}={value!r} is not allowed: {name} must be an integer >= 0 or None.")
+        if param is not None and (not isinstance(param, str) or not param):
+            raise ValueError(f"param={param!r} is not allowed: param must be a parameter name or None.")
+        self.inject_inf_from = inject_inf_from
         self.param = param
         self.rank = rank
         self.injected: list[tuple[int, str]] = []
 
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        # Fail before the first step, not at the faulty one.
+        if self.rank is not None and self.rank >= trainer.world_size:
+            raise ValueError(
+                f"rank={self.rank} is not allowed: the run has {trainer.world_size} process(es), so rank must be "
+                f"in [0, {trainer.world_size - 1}] or None."
+            )
+        if self.param is not None:
+            self._target_name(pl_module)
+
     def _active(self, trainer: pl.Trainer, steps: frozenset[int]) -> bool:
-        return trainer.global_step in steps and (self.rank is None or trainer.global_rank == self.rank)
+        return trainer.global_step in steps and self._on_this_rank(trainer)
+
+    def _on_this_rank(self, trainer: pl.Trainer) -> bool:
+        return self.rank is None or trainer.global_rank == self.rank
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
@@ -79,8 +104,11 @@ class FaultInjector(pl.Callback):
 
     @override
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        for steps, value, kind in ((self.inject_inf_at, math.inf, "inf_grad"), (self.inject_nan_at, math.nan, "nan_grad")):
-            if self._active(trainer, steps):
+        persistent = self.inject_inf_from is not None and trainer.global_step >= self.inject_inf_from
+        inf = self._active(trainer, self.inject_inf_at) or (persistent and self._on_this_rank(trainer))
+        nan = self._active(trainer, self.inject_nan_at)
+        for active, value, kind in ((inf, math.inf, "inf_grad"), (nan, math.nan, "nan_grad")):
+            if active:
                 name, grad = self._target(pl_module)
                 grad.view(-1)[0] = value
                 self.injected.append((trainer.global_step, f"{kind}:{name}"))
@@ -89,11 +117,17 @@ class FaultInjector(pl.Callback):
         for name, p in pl_module.named_parameters():
             if p.grad is not None and (self.param is None or name == self.param):
                 return name, p.grad
-        names = [n for n, _ in pl_module.named_parameters()]
-        raise ValueError(
-            f"param={self.param!r} is not allowed: it must name a parameter with a gradient, one of {names[:10]}"
-            + (" ..." if len(names) > 10 else "")
-        )
+        self._target_name(pl_module)  # names the problem if param is unknown
+        what = f"param={self.param!r} has" if self.param is not None else "no parameter has"
+        raise ValueError(f"{what} a gradient at this step: there is no gradient to corrupt.")
+
+    def _target_name(self, pl_module: pl.LightningModule) -> None:
+        names = [n for n, p in pl_module.named_parameters() if p.requires_grad]
+        if self.param is not None and self.param not in names:
+            raise ValueError(
+                f"param={self.param!r} is not allowed: it must name a trainable parameter, one of {names[:10]}"
+                + (" ..." if len(names) > 10 else "")
+            )
 
 
 def _first_floating(batch: Any) -> torch.Tensor | None:

@@ -1,0 +1,83 @@
+"""DDP through the CLI: two CPU processes (gloo) train, and an overflow on one rank is skipped by both.
+
+Each rank's final state comes out through the CLI's own extension point: a callback added
+with ``+callbacks.rank_state._target_=test_ddp_cli.SaveRankState`` (this module is on the
+workers' PYTHONPATH) saves that rank's parameters, scale and skipped steps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytorch_lightning as pl
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+TESTS = Path(__file__).resolve().parent
+
+
+class SaveRankState(pl.Callback):
+    """At the end of training, save this rank's view of the run to ``out_dir/rank<r>.pt``."""
+
+    def __init__(self, out_dir: str) -> None:
+        self.out_dir = out_dir
+        self.skipped_at: list[int] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.precision_plugin.scaler.last_step_skipped:
+            self.skipped_at.append(trainer.global_step - 1)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        injector = next(c for c in trainer.callbacks if type(c).__name__ == "FaultInjector")
+        optimizer = trainer.optimizers[0]
+        torch.save(
+            {
+                "params": {name: p.detach().clone() for name, p in pl_module.named_parameters()},
+                "masters": [m.detach().clone() for m in optimizer.master_params()],
+                "scale": trainer.precision_plugin.scaler.get_scale(),
+                "skipped_at": self.skipped_at,
+                "injected": injector.injected,
+                "global_step": trainer.global_step,
+            },
+            os.path.join(self.out_dir, f"rank{trainer.global_rank}.pt"),
+        )
+
+
+@pytest.mark.slow
+def test_ddp_on_two_cpu_processes_trains_and_both_ranks_skip_a_one_rank_overflow(tmp_path):
+    run_dir = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS), env.get("PYTHONPATH")]))
+    args = [
+        "trainer.accelerator=cpu", "trainer.devices=2", "trainer.strategy=ddp", "trainer.max_steps=8",
+        "+fault.rank=1", "+fault.inject_inf_at=[2,5]",  # rank 1's gradients only, after the all-reduce
+        "scaler.growth_interval=3",
+        "+callbacks.rank_state._target_=test_ddp_cli.SaveRankState", f"+callbacks.rank_state.out_dir={tmp_path}",
+        "trainer.enable_progress_bar=false", "plot=false", f"hydra.run.dir={run_dir}",
+    ]
+    # A rank that skipped alone would wait forever in the next all-reduce: the timeout is the hang check.
+    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), *args], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "ok" and summary["global_step"] == 8 and summary["skipped_steps"] == 2
+    assert all(torch.isfinite(torch.tensor(v)) for v in summary["final_metrics"].values())
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
+    assert [r["injected"] for r in ranks] == [[], [(2, "inf_grad:net.1.weight"), (5, "inf_grad:net.1.weight")]]
+    assert ranks[0]["skipped_at"] == ranks[1]["skipped_at"] == [2, 5]
+    assert ranks[0]["scale"] == ranks[1]["scale"] == summary["loss_scale"]["end"]
+    for name, value in ranks[0]["params"].items():
+        assert torch.equal(value, ranks[1]["params"][name]), name
+    for a, b in zip(ranks[0]["masters"], ranks[1]["masters"]):
+        assert torch.equal(a, b)
+    # The checkpoint (written by rank 0) holds exactly that state.
+    saved = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
+    for name, value in ranks[1]["params"].items():
+        assert torch.equal(saved[name], value), name

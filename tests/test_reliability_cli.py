@@ -1,0 +1,268 @@
+"""Faults, a collapsing loss scale, changed setups on resume and bad input, through ``train.py``.
+
+Every command line below goes through train.py's real entry point (``@hydra.main`` ->
+``run_job``), all of them in ONE subprocess (``_DRIVER``), so the table costs one torch and
+Lightning import instead of one per row. The runs depend on each other in order: the
+collapse run's ``last-good.ckpt`` is resumed in bf16, the fault run's checkpoint is resumed
+with other scaler settings and is truncated into a corrupt ``ckpt_path``.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+QUICK = ["trainer.enable_progress_bar=false", "trainer.limit_val_batches=1", "plot=false"]
+FAULTS = ["+fault.inject_inf_at=[3,7]", "+fault.inject_nan_at=[10]", "+fault.nan_loss_at=[5]",
+          "+fault.nan_input_at=[9]", "+fault.param=net.4.weight"]
+COLLAPSE = ["+fault.inject_inf_from=2", "scaler.init_scale=4", "scaler.min_scale=1"]
+
+# name -> command line. Runs whose names start with "bad:" must be rejected before training.
+RUNS: dict[str, list[str]] = {
+    "faults": [*FAULTS, "trainer.max_steps=12", "trainer.log_every_n_steps=1", *QUICK],
+    # The collapse runs without their faults, stopped before the first one (steps 0 and 1).
+    "two_steps": ["scaler.init_scale=4", "scaler.min_scale=1", "trainer.max_steps=2", *QUICK],
+    "collapse": [*COLLAPSE, "trainer.max_steps=20", *QUICK],
+    "collapse_skip": [*COLLAPSE, "scaler.on_min_scale=skip", "trainer.max_steps=8", *QUICK],
+    "resume_bf16": ["precision=bf16", "ckpt_path=collapse/checkpoints/last-good.ckpt", "trainer.max_steps=8", *QUICK],
+    "resume_new_scaler_settings": ["scaler.growth_interval=50", "ckpt_path=faults/checkpoints/last.ckpt",
+                                   "trainer.max_steps=14", *QUICK],
+    "resume_static_scaler": ["scaler=static", "ckpt_path=faults/checkpoints/last.ckpt", "trainer.max_steps=14",
+                             *QUICK],
+}
+
+# Bad command lines (on top of tests/test_config_validation.py's table), then strings stderr
+# must contain: the key, the value, what is allowed.
+BAD = [
+    (["+fault.inject_inf_at=abc"], ["fault.inject_inf_at", "abc", "ListConfig"]),
+    (["+fault.inject_inf_at=[-1]"], ["fault.inject_inf_at=[-1]", "integers >= 0"]),
+    (["+fault.nan_loss_at=[1.5]"], ["fault.nan_loss_at", "1.5", "Integer"]),
+    (["+fault.inject_inf_from=-2"], ["fault.inject_inf_from=-2", "integer >= 0"]),
+    (["+fault.rank=1", "+fault.inject_inf_at=[2]"], ["fault.rank=1", "1 process(es)", "[0, 0]"]),
+    (["+fault.rank=-1", "+fault.inject_inf_at=[2]"], ["fault.rank=-1", "integer >= 0"]),
+    (["+fault.param=nope", "+fault.inject_inf_at=[2]"], ["fault.param='nope'", "net.1.weight"]),
+    (["+fault.bogus=1"], ["fault.bogus is not a setting of fault injection", "inject_inf_at"]),
+    (["fault.bogus=1"], ["fault.bogus", "FaultConf"]),
+    (["ckpt_path=truncated.ckpt"], ["ckpt_path='truncated.ckpt'", "cannot be read as a checkpoint", "truncated"]),
+    (["ckpt_path=garbage.ckpt"], ["ckpt_path='garbage.ckpt'", "cannot be read as a checkpoint"]),
+    (["ckpt_path=plain_tensors.ckpt"], ["ckpt_path='plain_tensors.ckpt'", "not a Lightning checkpoint"]),
+    (["ckpt_path=faults"], ["ckpt_path='faults'", "a directory", "checkpoint file"]),
+    (["ckpt_path=faults/checkpoints/last.ckpt", "trainer.max_steps=5"],
+     ["trainer.max_steps=5 leaves nothing to train", "already at step 12"]),
+    (["scaler.min_scale=0"], ["scaler.min_scale=0", "> 0"]),
+    (["scaler.max_scale=inf"], ["scaler.max_scale=inf", "finite"]),
+    (["scaler.on_min_scale=stop"], ["scaler.on_min_scale='stop'", "raise, skip"]),
+    (["precision=bf16", "scaler.init_scale=8"], ["scaler.init_scale", "NoScalerConf"]),
+    (["precision=fp32", "scaler=dynamic"], ["scaler=dynamic is not allowed with precision=fp32", "scaler=none"]),
+    (["precision=fp16_pure", "precision.master_weights=true"],
+     ["precision.master_weights=true contradicts precision=fp16_pure", "precision=fp16"]),
+    (["precision=bf16_pure", "precision.autocast=true"],
+     ["precision.autocast=true contradicts precision=bf16_pure", "precision=bf16_autocast"]),
+    (["precision=half"], ["precision/half", "bf16_autocast"]),
+    (["trainer.max_steps=1.5"], ["trainer.max_steps", "1.5", "Integer"]),
+    (["recipe.batch_size=big"], ["recipe.batch_size='big'", "an integer"]),
+]
+
+# Runs train.py's entry point once per op; "prepare" ops write the checkpoint files the bad
+# rows need. The exit status is the SystemExit code the process would have exited with.
+_DRIVER = """
+import contextlib, io, json, os, runpy, sys, warnings
+import torch
+from hydra.core.global_hydra import GlobalHydra
+root, ops_file, out_file = sys.argv[1:4]
+sys.path.insert(0, root)
+results = {}
+for op in json.load(open(ops_file)):
+    if op["kind"] == "prepare":
+        data = open("faults/checkpoints/last.ckpt", "rb").read()
+        open("truncated.ckpt", "wb").write(data[: len(data) // 2])
+        open("garbage.ckpt", "wb").write(os.urandom(4096))
+        torch.save({"weights": torch.zeros(3)}, "plain_tensors.ckpt")
+        continue
+    run_dir = os.path.abspath(op["name"])
+    sys.argv = ["train.py", *op["args"], f"hydra.run.dir={run_dir}"]
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), warnings.catch_warnings():
+        try:
+            runpy.run_path(os.path.join(root, "train.py"), run_name="__main__")
+        except SystemExit as exit:
+            code = exit.code
+    GlobalHydra.instance().clear()
+    listing = sorted(os.listdir(run_dir)) if os.path.isdir(run_dir) else None
+    results[op["name"]] = {"code": code, "stdout": out.getvalue(), "stderr": err.getvalue(), "listing": listing,
+                           "dir": run_dir}
+json.dump(results, open(out_file, "w"))
+"""
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, dict]:
+    work = tmp_path_factory.mktemp("reliability")
+    ops = [{"kind": "run", "name": name, "args": args} for name, args in RUNS.items()]
+    ops.append({"kind": "prepare"})
+    ops += [{"kind": "run", "name": f"bad{i}", "args": args} for i, (args, _) in enumerate(BAD)]
+    (work / "driver.py").write_text(_DRIVER)
+    (work / "ops.json").write_text(json.dumps(ops))
+    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+    proc = subprocess.run([sys.executable, "driver.py", str(ROOT), "ops.json", "results.json"], cwd=work, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads((work / "results.json").read_text())
+
+
+def ok(result: dict) -> Path:
+    assert result["code"] in (0, None), result["stderr"][-3000:]
+    return Path(result["dir"])
+
+
+def read_csv(path: Path) -> list[dict[str, str]]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def load(path: Path) -> dict:
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def assert_same_weights(a: dict, b: dict) -> None:
+    assert a["state_dict"].keys() == b["state_dict"].keys()
+    for key in a["state_dict"]:
+        assert torch.equal(a["state_dict"][key], b["state_dict"][key]), key
+
+
+# ---------------------------------------------------------------------------------- faults
+def test_injected_faults_are_skipped_counted_and_logged(runs):
+    run = ok(runs["faults"])
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "ok" and summary["steps"] == 12
+    assert summary["skipped_steps"] == 5  # steps 3, 5, 7, 9, 10
+    assert summary["loss_scale"]["end"] == 2.0**16 / 2**5 and summary["loss_scale"]["backoffs"] == 5
+    assert summary["faults_injected"] == [[3, "inf_grad:net.4.weight"], [5, "nan_loss"], [7, "inf_grad:net.4.weight"],
+                                          [9, "nan_input"], [10, "nan_grad:net.4.weight"]]
+    printed = runs["faults"]["stdout"]
+    assert "skipped      5 of 12 steps" in printed and "faults       5 injected" in printed
+
+    events = read_csv(run / "logs" / "scale_events.csv")
+    assert [(int(e["step"]), e["reason"]) for e in events] == [(s, "overflow") for s in (3, 5, 7, 9, 10)]
+    by_step = {int(e["step"]): e for e in events}
+    for step in (3, 7, 10):  # one element of net.4.weight's gradient was written
+        assert by_step[step]["nonfinite_params"] == "net.4.weight:1"
+    for step in (5, 9):  # a NaN loss or input poisons every gradient
+        assert "net.1.weight:" in by_step[step]["nonfinite_params"]
+
+    # metrics.csv (log_every_n_steps=1): the cumulative count rises exactly at the faulty steps.
+    rows = [r for r in read_csv(run / "logs" / "metrics.csv") if r["amp/skipped_steps"]]
+    skipped = {int(r["step"]): float(r["amp/skipped_steps"]) for r in rows}
+    assert [skipped[s] for s in range(12)] == [0, 0, 0, 1, 1, 2, 2, 3, 3, 4, 5, 5]
+
+
+def test_persistent_overflow_stops_cleanly_with_the_last_good_state_saved(runs):
+    result = runs["collapse"]
+    assert result["code"] == 1
+    run, stderr = Path(result["dir"]), result["stderr"]
+    checkpoint = run / "checkpoints" / "last-good.ckpt"
+    # 4 -> 2 at step 2, 2 -> 1 at step 3, and at step 4 the scale has nowhere left to go.
+    assert ("Training stopped: Loss scale collapsed: gradients are still inf/NaN at the minimum scale 1 "
+            "(step 4, 3 steps skipped in a row)") in stderr
+    assert "Try: a lower learning rate" in stderr and "on_min_scale='skip'" in stderr
+    assert f"saved to {checkpoint}" in stderr
+    assert "Traceback" not in stderr and "HYDRA_FULL_ERROR=1" in stderr
+    assert "FAILED" in result["listing"] and "summary.json" not in result["listing"]
+    assert "LossScaleCollapseError" in (run / "FAILED").read_text()
+    assert not (run / "training_curves.csv").exists()
+
+    saved = load(checkpoint)
+    assert saved["global_step"] == 4
+    assert saved["amp_plugin"]["scaler"]["scale"] == 1.0 and saved["amp_plugin"]["scaler"]["skipped_steps"] == 3
+    # Steps 2, 3 and 4 were skipped: the saved weights are those after the two good steps.
+    assert_same_weights(saved, load(ok(runs["two_steps"]) / "checkpoints" / "last.ckpt"))
+
+
+def test_on_min_scale_skip_keeps_going(runs):
+    run = ok(runs["collapse_skip"])
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["global_step"] == 8 and summary["skipped_steps"] == 6 and summary["loss_scale"]["end"] == 1.0
+    events = read_csv(run / "logs" / "scale_events.csv")
+    assert [e["reason"] for e in events] == ["overflow", "overflow"] + ["min_scale"] * 4
+    # Six skipped steps later the weights are still those after step 1.
+    before = load(ok(runs["two_steps"]) / "checkpoints" / "last.ckpt")
+    assert_same_weights(load(run / "checkpoints" / "last.ckpt"), before)
+
+
+# ---------------------------------------------------------------------------------- resume with another setup
+def test_resuming_the_collapsed_run_in_bf16_warns_on_the_console(runs):
+    result = runs["resume_bf16"]
+    run = ok(result)
+    assert ("Resuming with a different mixed-precision setup (precision: checkpoint 'fp16', now 'bf16', "
+            "scaler_type: checkpoint 'DynamicLossScaler', now None)") in result["stderr"]
+    assert "loss-scaler state is not restored" in result["stderr"]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["resumed_from"] == "collapse/checkpoints/last-good.ckpt"
+    assert (summary["global_step"], summary["steps"], summary["scaler"]) == (8, 4, "none")
+    assert "resumed at step 4" in result["stdout"]
+
+
+def test_resuming_with_other_scaler_settings_warns_and_continues_the_scale(runs):
+    result = runs["resume_new_scaler_settings"]
+    summary = json.loads((ok(result) / "summary.json").read_text())
+    assert "Loss-scaler settings changed since the checkpoint (growth_interval: 2000 -> 50)" in result["stderr"]
+    assert summary["loss_scale"]["start"] == 2.0**11  # where the fault run ended, not init_scale
+
+    result = runs["resume_static_scaler"]
+    summary = json.loads((ok(result) / "summary.json").read_text())
+    assert "scaler_type: checkpoint 'DynamicLossScaler', now 'StaticLossScaler'" in result["stderr"]
+    assert summary["loss_scale"]["start"] == 2.0**16  # the static scale: the dynamic state is not reused
+
+
+# ---------------------------------------------------------------------------------- bad input
+@pytest.mark.parametrize("index", range(len(BAD)), ids=[" ".join(a) for a, _ in BAD])
+def test_bad_input_never_starts_a_run(runs, index):
+    result, expected = runs[f"bad{index}"], BAD[index][1]
+    stderr = result["stderr"]
+    assert result["code"] not in (0, None)
+    for part in expected:
+        assert part in stderr
+    assert "Traceback" not in stderr + result["stdout"] and "HYDRA_FULL_ERROR=1" in stderr
+    assert len(stderr.split("\n\n")) <= 4  # a paragraph or two (Hydra adds a search-path block), not a wall
+    if result["listing"] is not None:  # Hydra made the directory: nothing in it looks like a run
+        assert not set(result["listing"]) & {"checkpoints", "logs", "summary.json", "training_curves.csv"}
+        assert "FAILED" in result["listing"]
+
+
+# ---------------------------------------------------------------------------------- the Python API
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(inject_inf_at=[-1]), r"inject_inf_at=\[-1\] is not allowed"),
+        (dict(nan_input_at=[2.0]), r"nan_input_at=\[2.0\] is not allowed"),
+        (dict(inject_inf_from=-1), r"inject_inf_from=-1 is not allowed: .* integer >= 0"),
+        (dict(rank=True), r"rank=True is not allowed"),
+        (dict(param=""), r"param='' is not allowed"),
+    ],
+)
+def test_fault_injector_rejects_bad_arguments(kwargs, match):
+    from amp_plugin.callbacks import FaultInjector
+
+    with pytest.raises(ValueError, match=match):
+        FaultInjector(**kwargs)
+
+
+def test_fault_injector_for_a_missing_rank_fails_before_the_first_step():
+    from _models import TinyClassifier, quiet_trainer
+
+    from amp_plugin import MixedPrecisionPlugin
+    from amp_plugin.callbacks import FaultInjector
+
+    trainer = quiet_trainer(plugins=[MixedPrecisionPlugin("fp16")], max_steps=3,
+                            callbacks=[FaultInjector(inject_inf_at=[0], rank=1)])
+    with pytest.raises(ValueError, match=r"rank=1 is not allowed: the run has 1 process\(es\)"):
+        trainer.fit(TinyClassifier())
+    assert trainer.global_step == 0
