@@ -19,7 +19,8 @@ from hydra import compose, initialize_config_dir
 from amp_plugin.app.compare import collect_runs, format_table
 from amp_plugin.app.compare import main as compare_main
 from amp_plugin.app.plots import plot_run, read_history, write_history
-from amp_plugin.app.run import format_summary, train
+from amp_plugin.app.report import format_summary
+from amp_plugin.app.run import train
 from amp_plugin.app.schema import PRESETS, register_configs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -116,7 +117,7 @@ def test_resume_from_checkpoint_continues_step_count_and_loss_scale(tmp_path):
 
 
 def test_resume_past_max_steps_is_rejected_before_training(tmp_path):
-    from amp_plugin.app.schema import ConfigError
+    from amp_plugin.app.validation import ConfigError
 
     first = train(compose_config(*QUICK, output_dir=tmp_path / "a"))
     out = tmp_path / "b"

@@ -21,7 +21,8 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, ValidationError
 
 from amp_plugin import DynamicLossScaler, StaticLossScaler
-from amp_plugin.app.schema import PRESETS, ConfigError, register_configs, scaler_kind, validate
+from amp_plugin.app.schema import PRESETS, register_configs
+from amp_plugin.app.validation import ConfigError, scaler_kind, validate
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG_DIR = ROOT / "configs"

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from amp_plugin.app.schema import ConfigError, register_configs, validate
+from amp_plugin.app.schema import register_configs
+from amp_plugin.app.validation import ConfigError, validate
 
 __all__ = ["ConfigError", "register_configs", "train", "validate"]
 

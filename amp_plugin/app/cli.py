@@ -1,7 +1,7 @@
 """Command-line entry points: ``train.py`` and the ``amp-train`` console script.
 
 Both compose the same configs (``configs/train.yaml`` and its groups) and call
-:func:`run_job`, which turns a bad config (:class:`~amp_plugin.app.schema.ConfigError`) or a
+:func:`run_job`, which turns a bad config (:class:`~amp_plugin.app.validation.ConfigError`) or a
 collapsed loss scale into one short message on stderr and exit status 1, with no traceback.
 ``HYDRA_FULL_ERROR=1`` shows the full traceback instead.
 
@@ -24,7 +24,8 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from amp_plugin.app.schema import ConfigError, register_configs, validate
+from amp_plugin.app.schema import register_configs
+from amp_plugin.app.validation import ConfigError, validate
 from amp_plugin.dynamic_scaler import LossScaleCollapseError
 
 __all__ = ["SweepFailures", "config_dir", "main", "run_job"]

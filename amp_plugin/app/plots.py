@@ -109,7 +109,7 @@ def _draw(axes: list, rows: Sequence[Mapping[str, float]], label: str | None, co
 
 
 def plot_run(rows: Sequence[Mapping[str, float]], path: str | Path, title: str | None = None) -> Path:
-    """Plot one run's history (rows from :class:`~amp_plugin.app.run.RunRecorder`) to a PNG."""
+    """Plot one run's history (rows from :class:`~amp_plugin.app.report.RunRecorder`) to a PNG."""
     fig, axes = _axes(title)
     _draw(axes, rows, None, None)
     _log_if_wide(axes[0], _column(rows, "train_loss")[1] + _column(rows, "val/loss")[1])
