@@ -265,19 +265,27 @@ class MixedPrecisionPlugin(Precision):
         return counts[:top]
 
     def _hold_schedulers_on_skip(self, module: pl.LightningModule, configs: list[Any]) -> None:
-        if not self.skip_lr_on_overflow or self.scaler is None or getattr(module, "_amp_plugin_holds_lr", False):
-            return
+        """Wrap the module's ``lr_scheduler_step`` so step-interval schedulers hold on a skip.
+
+        The wrapper is installed once per module and reads the current plugin's scaler and
+        schedulers from the module at call time, so fitting the same module again with
+        another plugin holds with the new one.
+        """
+        hold = self.skip_lr_on_overflow and self.scaler is not None
         step_interval = {id(c.scheduler) for c in configs if getattr(c, "interval", None) == "step"}
+        module._amp_plugin_lr_hold = (self._scaler, step_interval) if hold else None
+        if getattr(module, "_amp_plugin_lr_wrapped", False):
+            return
         original = module.lr_scheduler_step
-        scaler = self._scaler
 
         def lr_scheduler_step(scheduler: Any, metric: Any = None) -> None:
-            if id(scheduler) in step_interval and scaler.last_step_skipped:
+            current = module._amp_plugin_lr_hold
+            if current is not None and id(scheduler) in current[1] and current[0].last_step_skipped:
                 return  # the optimizer did not step: neither does its schedule
             original(scheduler, metric)
 
         module.lr_scheduler_step = lr_scheduler_step  # type: ignore[method-assign]
-        module._amp_plugin_holds_lr = True
+        module._amp_plugin_lr_wrapped = True
 
     # ------------------------------------------------------------------ checkpoints
     @override

@@ -319,3 +319,13 @@ def test_on_min_scale_skip_keeps_training():
     plugin = MixedPrecisionPlugin("fp16", scaler=DynamicLossScaler(init_scale=4.0, on_min_scale="skip"))
     trainer = fit(AlwaysOverflow(), plugin, max_steps=10)
     assert trainer.global_step == 10 and plugin.scaler.skipped_steps == 8
+
+
+def test_refitting_a_module_holds_the_schedule_with_the_new_plugin():
+    model = TinyClassifier(overflow_at=(1,), scheduler_gamma=0.5, lr=0.1)
+    fit(model, MixedPrecisionPlugin("fp16"), max_steps=3)  # first plugin: one skip, two LR steps
+    model.overflow_at = {1, 2}
+    plugin = MixedPrecisionPlugin("fp16")
+    trainer = fit(model, plugin, max_steps=4)  # fresh optimizer and scheduler, 4 steps, 2 skipped
+    assert plugin.scaler.skipped_steps == 2
+    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**2, rel=1e-12)
