@@ -13,11 +13,18 @@ Same process, the three paths alternating, median of the repeats:
 
 Also prints the memory-traffic floor: bytes a step must move divided by the measured copy
 bandwidth of this machine.
+
+``--stages`` adds where our path's time goes: each stage of it timed on its own (wall and
+process CPU time, stages alternating, median), against the floor, plus two stock-op
+alternatives (the inf check reading the FP16 grads; fused AdamW doing the unscale through
+its ``grad_scale``/``found_inf`` arguments). ``--compiled-prototype`` adds a prototype of
+the whole path fused by ``torch.compile`` (not what ``MasterWeightOptimizer`` does today).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import time
 
@@ -52,12 +59,120 @@ def copy_bandwidth(numel: int) -> float:
     return 2 * 4 * numel / statistics.median(times)
 
 
+def compiled_update():
+    """A prototype of the fused step ``torch.compile`` can build from stock ops (AdamW only).
+
+    Per tensor, one pass: read the FP16 grad, the FP32 master and both moments; write the
+    master, the moments and the FP16 weight. Hyperparameters travel as one tensor so that
+    the per-step bias corrections do not trigger recompiles. Returns the compiled per-tensor
+    update and the compiled per-tensor non-finite check.
+    """
+
+    def one(half_w, half_g, master, m, v, inv_scale, hp):
+        lr, b1, b2, eps, wd, bc1, bc2_sqrt = hp.unbind()
+        g = half_g.float() * inv_scale
+        m_new = m.lerp(g, 1 - b1)
+        v_new = v * b2 + (1 - b2) * g * g
+        p = master * (1 - lr * wd) - (lr / bc1) * m_new / (v_new.sqrt() / bc2_sqrt + eps)
+        m.copy_(m_new)
+        v.copy_(v_new)
+        master.copy_(p)
+        half_w.copy_(p)
+
+    def nonfinite(half_g):
+        return (~torch.isfinite(half_g)).any()
+
+    one_c = torch.compile(one, dynamic=True, fullgraph=True)
+    nonfinite_c = torch.compile(nonfinite, dynamic=True, fullgraph=True)
+    return one_c, nonfinite_c
+
+
+def stage_breakdown(numel: int, chunks: int, repeats: int, prototype: bool = False) -> None:
+    """Time each stage of our step path on its own, alternating, against the fused-AdamW floor."""
+    n = numel // chunks
+    g = torch.Generator().manual_seed(0)
+    half_w = [(torch.randn(n, generator=g) * 0.02).half() for _ in range(chunks)]
+    half_g = [torch.randn(n, generator=g).half() for _ in range(chunks)]  # as a scaled backward leaves them
+    masters = [w.float() for w in half_w]
+    master_g = [torch.empty(n) for _ in range(chunks)]
+    m, v = [torch.zeros(n) for _ in range(chunks)], [torch.zeros(n) for _ in range(chunks)]
+    steps = [torch.ones(()) for _ in range(chunks)]
+    fw, fg = [w.float() for w in half_w], [x.float() for x in half_g]
+    fm, fv = [torch.zeros(n) for _ in range(chunks)], [torch.zeros(n) for _ in range(chunks)]
+    fsteps = [torch.ones(()) for _ in range(chunks)]
+    found, one, half_g_copy = torch.zeros(()), torch.ones(()), [x.clone() for x in half_g]
+    hp = dict(lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=0.01, eps=1e-8, amsgrad=False, maximize=False)
+    # inv_scale=1 keeps the tensors identical from repeat to repeat; the kernels cost the same.
+    stages = {
+        "floor: fused AdamW on FP32 params": lambda: torch._fused_adamw_(fw, fg, fm, fv, [], fsteps, **hp),
+        "1. copy FP16 grads -> FP32 master grads": lambda: torch._foreach_copy_(master_g, half_g),
+        "2. unscale + inf check (FP32 master grads)":
+            lambda: torch._amp_foreach_non_finite_check_and_unscale_(master_g, found, one),
+        "3. read the found-inf flag (host sync)": lambda: found.item(),
+        "4. fused AdamW on the FP32 masters": lambda: torch._fused_adamw_(masters, master_g, m, v, [], steps, **hp),
+        "5. copy FP32 masters -> FP16 weights": lambda: torch._foreach_copy_(half_w, masters),
+        "alt: inf check reading the FP16 grads": lambda: torch._amp_foreach_non_finite_check_and_unscale_(
+            half_g_copy, found, one),
+        "alt: fused AdamW with grad_scale/found_inf": lambda: torch._fused_adamw_(
+            masters, master_g, m, v, [], steps, grad_scale=one, found_inf=found, **hp),
+    }
+    if prototype:
+        try:
+            one_c, nonfinite_c = compiled_update()
+            p_half, p_master = [w.clone() for w in half_w], [w.float() for w in half_w]
+            p_m, p_v = [torch.zeros(n) for _ in range(chunks)], [torch.zeros(n) for _ in range(chunks)]
+            p_step, inv = [0], torch.ones(())
+
+            def fused() -> None:
+                if bool(torch.stack([nonfinite_c(x) for x in half_g]).any()):  # one host sync
+                    return
+                p_step[0] += 1
+                t = p_step[0]
+                hp_t = torch.tensor([1e-3, 0.9, 0.999, 1e-8, 0.01, 1 - 0.9**t, math.sqrt(1 - 0.999**t)])
+                for i in range(chunks):
+                    one_c(p_half[i], half_g[i], p_master[i], p_m[i], p_v[i], inv, hp_t)
+
+            t0 = time.perf_counter()
+            fused()
+            print(f"\n(prototype compiled in {time.perf_counter() - t0:.1f} s)")
+            stages["prototype: torch.compile'd check + unscale + AdamW + copy-back"] = fused
+        except Exception as err:  # no C++ compiler, or an inductor limitation
+            print(f"\n(prototype skipped: {type(err).__name__}: {str(err).splitlines()[0][:120]})")
+    for fn in stages.values():
+        fn()
+    wall: dict[str, list[float]] = {k: [] for k in stages}
+    cpu: dict[str, list[float]] = {k: [] for k in stages}
+    for _ in range(repeats):
+        for name, fn in stages.items():
+            w0, c0 = time.perf_counter(), time.process_time()
+            fn()
+            wall[name].append(time.perf_counter() - w0)
+            cpu[name].append(time.process_time() - c0)
+    floor_cpu = statistics.median(cpu["floor: fused AdamW on FP32 params"])
+    print(f"\n# Where our path's time goes: each stage alone, {torch.get_num_threads()} threads, "
+          f"median of {repeats}\n")
+    print("| stage | ms | CPU ms | CPU vs floor |")
+    print("|---|---:|---:|---:|")
+    total = 0.0
+    for name in stages:
+        w, c = statistics.median(wall[name]), statistics.median(cpu[name])
+        if name[0].isdigit():
+            total += c
+        print(f"| {name} | {w * 1e3:.1f} | {c * 1e3:.1f} | {c / floor_cpu:.2f}x |")
+    print(f"| sum of stages 1-5 | | {total * 1e3:.1f} | {total / floor_cpu:.2f}x |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--params", type=float, default=16, help="millions of parameters")
     parser.add_argument("--chunks", type=int, default=16, help="number of parameter tensors")
     parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch.set_num_threads")
+    parser.add_argument("--stages", action="store_true", help="also time each stage of our path")
+    parser.add_argument("--compiled-prototype", action="store_true",
+                        help="with --stages: also time a torch.compile'd fused update (needs a C++ compiler)")
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     numel = int(args.params * 1e6) // args.chunks * args.chunks
 
     floor_params = make_params(numel, args.chunks, torch.float32)
@@ -99,14 +214,16 @@ def main() -> None:
 
     # Bytes the fused FP32 AdamW step must move: read param, grad, m, v; write param, m, v.
     floor_bytes = 7 * 4 * numel
-    # Ours, ideally: read half grad (2), master (4), m, v; write master, m, v, half weight (2).
-    ideal_ours_bytes = (2 + 4 * 4 + 4 * 3 + 2) * numel
+    # Ours, ideally: an inf check reading the half grad (2), then one pass that reads the half
+    # grad (2), master, m, v (4 each) and writes master, m, v (4 each) and the half weight (2).
+    ideal_ours_bytes = (2 + 2 + 4 * 3 + 4 * 3 + 2) * numel
     bw = copy_bandwidth(numel)
 
     print(f"# Optimizer-step path, {numel / 1e6:.1f}M params in {args.chunks} tensors, "
           f"{torch.get_num_threads()} threads, median of {args.repeats}")
     print(f"command: python benchmarks/bench_step.py --params {args.params:g} --chunks {args.chunks} "
-          f"--repeats {args.repeats}\n")
+          f"--repeats {args.repeats} --threads {args.threads}{' --stages' if args.stages else ''}"
+          f"{' --compiled-prototype' if args.compiled_prototype else ''}\n")
     print("| path | ms/step | vs floor |")
     print("|---|---:|---:|")
     for name, t in medians.items():
@@ -116,6 +233,8 @@ def main() -> None:
     print(f"| memory-traffic floor, ours ({ideal_ours_bytes / 1e6:.0f} MB) "
           f"| {ideal_ours_bytes / bw * 1e3:.1f} | {ideal_ours_bytes / bw / base:.2f}x |")
     print(f"\nours / Lightning 16-mixed path: {medians['ours (FP16 + FP32 masters)'] / medians['Lightning 16-mixed path']:.2f}x")
+    if args.stages:
+        stage_breakdown(numel, args.chunks, args.repeats, args.compiled_prototype)
 
 
 if __name__ == "__main__":

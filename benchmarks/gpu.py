@@ -1,0 +1,234 @@
+"""On a CUDA GPU: tokens/s and peak memory of a larger char_gpt, ours vs Lightning's own precisions.
+
+    python benchmarks/gpu.py [--batch-size 64] [--warmup 10] [--steps 40]
+
+Model: ``recipes.char_gpt.CharGPTRecipe`` with 6 layers, width 512, 8 heads, block (sequence)
+256, batch 64 (about 19M parameters, 16384 tokens per step), AdamW, unchanged recipe code.
+Configurations, each a fresh module and ``Trainer`` on one GPU, run one after another:
+
+- ours: ``MixedPrecisionPlugin`` ``fp32``, ``bf16`` (BF16 model, FP32 masters), ``fp16`` (FP16
+  model, FP32 masters, dynamic loss scaling), ``bf16_autocast`` and ``fp16_autocast`` (FP32
+  weights under ``torch.autocast``, like for like with Lightning's ``*-mixed``);
+- Lightning's own: ``32-true``, ``bf16-mixed``, ``16-mixed``.
+
+Tokens/s: tokens of the timed steps divided by the wall time between a
+``torch.cuda.synchronize()`` before the first timed step and one after the last (forward,
+backward, optimizer step, data loading and Lightning's per-step work all inside);
+the first ``--warmup`` steps (CUDA context, cuBLAS/cuDNN heuristics, allocator growth,
+early loss-scale overflows) are excluded. Peak memory: ``torch.cuda.max_memory_allocated()``
+over the whole fit (weights, FP32 masters, optimizer state, activations, gradients).
+
+TF32 is left at PyTorch's default (``torch.backends.cuda.matmul.allow_tf32`` is False unless
+something changed it; the header prints the values in effect), so ``fp32`` is true FP32.
+A configuration that fails is reported in its row and the rest still run; the script
+stops starting new configurations after ``--budget-s`` seconds (default 240). Without a
+CUDA device it says so and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import logging
+import platform
+import statistics
+import sys
+import time
+import warnings
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+
+NO_GPU_MESSAGE = (
+    "benchmarks/gpu.py measures GPU throughput and needs a CUDA device, but "
+    "torch.cuda.is_available() is False here, so there is nothing to measure. "
+    "Run it on a machine with an NVIDIA GPU: python benchmarks/gpu.py"
+)
+
+MODEL = dict(n_layer=6, n_head=8, n_embd=512, block_size=256)
+FP32_REFERENCE = "Lightning 32-true"
+BF16_LIGHTNING = "Lightning bf16-mixed"
+
+
+def _configs() -> dict[str, Any]:
+    try:
+        from amp_plugin.plugin import MixedPrecisionPlugin
+    except Exception as err:  # still measure Lightning's own; our rows then show the error
+        import_error = err
+
+        def ours(**kwargs: Any):
+            def fail() -> dict[str, Any]:
+                raise import_error
+
+            return fail
+    else:
+        def ours(**kwargs: Any):
+            return lambda: {"plugins": [MixedPrecisionPlugin(**kwargs)]}
+
+    def lightning(precision: str):
+        return lambda: {"precision": precision}
+
+    return {
+        "ours fp32": ours(precision="fp32"),
+        "ours bf16": ours(precision="bf16"),
+        "ours fp16": ours(precision="fp16"),
+        "ours bf16_autocast": ours(precision="bf16", master_weights=False, autocast=True),
+        "ours fp16_autocast": ours(precision="fp16", master_weights=False, autocast=True),
+        "Lightning 32-true": lightning("32-true"),
+        "Lightning bf16-mixed": lightning("bf16-mixed"),
+        "Lightning 16-mixed": lightning("16-mixed"),
+    }
+
+
+def measure(make_module, make_trainer_kwargs, warmup: int, steps: int, cuda: bool = True) -> dict[str, Any]:
+    """Fit a fresh module for ``warmup + steps`` steps; time the last ``steps``.
+
+    ``cuda=False`` runs the same code on the CPU without the CUDA calls (a dry run for tests).
+    """
+    import pytorch_lightning as pl
+
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+
+    class Throughput(pl.Callback):
+        def __init__(self) -> None:
+            self.batches = 0
+            self.tokens = 0
+            self.t0 = self.t1 = 0.0
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            self.batches += 1
+            if self.batches == warmup + 1:
+                sync()
+                self.t0 = time.perf_counter()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            if self.batches > warmup:
+                self.tokens += batch[0].numel()
+            if self.batches == warmup + steps:
+                sync()
+                self.t1 = time.perf_counter()
+
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    pl.seed_everything(0, verbose=False)
+    timer = Throughput()
+    module = make_module()
+    trainer = pl.Trainer(
+        accelerator="gpu" if cuda else "cpu", devices=1, max_steps=warmup + steps, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        limit_val_batches=0, num_sanity_val_steps=0, callbacks=[timer], **make_trainer_kwargs(),
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(module)
+    if timer.t1 <= timer.t0:
+        raise RuntimeError(f"only {timer.batches} batches ran; need {warmup + steps}")
+    seconds = timer.t1 - timer.t0
+    scaler = getattr(trainer.precision_plugin, "scaler", None)
+    skipped = getattr(scaler, "skipped_steps", None)
+    result = {
+        "ms_per_step": seconds / steps * 1e3,
+        "tokens_per_s": timer.tokens / seconds,
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
+        "skipped": skipped,
+    }
+    del trainer, module
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--budget-s", type=float, default=240.0, help="start no configuration after this")
+    parser.add_argument("--configs", nargs="+", default=None, help="names to run (default: all)")
+    parser.add_argument("--cpu-dry-run", action="store_true",
+                        help="run the same code on the CPU with a tiny model and no CUDA calls (for tests)")
+    args = parser.parse_args()
+
+    cuda = not args.cpu_dry_run
+    if cuda and not torch.cuda.is_available():
+        print(NO_GPU_MESSAGE)
+        return 0
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo, installed or not
+    import pytorch_lightning as pl
+
+    for logger in ("pytorch_lightning", "lightning.pytorch", "lightning_fabric", "lightning.fabric"):
+        logging.getLogger(logger).setLevel(logging.WARNING)  # no per-Trainer banners between rows
+
+    from recipes.char_gpt import CharGPTRecipe
+
+    configs = _configs()
+    names = args.configs or list(configs)
+    unknown = sorted(set(names) - set(configs))
+    if unknown:
+        parser.error(f"unknown configs {unknown}; choose from {list(configs)}")
+    model = MODEL if cuda else dict(n_layer=1, n_head=2, n_embd=16, block_size=16)
+    make_module = partial(CharGPTRecipe, **model, batch_size=args.batch_size, max_chars=1_000_000 if cuda else 20_000,
+                          warmup_steps=0)
+    params = sum(p.numel() for p in make_module().parameters())
+
+    print(f"# GPU throughput: char_gpt {model['n_layer']} layers, width {model['n_embd']}, "
+          f"block {model['block_size']}, batch {args.batch_size} ({params / 1e6:.1f}M params, "
+          f"{args.batch_size * model['block_size']} tokens/step), {args.warmup} warm-up + {args.steps} timed steps")
+    if cuda:
+        props = torch.cuda.get_device_properties(0)
+        device = f"{props.name} ({props.total_memory / 2**30:.0f} GiB), CUDA {torch.version.cuda}"
+    else:
+        device = "CPU dry run (tiny model, no CUDA calls; the numbers mean nothing)"
+    print(f"device: {device}, torch {torch.__version__}, Lightning {pl.__version__}, "
+          f"Python {platform.python_version()}")
+    print(f"TF32 at defaults: torch.backends.cuda.matmul.allow_tf32={torch.backends.cuda.matmul.allow_tf32}, "
+          f"torch.backends.cudnn.allow_tf32={torch.backends.cudnn.allow_tf32}, "
+          f"float32_matmul_precision={torch.get_float32_matmul_precision()!r}")
+    print(f"command: python benchmarks/gpu.py --batch-size {args.batch_size} --warmup {args.warmup} "
+          f"--steps {args.steps}\n", flush=True)
+
+    start = time.perf_counter()
+    results: dict[str, dict[str, Any]] = {}
+    for name in names:
+        if time.perf_counter() - start > args.budget_s:
+            results[name] = {"error": f"not run: over the {args.budget_s:.0f} s budget"}
+            continue
+        try:
+            results[name] = measure(make_module, configs[name], args.warmup, args.steps, cuda)
+        except Exception as err:  # report it and carry on with the others
+            results[name] = {"error": f"{type(err).__name__}: {str(err).splitlines()[0][:160] if str(err) else ''}"}
+        print(f"  {name}: {results[name]}", flush=True)
+
+    fp32 = results.get(FP32_REFERENCE, {}).get("tokens_per_s") or results.get("ours fp32", {}).get("tokens_per_s")
+    bf16 = results.get(BF16_LIGHTNING, {}).get("tokens_per_s")
+    print("\n| config | ms/step | tokens/s | vs FP32 | vs Lightning bf16-mixed | peak GiB | skipped steps |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for name, r in results.items():
+        if "error" in r:
+            print(f"| {name} | failed: {r['error']} | | | | | |")
+            continue
+        tps = r["tokens_per_s"]
+        vs_fp32 = f"{tps / fp32:.2f}x" if fp32 else "-"
+        vs_bf16 = f"{tps / bf16:.2f}x" if bf16 else "-"
+        skipped = "-" if r["skipped"] is None else r["skipped"]
+        print(f"| {name} | {r['ms_per_step']:.1f} | {tps:,.0f} | {vs_fp32} | {vs_bf16} | {r['peak_gib']:.2f} "
+              f"| {skipped} |")
+    if fp32 and bf16:
+        print("\nGoals: half precision >= 2.5x FP32 tokens/s, and not slower than Lightning bf16-mixed")
+        for name in ("ours bf16", "ours fp16", "ours bf16_autocast", "ours fp16_autocast"):
+            r = results.get(name, {})
+            if "tokens_per_s" in r:
+                print(f"- {name}: {r['tokens_per_s'] / fp32:.2f}x FP32, {r['tokens_per_s'] / bf16:.2f}x Lightning "
+                      f"bf16-mixed")
+    medians = [r["ms_per_step"] for r in results.values() if "ms_per_step" in r]
+    if medians:
+        print(f"\n{len(medians)} of {len(results)} configurations measured in {time.perf_counter() - start:.0f} s "
+              f"(median {statistics.median(medians):.1f} ms/step)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,106 @@
+"""Every benchmark script runs end to end in a tiny configuration and prints the table it promises.
+
+Importing Lightning alone takes several seconds, so every script that trains is marked slow.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "benchmarks"
+END_TO_END_CONFIGS = [
+    "ours fp32", "ours fp16", "ours bf16", "ours fp16_autocast", "ours bf16_autocast", "ours fp16_pure",
+    "ours bf16_pure", "Lightning 32-true", "Lightning bf16-mixed", "Lightning 16-mixed (CPU GradScaler)",
+    "Lightning 16-true", "Lightning bf16-true",
+]
+
+
+def run(script: str, *args: str, timeout: float = 600) -> str:
+    out = subprocess.run(
+        [sys.executable, str(BENCH / script), *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
+    assert out.returncode == 0, f"{script} failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+    return out.stdout
+
+
+def table_rows(text: str) -> list[list[str]]:
+    """Body rows of every Markdown table in ``text``, as lists of stripped cells."""
+    rows = []
+    for line in text.splitlines():
+        if line.startswith("|") and not line.startswith("|---") and not line.startswith("| config") \
+                and not line.startswith("| path") and not line.startswith("| mode"):
+            rows.append([cell.strip() for cell in line.strip().strip("|").split("|")])
+    return rows
+
+
+def test_bench_step_prints_the_three_paths_the_traffic_floor_and_the_stages():
+    out = run("bench_step.py", "--params", "0.2", "--chunks", "4", "--repeats", "2", "--threads", "1", "--stages")
+    names = [row[0] for row in table_rows(out)]
+    assert names[:3] == ["floor (fused AdamW, FP32)", "ours (FP16 + FP32 masters)", "Lightning 16-mixed path"]
+    assert sum(name.startswith("memory-traffic floor") for name in names) == 2
+    assert re.search(r"ours / Lightning 16-mixed path: [0-9.]+x", out)
+    stages = [name for name in names if name[0].isdigit()]
+    assert len(stages) == 5 and "sum of stages 1-5" in names
+
+
+@pytest.mark.slow
+def test_bench_plugin_overhead_compares_matching_modes():
+    out = run("bench_plugin_overhead.py", "--steps", "3", "--rounds", "1", "--n-embd", "16")
+    assert [row[0] for row in table_rows(out)] == ["bf16 autocast", "fp32"]
+
+
+@pytest.mark.slow
+def test_bench_end_to_end_quick_has_every_configuration_and_memory_column():
+    out = run("bench_end_to_end.py", "--quick")
+    assert "## char_gpt" in out and "## digits" in out
+    rows = table_rows(out)
+    assert [row[0] for row in rows] == END_TO_END_CONFIGS * 2
+    for row in rows:
+        assert float(row[1]) > 0 and float(row[2]) > 0  # wall and CPU ms/step
+        activations, fp32_part = row[7].split()  # "0.01 (0.01)": measured in-process in --quick
+        assert float(activations) >= float(fp32_part.strip("()")) >= 0
+        assert float(row[6]) > 0  # state MB
+    assert "goal <= 1.15x" in out
+
+
+@pytest.mark.slow
+def test_bench_convergence_quick_writes_table_csv_json_and_plots(tmp_path):
+    out = run("bench_convergence.py", "--quick", "--out-dir", str(tmp_path))
+    configs = ["fp32", "fp16", "bf16", "fp16_autocast", "fp16 no scaling", "fp16 no masters"]
+    for recipe in ("digits", "char_gpt", "underflow_demo", "stagnation_demo"):
+        assert f"## {recipe}" in out
+        assert (tmp_path / f"convergence_{recipe}.png").stat().st_size > 1000
+    assert [row[0] for row in table_rows(out)] == configs * 4
+    csv_lines = (tmp_path / "convergence_runs.csv").read_text().splitlines()
+    assert csv_lines[0].startswith("recipe,config,seed,steps") and len(csv_lines) == 1 + 24
+    saved = json.loads((tmp_path / "convergence.json").read_text())
+    assert set(saved["summary"]) == {"digits", "char_gpt", "underflow_demo", "stagnation_demo"}
+    assert len(saved["runs"]) == 24 and all(len(r["train_loss"]) == r["steps"] for r in saved["runs"])
+    # The tables can be re-made from the saved runs without training.
+    again = run("bench_convergence.py", "--quick", "--from-json", str(tmp_path / "convergence.json"))
+    tables = out.split("\n", 1)[1].split("\nwrote ")[0]  # after the header line, before "wrote ..."
+    assert again.split("\n", 1)[1].rstrip() == tables.rstrip()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
+def test_gpu_script_declines_politely_without_a_gpu():
+    out = run("gpu.py", timeout=120)
+    assert "needs a CUDA device" in out and "nothing to measure" in out
+
+
+@pytest.mark.slow
+def test_gpu_script_runs_its_code_path_on_cpu():
+    out = run("gpu.py", "--cpu-dry-run", "--configs", "ours fp16", "Lightning 32-true", "Lightning bf16-mixed",
+              "--batch-size", "2", "--warmup", "1", "--steps", "2")
+    rows = table_rows(out)
+    assert [row[0] for row in rows] == ["ours fp16", "Lightning 32-true", "Lightning bf16-mixed"]
+    assert all(not row[1].startswith("failed") for row in rows)
+    assert "ours fp16: " in out and "x FP32" in out
