@@ -1,0 +1,273 @@
+"""CpuHalfEmulation as a context: what it routes, nesting, threads, backends, modules."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+from _emulation_helpers import BACKENDS, assert_bitwise, rnd
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
+
+from amp_plugin.emulation import EMULATED_OPS, HALF_DTYPES, CpuHalfEmulation, should_emulate
+
+
+# ------------------------------------------------------------------ routing and lifetime
+
+MATMULS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+
+
+class _Spy(TorchDispatchMode):
+    """Records (op, tensor dtypes) of what reaches it. Matmuls are run through their
+    CPU kernel with the spy still visible, so the ops issued *inside* that kernel
+    (the casts of an emulating kernel) are recorded too."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    @classmethod
+    def _should_skip_dynamo(cls):
+        return False  # plain eager method: no torch._dynamo import on first use
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        dtypes = tuple(a.dtype for a in args if isinstance(a, torch.Tensor))
+        if func in MATMULS:
+            self.seen.append((str(func), dtypes))
+            with self:
+                return func.redispatch(torch._C.DispatchKeySet(torch._C.DispatchKey.CPU), *args, **kwargs)
+        if func is torch.ops.aten._to_copy.default:
+            self.seen.append(("cast", (dtypes[0], kwargs.get("dtype"))))
+        elif func is torch.ops.aten.to.dtype:  # how ``t.float()`` shows up inside a mode
+            self.seen.append(("cast", (dtypes[0], args[1])))
+        return func(*args, **kwargs)
+
+
+def test_routes_through_fp32_kernels(dtype, backend):
+    x, w, b = rnd(3, 4, dtype=dtype, seed=60), rnd(2, 4, dtype=dtype, seed=61), rnd(2, dtype=dtype, seed=62)
+    f32 = torch.float32
+    up, down = ("cast", (dtype, f32)), ("cast", (f32, dtype))
+    with _Spy() as spy, CpuHalfEmulation(backend=backend) as emu:
+        F.linear(x, w, b)
+        x @ w.t()
+    assert emu.emulated_calls == {"aten.addmm.default": 1, "aten.mm.default": 1}
+    if backend == "mode":
+        # the spy sits below the mode: it sees the mode's upcasts, FP32 matmuls, downcasts
+        assert spy.seen == [
+            up, up, up, ("aten.addmm.default", (f32, f32, f32)), down,
+            up, up, ("aten.mm.default", (f32, f32)), down,
+        ]
+    else:
+        # the spy sits above the CPU kernels: it sees the half op enter the CPU kernel,
+        # which upcasts the operands, runs the FP32 kernel and rounds the result
+        assert spy.seen == [
+            ("aten.addmm.default", (dtype, dtype, dtype)), up, up, up, down,
+            ("aten.mm.default", (dtype, dtype)), up, up, down,
+        ]
+    with _Spy() as spy:  # outside: the native half kernel, no casts
+        x @ w.t()
+    assert spy.seen == [("aten.mm.default", (dtype, dtype))]
+
+
+def _mm_kernel():
+    return repr(torch.library.get_kernel("aten::mm", "CPU"))
+
+
+def test_nesting_and_exit(backend):
+    a = torch.randn(3, 3, dtype=torch.float16)
+    assert not CpuHalfEmulation.is_active()
+    modes, kernel = len(_get_current_dispatch_mode_stack()), _mm_kernel()
+    outer, inner = CpuHalfEmulation(backend=backend), CpuHalfEmulation(backend=backend)
+    with outer:
+        assert CpuHalfEmulation.is_active() and outer.active
+        installed = (len(_get_current_dispatch_mode_stack()), _mm_kernel())
+        assert installed != (modes, kernel)
+        with inner:
+            with outer:  # re-entering the same instance
+                a @ a
+            # nesting shares one interception: no extra per-op layer
+            assert (len(_get_current_dispatch_mode_stack()), _mm_kernel()) == installed
+            a @ a
+        assert CpuHalfEmulation.is_active() and not inner.active
+        a @ a
+    assert not CpuHalfEmulation.is_active() and not outer.active
+    # the mode is popped / the original CPU kernel is registered again
+    assert (len(_get_current_dispatch_mode_stack()), _mm_kernel()) == (modes, kernel)
+    assert outer.emulated_calls == {"aten.mm.default": 3}
+    assert inner.emulated_calls == {"aten.mm.default": 2}
+    a @ a  # native again: nothing counted
+    assert outer.emulated_calls == {"aten.mm.default": 3}
+    outer.reset_counts()
+    assert outer.emulated_calls == {}
+
+
+def test_exception_inside_exits_cleanly(backend):
+    modes, kernel = len(_get_current_dispatch_mode_stack()), _mm_kernel()
+    emu = CpuHalfEmulation(backend=backend)
+    with pytest.raises(ValueError):
+        with emu:
+            with CpuHalfEmulation(backend=backend):
+                raise ValueError("boom")
+    assert not CpuHalfEmulation.is_active()
+    assert (len(_get_current_dispatch_mode_stack()), _mm_kernel()) == (modes, kernel)
+    with emu:  # usable again
+        torch.ones(2, 2, dtype=torch.bfloat16) @ torch.ones(2, 2, dtype=torch.bfloat16)
+    assert emu.emulated_calls == {"aten.mm.default": 1}
+
+
+def test_disabled_is_a_no_op():
+    a = torch.randn(2, 2, dtype=torch.float16)
+    kernel = _mm_kernel()
+    with CpuHalfEmulation(enabled=False) as emu:
+        assert not CpuHalfEmulation.is_active() and _mm_kernel() == kernel
+        a @ a
+    assert emu.emulated_calls == {}
+
+
+def test_keep_installed_makes_contexts_cheap_but_not_active():
+    a = rnd(6, 6, dtype=torch.float16, seed=73)
+    native, kernel = a @ a, _mm_kernel()
+    with CpuHalfEmulation.keep_installed() as hold:
+        installed = _mm_kernel()
+        assert installed != kernel and not CpuHalfEmulation.is_active()
+        assert torch.equal(a @ a, native)  # registered, but off outside a context
+        with CpuHalfEmulation(backend="kernel") as emu:
+            emulated = a @ a
+        assert _mm_kernel() == installed  # leaving the context kept the kernels
+        with CpuHalfEmulation(backend="kernel") as emu2:
+            a @ a
+    assert _mm_kernel() == kernel
+    assert_bitwise(emulated, (a.float() @ a.float()).to(torch.float16))
+    assert emu.emulated_calls == emu2.emulated_calls == {"aten.mm.default": 1}
+    hold.__exit__(None, None, None)  # a second exit is harmless
+    assert _mm_kernel() == kernel
+
+
+def test_backends_agree():
+    x = rnd(2, 3, 4, dtype=torch.float16, seed=70)
+    w = rnd(5, 4, dtype=torch.float16, seed=71)
+    results = []
+    for backend in BACKENDS:
+        with CpuHalfEmulation(backend=backend):
+            results.append(F.linear(x, w).float().softmax(-1))
+    assert torch.equal(*results)
+    with pytest.raises(ValueError, match="backend"):
+        CpuHalfEmulation(backend="cuda")
+    assert CpuHalfEmulation().backend in BACKENDS
+
+
+def test_other_threads_unaffected(backend):
+    a = rnd(8, 8, dtype=torch.float16, seed=72)
+    native = a @ a
+    seen = {}
+
+    def worker():
+        seen["active"] = CpuHalfEmulation.is_active()
+        seen["result"] = a @ a
+
+    with CpuHalfEmulation(backend=backend) as emu:
+        t = threading.Thread(target=worker)
+        t.start()
+        t.join()
+        a @ a
+    assert seen["active"] is False
+    assert torch.equal(seen["result"], native)
+    assert emu.emulated_calls == {"aten.mm.default": 1}
+
+
+# ------------------------------------------------------------------ autocast and modules
+
+
+def test_under_autocast(dtype, backend):
+    lin = torch.nn.Linear(4, 3)
+    x = torch.randn(5, 4)
+    g = torch.randn(5, 3)
+    with CpuHalfEmulation(backend=backend) as emu, torch.autocast("cpu", dtype=dtype):
+        out = lin(x)
+        assert out.dtype == dtype
+    out.float().backward(g)
+    # backward ran outside the context: only the forward was emulated
+    assert emu.emulated_calls == {"aten.addmm.default": 1}
+    xh, wh, bh = x.to(dtype), lin.weight.detach().to(dtype), lin.bias.detach().to(dtype)
+    assert_bitwise(out, F.linear(xh.float(), wh.float(), bh.float()).to(dtype), "forward")
+
+    lin.zero_grad()
+    with CpuHalfEmulation(backend=backend) as emu, torch.autocast("cpu", dtype=dtype):
+        out = lin(x)
+        out.float().backward(g)
+    assert emu.emulated_calls == {"aten.addmm.default": 1, "aten.mm.default": 1}
+    gh = g.to(dtype)
+    assert_bitwise(lin.weight.grad, (gh.float().t() @ xh.float()).to(dtype).float(), "grad_w")
+
+
+def test_transformer_fast_path_is_emulated(backend):
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+    enc32 = torch.nn.TransformerEncoder(layer, 1, enable_nested_tensor=False).eval()
+    enc16 = torch.nn.TransformerEncoder(layer, 1, enable_nested_tensor=False).half().eval()
+    x = torch.randn(2, 4, 8)
+    with torch.no_grad():
+        ref = enc32(x)
+        with CpuHalfEmulation(backend=backend) as emu:
+            out = enc16(x.half())
+    calls = emu.emulated_calls
+    # the fused kernel's inner matmuls (QKV, out projection, both FFN linears, two bmm)
+    inner = sum(calls.get(f"aten.{op}", 0) for op in
+                ("addmm.default", "mm.default", "_addmm_activation.default", "bmm.default", "bmm.out"))
+    assert inner >= 4, calls
+    assert torch.allclose(out.float(), ref, atol=5e-2)
+
+
+def test_training_step_small_model(dtype, backend):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Conv1d(3, 4, 3, padding=1), torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(32, 2)
+    ).to(dtype)
+    x, y = torch.randn(4, 3, 8).to(dtype), torch.tensor([0, 1, 1, 0])
+    with CpuHalfEmulation(backend=backend) as emu:
+        loss = F.cross_entropy(model(x).float(), y)
+        loss.backward()
+    assert torch.isfinite(loss)
+    assert all(p.grad is not None and p.grad.dtype == dtype for p in model.parameters())
+    assert emu.emulated_calls == {
+        "aten.convolution.default": 1,
+        "aten.convolution_backward.default": 1,
+        "aten.addmm.default": 1,
+        "aten.mm.default": 2,
+    }
+
+
+# ------------------------------------------------------------------ helpers
+
+
+@pytest.mark.parametrize(
+    "device,dt,expected",
+    [
+        ("cpu", torch.float16, True),
+        ("cpu", torch.bfloat16, True),
+        (torch.device("cpu"), "fp16", True),
+        ("cpu", "bf16-mixed", True),
+        ("cpu", torch.float32, False),
+        ("cpu", "fp32", False),
+        ("cuda", torch.float16, False),
+        ("cuda:0", "bf16", False),
+        ("meta", torch.float16, False),
+        (0, torch.float16, False),
+    ],
+)
+def test_should_emulate(device, dt, expected):
+    assert should_emulate(device, dt) is expected
+
+
+def test_should_emulate_rejects_unknown_precision():
+    with pytest.raises(ValueError, match="fp8"):
+        should_emulate("cpu", "fp8")
+
+
+def test_exported_names():
+    assert HALF_DTYPES == {torch.float16, torch.bfloat16}
+    for name in ("aten.mm.default", "aten.addmm.default", "aten.bmm.default", "aten.baddbmm.default",
+                 "aten.convolution.default", "aten.convolution_backward.default"):
+        assert name in EMULATED_OPS
