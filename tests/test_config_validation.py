@@ -8,8 +8,6 @@ like a success.
 
 from __future__ import annotations
 
-import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +17,8 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, ValidationError
+
+from _cli_batch import clean_env, run_batch
 
 from amp_plugin import DynamicLossScaler, StaticLossScaler
 from amp_plugin.app.schema import PRESETS, register_configs
@@ -253,45 +253,15 @@ CLI_CASES = [
     (["recipe.model=rnn"], ["model='rnn'", "'mlp', 'cnn'"]),
 ]
 
-# Runs train.py's real entry point (``@hydra.main`` -> run_job) for every case in ONE
-# subprocess, so the table costs one torch/Lightning import instead of one per row. The
-# exit status is the SystemExit code the process would have exited with.
-_DRIVER = """
-import contextlib, io, json, os, runpy, sys
-from hydra.core.global_hydra import GlobalHydra
-root, cases_file, out_file = sys.argv[1:4]
-sys.path.insert(0, root)
-results = []
-for i, args in enumerate(json.load(open(cases_file))):
-    run_dir = os.path.abspath(f"run{i}")
-    sys.argv = ["train.py", *args, "trainer.max_steps=1", f"hydra.run.dir={run_dir}"]
-    out, err, code = io.StringIO(), io.StringIO(), 0
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            runpy.run_path(os.path.join(root, "train.py"), run_name="__main__")
-        except SystemExit as exit:
-            code = exit.code
-    GlobalHydra.instance().clear()
-    listing = sorted(os.listdir(run_dir)) if os.path.isdir(run_dir) else None
-    results.append({"code": code, "stdout": out.getvalue(), "stderr": err.getvalue(), "listing": listing})
-json.dump(results, open(out_file, "w"))
-"""
-
-
-def clean_env(**extra: str) -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"} | extra
-
-
 @pytest.fixture(scope="module")
 def cli_results(tmp_path_factory):
+    """Every CLI_CASES row through train.py's real entry point, all in one subprocess."""
     work = tmp_path_factory.mktemp("cli")
     (work / "corrupt.ckpt").write_bytes(b"\x00 truncated")
-    (work / "driver.py").write_text(_DRIVER)
-    (work / "cases.json").write_text(json.dumps([args for args, _ in CLI_CASES]))
-    proc = subprocess.run([sys.executable, "driver.py", str(ROOT), "cases.json", "results.json"], cwd=work,
-                          env=clean_env(), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads((work / "results.json").read_text())
+    ops = [{"kind": "run", "name": f"run{i}", "args": [*args, "trainer.max_steps=1"]}
+           for i, (args, _) in enumerate(CLI_CASES)]
+    results = run_batch(work, ops)
+    return [results[f"run{i}"] for i in range(len(CLI_CASES))]
 
 
 @pytest.mark.parametrize("index", range(len(CLI_CASES)), ids=[" ".join(a) for a, _ in CLI_CASES])

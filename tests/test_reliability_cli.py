@@ -1,7 +1,7 @@
 """Faults, a collapsing loss scale, changed setups on resume and bad input, through ``train.py``.
 
 Every command line below goes through train.py's real entry point (``@hydra.main`` ->
-``run_job``), all of them in ONE subprocess (``_DRIVER``), so the table costs one torch and
+``run_job``), all of them in ONE subprocess (``_cli_batch.run_batch``), so the table costs one torch and
 Lightning import instead of one per row. The runs depend on each other in order: the
 collapse run's ``last-good.ckpt`` is resumed in bf16, the fault run's checkpoint is resumed
 with other scaler settings and is truncated into a corrupt ``ckpt_path``.
@@ -11,15 +11,12 @@ from __future__ import annotations
 
 import csv
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from _cli_batch import run_batch
 
-ROOT = Path(__file__).resolve().parents[1]
 QUICK = ["trainer.enable_progress_bar=false", "trainer.limit_val_batches=1", "plot=false"]
 FAULTS = ["+fault.inject_inf_at=[3,7]", "+fault.inject_nan_at=[10]", "+fault.nan_loss_at=[5]",
           "+fault.nan_input_at=[9]", "+fault.param=net.4.weight"]
@@ -71,35 +68,13 @@ BAD = [
     (["recipe.batch_size=big"], ["recipe.batch_size='big'", "an integer"]),
 ]
 
-# Runs train.py's entry point once per op; "prepare" ops write the checkpoint files the bad
-# rows need. The exit status is the SystemExit code the process would have exited with.
-_DRIVER = """
-import contextlib, io, json, os, runpy, sys, warnings
-import torch
-from hydra.core.global_hydra import GlobalHydra
-root, ops_file, out_file = sys.argv[1:4]
-sys.path.insert(0, root)
-results = {}
-for op in json.load(open(ops_file)):
-    if op["kind"] == "prepare":
-        data = open("faults/checkpoints/last.ckpt", "rb").read()
-        open("truncated.ckpt", "wb").write(data[: len(data) // 2])
-        open("garbage.ckpt", "wb").write(os.urandom(4096))
-        torch.save({"weights": torch.zeros(3)}, "plain_tensors.ckpt")
-        continue
-    run_dir = os.path.abspath(op["name"])
-    sys.argv = ["train.py", *op["args"], f"hydra.run.dir={run_dir}"]
-    out, err, code = io.StringIO(), io.StringIO(), 0
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), warnings.catch_warnings():
-        try:
-            runpy.run_path(os.path.join(root, "train.py"), run_name="__main__")
-        except SystemExit as exit:
-            code = exit.code
-    GlobalHydra.instance().clear()
-    listing = sorted(os.listdir(run_dir)) if os.path.isdir(run_dir) else None
-    results[op["name"]] = {"code": code, "stdout": out.getvalue(), "stderr": err.getvalue(), "listing": listing,
-                           "dir": run_dir}
-json.dump(results, open(out_file, "w"))
+# Writes the checkpoint files the bad rows need, from the "faults" run before it.
+_PREPARE = """
+import os, torch
+data = open("faults/checkpoints/last.ckpt", "rb").read()
+open("truncated.ckpt", "wb").write(data[: len(data) // 2])
+open("garbage.ckpt", "wb").write(os.urandom(4096))
+torch.save({"weights": torch.zeros(3)}, "plain_tensors.ckpt")
 """
 
 
@@ -107,15 +82,9 @@ json.dump(results, open(out_file, "w"))
 def runs(tmp_path_factory) -> dict[str, dict]:
     work = tmp_path_factory.mktemp("reliability")
     ops = [{"kind": "run", "name": name, "args": args} for name, args in RUNS.items()]
-    ops.append({"kind": "prepare"})
+    ops.append({"kind": "python", "code": _PREPARE})
     ops += [{"kind": "run", "name": f"bad{i}", "args": args} for i, (args, _) in enumerate(BAD)]
-    (work / "driver.py").write_text(_DRIVER)
-    (work / "ops.json").write_text(json.dumps(ops))
-    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
-    proc = subprocess.run([sys.executable, "driver.py", str(ROOT), "ops.json", "results.json"], cwd=work, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads((work / "results.json").read_text())
+    return run_batch(work, ops)
 
 
 def ok(result: dict) -> Path:
