@@ -58,8 +58,11 @@ class MasterWeightOptimizer(Optimizer):
         self._model_params: list[torch.Tensor] = []
         self._master_params: list[torch.Tensor] = []
         self._half_pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._grad_holders: list[torch.Tensor] = []  # every tensor whose .grad zero_grad clears
         self._grads_ready = False
-        self._grad_buffers: dict[int, torch.Tensor] = {}
+        # One FP32 grad buffer per half-precision master (aligned with _half_pairs), made on first
+        # use and reused: zero_grad(set_to_none=True) drops the .grad reference, not the memory.
+        self._grad_buffers: list[torch.Tensor | None] = []
         for name in (
             "_optimizer_step_pre_hooks",
             "_optimizer_step_post_hooks",
@@ -105,14 +108,15 @@ class MasterWeightOptimizer(Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the model's gradients and the masters' gradients."""
-        for model_p, master in zip(self._model_params, self._master_params):
-            for p in (model_p, master) if model_p is not master else (model_p,):
-                if p.grad is None:
-                    continue
-                if set_to_none:
-                    p.grad = None
-                else:
-                    p.grad.detach_().zero_()
+        if set_to_none:
+            for p in self._grad_holders:
+                p.grad = None
+        else:
+            grads = [p.grad for p in self._grad_holders if p.grad is not None]
+            for g in grads:
+                g.detach_()
+            if grads:
+                torch._foreach_zero_(grads)
         self._grads_ready = False
 
     @torch.no_grad()
@@ -199,35 +203,40 @@ class MasterWeightOptimizer(Optimizer):
                     }
                 params[i] = master
                 self._half_pairs.append((p, master))
+                self._grad_buffers.append(None)
+                self._grad_holders.append(master)
             else:
                 master = p
             self._model_params.append(p)
             self._master_params.append(master)
+            self._grad_holders.append(p)
 
     def _master_grads(self) -> list[torch.Tensor]:
         """Point each master's ``.grad`` at the model's gradient in FP32 (copy for half
-        params, the same tensor for FP32 params); return the master grads."""
-        grads, copy_dst, copy_src = [], [], []
-        for model_p, master in zip(self._model_params, self._master_params):
+        params, the same tensor for FP32 params); return the master grads.
+
+        Runs every step on the host, so it is one plain loop over the half-precision pairs
+        (FP32 parameters already hold their own gradient) and one ``_foreach_copy_``.
+        """
+        copy_dst, copy_src = [], []
+        buffers = self._grad_buffers
+        for i, (model_p, master) in enumerate(self._half_pairs):
             g = model_p.grad
             if g is None:
                 master.grad = None
                 continue
-            if master is not model_p:
-                if master.grad is None:
-                    # Reuse one FP32 buffer per master across steps: zero_grad(set_to_none=True)
-                    # drops the .grad reference, not the memory, so no page faults per step.
-                    buffer = self._grad_buffers.get(id(master))
-                    if buffer is None:
-                        buffer = self._grad_buffers[id(master)] = torch.empty_like(master)
-                    master.grad = buffer
-                copy_dst.append(master.grad)
-                copy_src.append(g)
-            grads.append(master.grad)
+            buffer = master.grad
+            if buffer is None:
+                buffer = buffers[i]
+                if buffer is None:
+                    buffer = buffers[i] = torch.empty_like(master)
+                master.grad = buffer
+            copy_dst.append(buffer)
+            copy_src.append(g)
         if copy_dst:
             torch._foreach_copy_(copy_dst, copy_src)
         self._grads_ready = True
-        return grads
+        return [m.grad for m in self._master_params if m.grad is not None]
 
     @torch.no_grad()
     def _copy_masters_to_model(self) -> None:

@@ -27,7 +27,7 @@ def _state_bytes(module: torch.nn.Module, optimizers: list[torch.optim.Optimizer
         for state in opt.state.values():
             tensors += [v for v in state.values() if torch.is_tensor(v)]
         # MasterWeightOptimizer keeps one FP32 gradient buffer per master across steps.
-        tensors += list(getattr(opt, "_grad_buffers", {}).values())
+        tensors += [b for b in getattr(opt, "_grad_buffers", []) if b is not None]
     tensors += [t.grad for t in list(tensors) if t.grad is not None]
     return sum(nbytes for _, nbytes in {_storage_key(t) for t in tensors})
 

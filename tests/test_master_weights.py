@@ -191,3 +191,33 @@ def test_rejects_non_optimizers_and_double_wrapping():
     opt = MasterWeightOptimizer(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1).half())], lr=0.1))
     with pytest.raises(TypeError, match="already"):
         MasterWeightOptimizer(opt)
+
+
+def test_grad_buffers_are_reused_and_zero_grad_clears_both_sides():
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3).half(), torch.nn.LayerNorm(3))
+    opt = MasterWeightOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    x = torch.randn(2, 3, dtype=torch.float16)
+    pointers = []
+    for _ in range(3):
+        model(x).float().sum().backward()
+        opt.step()
+        pointers.append([m.grad.data_ptr() for m in opt.master_params()[:2]])  # the half params' masters
+        opt.zero_grad()
+        assert all(p.grad is None for p in list(model.parameters()) + opt.master_params())
+    assert pointers[0] == pointers[1] == pointers[2]  # no fresh FP32 buffers per step
+    model(x).float().sum().backward()
+    opt.step()
+    opt.zero_grad(set_to_none=False)
+    for p in list(model.parameters()) + opt.master_params():
+        assert p.grad is not None and not p.grad.any() and not p.grad.requires_grad
+
+
+def test_a_parameter_without_a_gradient_is_left_alone():
+    a, b = torch.nn.Linear(3, 3).half(), torch.nn.Linear(3, 3).half()
+    opt = MasterWeightOptimizer(torch.optim.SGD(list(a.parameters()) + list(b.parameters()), lr=0.1))
+    before = [p.detach().clone() for p in b.parameters()]
+    a(torch.randn(2, 3, dtype=torch.float16)).float().sum().backward()
+    opt.step()
+    masters = opt.master_params()
+    assert [m.grad is None for m in masters] == [False, False, True, True]
+    assert all(torch.equal(p, q) for p, q in zip(b.parameters(), before))
