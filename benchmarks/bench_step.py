@@ -33,29 +33,37 @@ import torch
 from amp_plugin import DynamicLossScaler, MasterWeightOptimizer
 
 
-def make_params(numel: int, chunks: int, dtype: torch.dtype) -> list[torch.nn.Parameter]:
+def make_params(numel: int, chunks: int, dtype: torch.dtype, device: str = "cpu") -> list[torch.nn.Parameter]:
     g = torch.Generator().manual_seed(0)
     params = []
     for _ in range(chunks):
-        p = torch.nn.Parameter((torch.randn(numel // chunks, generator=g) * 0.02).to(dtype))
-        p.grad = (torch.randn(numel // chunks, generator=g) * 1e-3).to(dtype)
+        p = torch.nn.Parameter((torch.randn(numel // chunks, generator=g) * 0.02).to(device, dtype))
+        p.grad = (torch.randn(numel // chunks, generator=g) * 1e-3).to(device, dtype)
         params.append(p)
     return params
 
 
-def timed(fn, repeats: int) -> list[float]:
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
+
+
+def timed(fn, repeats: int, device: str = "cpu") -> list[float]:
+    """Wall time of each call; on a GPU, synchronized before and after."""
     out = []
     for _ in range(repeats):
+        _sync(device)
         t0 = time.perf_counter()
         fn()
+        _sync(device)
         out.append(time.perf_counter() - t0)
     return out
 
 
-def copy_bandwidth(numel: int) -> float:
+def copy_bandwidth(numel: int, device: str = "cpu") -> float:
     """Bytes per second of a large FP32 copy (read + write counted)."""
-    src, dst = torch.randn(numel), torch.empty(numel)
-    times = timed(lambda: dst.copy_(src), 10)
+    src, dst = torch.randn(numel, device=device), torch.empty(numel, device=device)
+    times = timed(lambda: dst.copy_(src), 10, device)
     return 2 * 4 * numel / statistics.median(times)
 
 
@@ -168,26 +176,33 @@ def main() -> None:
     parser.add_argument("--chunks", type=int, default=16, help="number of parameter tensors")
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch.set_num_threads")
-    parser.add_argument("--stages", action="store_true", help="also time each stage of our path")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda to time the same paths on a GPU")
+    parser.add_argument("--stages", action="store_true", help="also time each stage of our path (CPU only)")
     parser.add_argument("--compiled-prototype", action="store_true",
                         help="with --stages: also time a torch.compile'd fused update (needs a C++ compiler)")
     args = parser.parse_args()
+    device = args.device
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error(f"--device {device}: torch.cuda.is_available() is False here; use --device cpu")
+    if args.stages and device != "cpu":
+        parser.error(f"--stages times CPU time per stage; it needs --device cpu, not {device!r}")
     torch.set_num_threads(args.threads)
     numel = int(args.params * 1e6) // args.chunks * args.chunks
 
-    floor_params = make_params(numel, args.chunks, torch.float32)
+    floor_params = make_params(numel, args.chunks, torch.float32, device)
     floor_opt = torch.optim.AdamW(floor_params, lr=1e-3, fused=True)
 
-    half_params = make_params(numel, args.chunks, torch.float16)
+    half_params = make_params(numel, args.chunks, torch.float16, device)
     ours_opt = MasterWeightOptimizer(torch.optim.AdamW(half_params, lr=1e-3, fused=True))
     ours_scaler = DynamicLossScaler(init_scale=2.0**10)
     for p in half_params:
         p.grad.mul_(2.0**10)  # grads as a scaled backward leaves them
 
-    light_params = make_params(numel, args.chunks, torch.float32)
+    light_params = make_params(numel, args.chunks, torch.float32, device)
     light_opt = torch.optim.AdamW(light_params, lr=1e-3)
-    light_scaler = torch.amp.GradScaler("cpu", init_scale=1.0)  # scale 1: grads stay the same each repeat
-    light_scaler.scale(torch.ones(()))
+    scaler_device = "cuda" if device.startswith("cuda") else "cpu"
+    light_scaler = torch.amp.GradScaler(scaler_device, init_scale=1.0)  # scale 1: grads stay the same each repeat
+    light_scaler.scale(torch.ones((), device=device))
 
     def floor() -> None:
         floor_opt.step()
@@ -208,7 +223,7 @@ def main() -> None:
     times: dict[str, list[float]] = {name: [] for name in paths}
     for _ in range(args.repeats):
         for name, fn in paths.items():
-            times[name] += timed(fn, 1)
+            times[name] += timed(fn, 1, device)
     medians = {name: statistics.median(t) for name, t in times.items()}
     base = medians["floor (fused AdamW, FP32)"]
 
@@ -217,12 +232,14 @@ def main() -> None:
     # Ours, ideally: an inf check reading the half grad (2), then one pass that reads the half
     # grad (2), master, m, v (4 each) and writes master, m, v (4 each) and the half weight (2).
     ideal_ours_bytes = (2 + 2 + 4 * 3 + 4 * 3 + 2) * numel
-    bw = copy_bandwidth(numel)
+    bw = copy_bandwidth(numel, device)
 
+    where = f"{torch.get_num_threads()} threads" if device == "cpu" else torch.cuda.get_device_name(device)
     print(f"# Optimizer-step path, {numel / 1e6:.1f}M params in {args.chunks} tensors, "
-          f"{torch.get_num_threads()} threads, median of {args.repeats}")
+          f"{where}, median of {args.repeats}")
     print(f"command: python benchmarks/bench_step.py --params {args.params:g} --chunks {args.chunks} "
-          f"--repeats {args.repeats} --threads {args.threads}{' --stages' if args.stages else ''}"
+          f"--repeats {args.repeats} --threads {args.threads}{'' if device == 'cpu' else ' --device ' + device}"
+          f"{' --stages' if args.stages else ''}"
           f"{' --compiled-prototype' if args.compiled_prototype else ''}\n")
     print("| path | ms/step | vs floor |")
     print("|---|---:|---:|")

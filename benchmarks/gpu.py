@@ -1,6 +1,6 @@
 """On a CUDA GPU: tokens/s and peak memory of a larger char_gpt, ours vs Lightning's own precisions.
 
-    python benchmarks/gpu.py [--batch-size 64] [--warmup 10] [--steps 40]
+    python benchmarks/gpu.py [--batch-size 64] [--warmup 10] [--steps 40] [--profile NAME ...]
 
 Model: ``recipes.char_gpt.CharGPTRecipe`` with 6 layers, width 512, 8 heads, block (sequence)
 256, batch 64 (about 19M parameters, 16384 tokens per step), AdamW, unchanged recipe code.
@@ -9,7 +9,8 @@ Configurations, each a fresh module and ``Trainer`` on one GPU, run one after an
 - ours: ``MixedPrecisionPlugin`` ``fp32``, ``bf16`` (BF16 model, FP32 masters), ``fp16`` (FP16
   model, FP32 masters, dynamic loss scaling), ``bf16_autocast`` and ``fp16_autocast`` (FP32
   weights under ``torch.autocast``, like for like with Lightning's ``*-mixed``);
-- Lightning's own: ``32-true``, ``bf16-mixed``, ``16-mixed``.
+- Lightning's own: ``32-true``, ``bf16-mixed``, ``16-mixed``, ``bf16-true``; ours ``bf16_pure``
+  (no masters) beside it.
 
 Tokens/s: tokens of the timed steps divided by the wall time between a
 ``torch.cuda.synchronize()`` before the first timed step and one after the last (forward,
@@ -76,16 +77,22 @@ def _configs() -> dict[str, Any]:
         "ours fp16": ours(precision="fp16"),
         "ours bf16_autocast": ours(precision="bf16", master_weights=False, autocast=True),
         "ours fp16_autocast": ours(precision="fp16", master_weights=False, autocast=True),
+        "ours bf16_pure": ours(precision="bf16", master_weights=False),
         "Lightning 32-true": lightning("32-true"),
         "Lightning bf16-mixed": lightning("bf16-mixed"),
         "Lightning 16-mixed": lightning("16-mixed"),
+        "Lightning bf16-true": lightning("bf16-true"),
     }
 
 
-def measure(make_module, make_trainer_kwargs, warmup: int, steps: int, cuda: bool = True) -> dict[str, Any]:
+def measure(
+    make_module, make_trainer_kwargs, warmup: int, steps: int, cuda: bool = True, profile: bool = False
+) -> dict[str, Any]:
     """Fit a fresh module for ``warmup + steps`` steps; time the last ``steps``.
 
     ``cuda=False`` runs the same code on the CPU without the CUDA calls (a dry run for tests).
+    ``profile=True`` records the timed steps with ``torch.profiler`` and adds ``"profile"``
+    (the per-operator summary, sorted by device time) to the result.
     """
     import pytorch_lightning as pl
 
@@ -97,10 +104,18 @@ def measure(make_module, make_trainer_kwargs, warmup: int, steps: int, cuda: boo
             self.tokens = 0
             self.t0 = self.t1 = 0.0
 
+            self.profiler: Any = None
+
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
             self.batches += 1
             if self.batches == warmup + 1:
                 sync()
+                if profile:
+                    activities = [torch.profiler.ProfilerActivity.CPU]
+                    if cuda:
+                        activities.append(torch.profiler.ProfilerActivity.CUDA)
+                    self.profiler = torch.profiler.profile(activities=activities)
+                    self.profiler.__enter__()
                 self.t0 = time.perf_counter()
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
@@ -109,6 +124,8 @@ def measure(make_module, make_trainer_kwargs, warmup: int, steps: int, cuda: boo
             if self.batches == warmup + steps:
                 sync()
                 self.t1 = time.perf_counter()
+                if self.profiler is not None:
+                    self.profiler.__exit__(None, None, None)
 
     gc.collect()
     if cuda:
@@ -136,6 +153,10 @@ def measure(make_module, make_trainer_kwargs, warmup: int, steps: int, cuda: boo
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
         "skipped": skipped,
     }
+    if timer.profiler is not None:
+        events = timer.profiler.key_averages()
+        sort_by = "device_time_total" if cuda else "self_cpu_time_total"
+        result["profile"] = events.table(sort_by=sort_by, row_limit=25, max_name_column_width=60)
     del trainer, module
     return result
 
@@ -147,6 +168,9 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--budget-s", type=float, default=240.0, help="start no configuration after this")
     parser.add_argument("--configs", nargs="+", default=None, help="names to run (default: all)")
+    parser.add_argument("--profile", nargs="+", default=[], metavar="NAME",
+                        help="after the table, profile these configs (torch.profiler over the timed steps): "
+                             "operators and kernels by device time, host and device totals")
     parser.add_argument("--cpu-dry-run", action="store_true",
                         help="run the same code on the CPU with a tiny model and no CUDA calls (for tests)")
     args = parser.parse_args()
@@ -166,7 +190,7 @@ def main() -> int:
 
     configs = _configs()
     names = args.configs or list(configs)
-    unknown = sorted(set(names) - set(configs))
+    unknown = sorted((set(names) | set(args.profile)) - set(configs))
     if unknown:
         parser.error(f"unknown configs {unknown}; choose from {list(configs)}")
     model = MODEL if cuda else dict(n_layer=1, n_head=2, n_embd=16, block_size=16)
@@ -187,8 +211,9 @@ def main() -> int:
     print(f"TF32 at defaults: torch.backends.cuda.matmul.allow_tf32={torch.backends.cuda.matmul.allow_tf32}, "
           f"torch.backends.cudnn.allow_tf32={torch.backends.cudnn.allow_tf32}, "
           f"float32_matmul_precision={torch.get_float32_matmul_precision()!r}")
+    profile = "".join(f" '{name}'" for name in args.profile)
     print(f"command: python benchmarks/gpu.py --batch-size {args.batch_size} --warmup {args.warmup} "
-          f"--steps {args.steps}\n", flush=True)
+          f"--steps {args.steps} --budget-s {args.budget_s:g}{' --profile' + profile if profile else ''}\n", flush=True)
 
     start = time.perf_counter()
     results: dict[str, dict[str, Any]] = {}
@@ -227,6 +252,10 @@ def main() -> int:
     if medians:
         print(f"\n{len(medians)} of {len(results)} configurations measured in {time.perf_counter() - start:.0f} s "
               f"(median {statistics.median(medians):.1f} ms/step)")
+    for name in args.profile:
+        r = measure(make_module, configs[name], args.warmup, args.steps, cuda, profile=True)
+        print(f"\n## Profile of {name}: {r['ms_per_step']:.1f} ms/step while profiled ({args.steps} steps; "
+              f"user annotations such as Optimizer.step span their whole range)\n{r['profile']}", flush=True)
     return 0
 
 

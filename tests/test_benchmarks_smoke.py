@@ -23,10 +23,14 @@ END_TO_END_CONFIGS = [
 ]
 
 
-def run(script: str, *args: str, timeout: float = 600) -> str:
+def run(script: str, *args: str, timeout: float = 600, check: bool = True) -> str:
+    """The script's stdout; with ``check=False``, a failing run's stdout and stderr."""
     out = subprocess.run(
         [sys.executable, str(BENCH / script), *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout
     )
+    if not check:
+        assert out.returncode != 0, f"{script} {args} should have failed"
+        return out.stdout + out.stderr
     assert out.returncode == 0, f"{script} failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
     return out.stdout
 
@@ -99,8 +103,18 @@ def test_gpu_script_declines_politely_without_a_gpu():
 @pytest.mark.slow
 def test_gpu_script_runs_its_code_path_on_cpu():
     out = run("gpu.py", "--cpu-dry-run", "--configs", "ours fp16", "Lightning 32-true", "Lightning bf16-mixed",
-              "--batch-size", "2", "--warmup", "1", "--steps", "2")
+              "--batch-size", "2", "--warmup", "1", "--steps", "2", "--profile", "ours fp16")
     rows = table_rows(out)
     assert [row[0] for row in rows] == ["ours fp16", "Lightning 32-true", "Lightning bf16-mixed"]
     assert all(not row[1].startswith("failed") for row in rows)
     assert "ours fp16: " in out and "x FP32" in out
+    profile = out.split("## Profile of ours fp16", 1)[1]
+    assert "aten::" in profile and "Self CPU time total" in profile
+
+
+def test_gpu_and_step_scripts_refuse_unknown_names_and_missing_devices():
+    out = run("gpu.py", "--cpu-dry-run", "--profile", "ours fp64", check=False)
+    assert "unknown configs ['ours fp64']" in out
+    if not torch.cuda.is_available():
+        out = run("bench_step.py", "--device", "cuda", check=False)
+        assert "--device cuda: torch.cuda.is_available() is False" in out
