@@ -9,6 +9,11 @@ The wrapper's ``param_groups`` and ``state`` *are* the wrapped optimizer's, hold
 masters, so LR schedulers, fused/foreach kernels and the optimizer state all see FP32.
 Parameters that are already FP32 (normalisation layers kept in FP32, for example) are their
 own master: no copy is made for them.
+
+On the CPU the step can run as two fused passes (:mod:`amp_plugin.fused`) instead of stock
+torch's four: the unscale reads the half gradients and writes the FP32 master gradients with
+the inf check, and an Adam/AdamW step writes the rounded weights into the model as it
+updates the masters.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
+from amp_plugin import fused as _fused
+from amp_plugin.fused.adam import adam_ineligible, adam_step, unscale_fits, unscale_into
 from amp_plugin.scaler import unscale_grouped
 
 __all__ = ["MasterWeightOptimizer"]
@@ -34,6 +41,11 @@ class MasterWeightOptimizer(Optimizer):
         optimizer: an optimizer (SGD, Adam, AdamW, fused or foreach, ...) constructed over the
             model's parameters. Its half-precision parameters are replaced in its param groups
             by FP32 master copies; existing optimizer state is moved over and upcast.
+        fused: the fused CPU kernels of :mod:`amp_plugin.fused`. ``None`` (default): the
+            one-pass unscale whenever the kernels are available, and the one-pass Adam step
+            when the wrapped optimizer is ``Adam``/``AdamW`` built with ``fused=True`` (same
+            update as torch's fused kernel, to the last bit on all but a few elements in 10^5).
+            ``True``: require both (a ``ValueError`` says why not). ``False``: stock torch ops.
 
     Use it like the optimizer it wraps; a loss scaler's ``unscale_`` on it reads the model's
     half-precision gradients and writes unscaled FP32 master gradients in one call::
@@ -44,7 +56,9 @@ class MasterWeightOptimizer(Optimizer):
         scaler.update()
     """
 
-    def __init__(self, optimizer: Optimizer) -> None:
+    def __init__(self, optimizer: Optimizer, fused: bool | None = None) -> None:
+        if fused not in (None, True, False):
+            raise TypeError(f"fused={fused!r} is not allowed: fused must be None (automatic), True or False.")
         if not isinstance(optimizer, Optimizer):
             raise TypeError(
                 f"optimizer={type(optimizer).__name__} is not allowed: MasterWeightOptimizer wraps a "
@@ -63,6 +77,10 @@ class MasterWeightOptimizer(Optimizer):
         # One FP32 grad buffer per half-precision master (aligned with _half_pairs), made on first
         # use and reused: zero_grad(set_to_none=True) drops the .grad reference, not the memory.
         self._grad_buffers: list[torch.Tensor | None] = []
+        self._model_of: dict[int, torch.Tensor] = {}  # id(master) -> its half-precision model param
+        self.fused = fused
+        self._fused_params_checked = False
+        self._fused_params_reason: str | None = None
         for name in (
             "_optimizer_step_pre_hooks",
             "_optimizer_step_post_hooks",
@@ -75,6 +93,12 @@ class MasterWeightOptimizer(Optimizer):
         self._patch_step_function()
         for group in optimizer.param_groups:
             self._adopt_group(group)
+        if fused:
+            reason = adam_ineligible(optimizer)
+            if reason is None and _fused.kernels() is None:
+                reason = f"the kernels are unavailable ({_fused.unavailable_reason()})"
+            if reason is not None:
+                raise ValueError(f"fused=True is not possible here: {reason}. Use fused=None or False.")
 
     # ------------------------------------------------------------------ shared state
     @property
@@ -105,6 +129,7 @@ class MasterWeightOptimizer(Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         self.optimizer.add_param_group(param_group)
         self._adopt_group(self.optimizer.param_groups[-1])
+        self._fused_params_checked = False
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the model's gradients and the masters' gradients."""
@@ -125,10 +150,20 @@ class MasterWeightOptimizer(Optimizer):
 
         Called by a loss scaler's ``unscale_``. Returns one found-inf tensor per device.
         """
-        groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-        for grad in self._master_grads():
-            groups.setdefault((grad.device, grad.dtype), []).append(grad)
-        return unscale_grouped(groups, inv_scale_on)
+        ops = self._fused_ops()
+        if ops is not None:
+            buffers, half_grads = self._bind_master_grads()
+            if unscale_fits(half_grads, buffers):
+                # FP32 parameters (their own master) in place, the half ones in one fused pass each
+                own = [p.grad for p, m in zip(self._model_params, self._master_params) if p is m and p.grad is not None]
+                found = unscale_grouped(_by_device_dtype(own), inv_scale_on)
+                if buffers:
+                    cpu = torch.device("cpu")
+                    found_cpu = found.setdefault(cpu, torch.zeros((), dtype=torch.float32))
+                    unscale_into(ops, half_grads, buffers, found_cpu, inv_scale_on(cpu))
+                self._grads_ready = True
+                return found
+        return unscale_grouped(_by_device_dtype(self._master_grads()), inv_scale_on)
 
     @torch.no_grad()
     def sync_grads(self) -> None:
@@ -151,8 +186,14 @@ class MasterWeightOptimizer(Optimizer):
                 loss = closure()
         if not self._grads_ready:
             self._master_grads()
-        result = self.optimizer.step()
-        self._copy_masters_to_model()
+        ops = self._fused_ops()
+        if ops is not None and self._fused_step_allowed():
+            adam_step(ops, self.optimizer, self._model_of)
+            self.optimizer._opt_called = True  # what an LR scheduler's step tracking records
+            result = None
+        else:
+            result = self.optimizer.step()
+            self._copy_masters_to_model()
         self._grads_ready = False
         return loss if closure is not None else result
 
@@ -203,6 +244,7 @@ class MasterWeightOptimizer(Optimizer):
                     }
                 params[i] = master
                 self._half_pairs.append((p, master))
+                self._model_of[id(master)] = p
                 self._grad_buffers.append(None)
                 self._grad_holders.append(master)
             else:
@@ -211,12 +253,35 @@ class MasterWeightOptimizer(Optimizer):
             self._master_params.append(master)
             self._grad_holders.append(p)
 
+    def _fused_ops(self) -> Any | None:
+        return None if self.fused is False else _fused.kernels()
+
+    def _fused_step_allowed(self) -> bool:
+        """The fused Adam step applies: asked for, or every group was built with fused=True."""
+        if not (self.fused or all(group.get("fused") for group in self.optimizer.param_groups)):
+            return False
+        if not self._fused_params_checked:  # parameters' device and dtype do not change
+            self._fused_params_reason = adam_ineligible(self.optimizer)
+            self._fused_params_checked = True
+        if self._fused_params_reason is not None:
+            return False
+        return not (self.optimizer._optimizer_step_pre_hooks or self.optimizer._optimizer_step_post_hooks)
+
     def _master_grads(self) -> list[torch.Tensor]:
         """Point each master's ``.grad`` at the model's gradient in FP32 (copy for half
-        params, the same tensor for FP32 params); return the master grads.
+        params, the same tensor for FP32 params); return the master grads."""
+        copy_dst, copy_src = self._bind_master_grads()
+        if copy_dst:
+            torch._foreach_copy_(copy_dst, copy_src)
+        self._grads_ready = True
+        return [m.grad for m in self._master_params if m.grad is not None]
+
+    def _bind_master_grads(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Point each half-precision param's master ``.grad`` at its reused FP32 buffer;
+        return the buffers and the model grads that fill them.
 
         Runs every step on the host, so it is one plain loop over the half-precision pairs
-        (FP32 parameters already hold their own gradient) and one ``_foreach_copy_``.
+        (FP32 parameters already hold their own gradient).
         """
         copy_dst, copy_src = [], []
         buffers = self._grad_buffers
@@ -233,13 +298,17 @@ class MasterWeightOptimizer(Optimizer):
                 master.grad = buffer
             copy_dst.append(buffer)
             copy_src.append(g)
-        if copy_dst:
-            torch._foreach_copy_(copy_dst, copy_src)
-        self._grads_ready = True
-        return [m.grad for m in self._master_params if m.grad is not None]
+        return copy_dst, copy_src
 
     @torch.no_grad()
     def _copy_masters_to_model(self) -> None:
         if self._half_pairs:
             model, masters = zip(*self._half_pairs)
             torch._foreach_copy_(list(model), list(masters))
+
+
+def _by_device_dtype(grads: list[torch.Tensor]) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for grad in grads:
+        groups.setdefault((grad.device, grad.dtype), []).append(grad)
+    return groups

@@ -6,6 +6,14 @@ import pytest
 import torch
 from _emulation_helpers import BACKENDS, DTYPES, ids
 
+from amp_plugin import fused
+
+
+def pytest_sessionstart(session) -> None:
+    """Build (or load) the fused kernels once, up front: the first build takes about 25 s,
+    which would otherwise land inside whichever test, or training subprocess, comes first."""
+    fused.kernels()
+
 
 @pytest.fixture(params=DTYPES, ids=lambda d: ids[d])
 def dtype(request) -> torch.dtype:

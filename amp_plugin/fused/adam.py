@@ -1,0 +1,82 @@
+"""The two fused passes of the master-weight step, driven from Python.
+
+:func:`unscale_into` replaces "copy the half grads to FP32, then unscale them with the inf
+check"; :func:`adam_step` replaces "``Adam(fused=True).step()``, then copy the masters back
+into the model". :func:`adam_ineligible` says why an optimizer cannot take the fused step
+(``None`` when it can).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.optim import Optimizer
+
+__all__ = ["adam_ineligible", "adam_step", "unscale_fits", "unscale_into"]
+
+
+def unscale_fits(half_grads: list[torch.Tensor], out: list[torch.Tensor]) -> bool:
+    """Whether :func:`unscale_into` can take these tensors (dense, contiguous, on the CPU)."""
+    return all(t.device.type == "cpu" and t.is_contiguous() and not t.is_sparse for t in (*half_grads, *out))
+
+
+def unscale_into(ops: Any, half_grads: list[torch.Tensor], out: list[torch.Tensor], found_inf: torch.Tensor,
+                 inv_scale: torch.Tensor) -> None:
+    """``out[i] = half_grads[i].float() * inv_scale`` and the inf check (``found_inf`` set to 1
+    on any inf/NaN, never cleared), one pass per tensor. Check :func:`unscale_fits` first."""
+    ops.unscale_into_(half_grads, out, found_inf, inv_scale.float())
+
+
+def adam_ineligible(optimizer: Optimizer) -> str | None:
+    """Why ``optimizer`` cannot take the fused master-weight step, or ``None`` if it can."""
+    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
+        return f"the fused step implements Adam and AdamW only, not {type(optimizer).__name__}"
+    if optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks:
+        return "the wrapped optimizer has step hooks, which the fused step would bypass"
+    for group in optimizer.param_groups:
+        for key in ("amsgrad", "capturable", "differentiable"):
+            if group.get(key):
+                return f"{key}=True is not supported by the fused step"
+        for p in group["params"]:
+            if p.device.type != "cpu" or p.dtype != torch.float32 or not p.is_contiguous():
+                return "the fused step needs contiguous FP32 masters on the CPU"
+    return None
+
+
+@torch.no_grad()
+def adam_step(ops: Any, optimizer: Optimizer, model_of: dict[int, torch.Tensor]) -> None:
+    """One Adam/AdamW step of ``optimizer`` (over FP32 masters) that also writes each updated
+    master, rounded, into its model parameter (``model_of[id(master)]``; masters that are
+    their own parameter are absent).
+
+    Initialises the state as ``torch.optim.Adam(fused=True)`` does, so state dicts move freely
+    between this step and torch's.
+    """
+    adamw_default = isinstance(optimizer, torch.optim.AdamW)
+    for group in optimizer.param_groups:
+        params, grads, exp_avgs, exp_avg_sqs, steps, models = [], [], [], [], [], []
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            if p.grad.is_sparse or p.grad.dtype != torch.float32 or not p.grad.is_contiguous():
+                raise RuntimeError("the fused master-weight step needs dense, contiguous FP32 master gradients")
+            state = optimizer.state[p]
+            if len(state) == 0:
+                state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            params.append(p)
+            grads.append(p.grad)
+            exp_avgs.append(state["exp_avg"])
+            exp_avg_sqs.append(state["exp_avg_sq"])
+            steps.append(state["step"])
+            models.append(model_of.get(id(p)))
+        if not params:
+            continue
+        beta1, beta2 = (float(b) for b in group["betas"])
+        ops.adam_step_(
+            params, grads, exp_avgs, exp_avg_sqs, steps, models, float(group["lr"]), beta1, beta2,
+            float(group["weight_decay"]), float(group["eps"]), bool(group.get("decoupled_weight_decay", adamw_default)),
+            bool(group["maximize"]),
+        )

@@ -1,0 +1,217 @@
+"""The fused CPU kernels of the master-weight step: exact unscale, torch's Adam update, the
+rounded weights written in the same pass, and the fallbacks around them."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from amp_plugin import DynamicLossScaler, MasterWeightOptimizer
+from amp_plugin import fused
+from amp_plugin.fused import adam as fused_adam
+
+HALF = [torch.float16, torch.bfloat16]
+# Sizes below and above the non-temporal-store threshold (2**20), odd ones for the tails.
+SIZES = [1, 7, 1000, (1 << 20) + 13]
+
+
+@pytest.fixture(scope="module")
+def ops():
+    ops = fused.kernels()
+    assert ops is not None, f"the fused kernels did not build here: {fused.unavailable_reason()}"
+    return ops
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("numel", SIZES)
+def test_unscale_into_equals_copy_then_unscale_bit_for_bit(ops, dtype, numel):
+    g = torch.Generator().manual_seed(numel)
+    half = (torch.randn(numel, generator=g) * 3000).to(dtype)
+    out, found, inv = torch.full((numel,), float("nan")), torch.zeros(()), torch.tensor(2.0**-13)
+    ops.unscale_into_([half], [out], found, inv)
+    expected = half.float()
+    torch._amp_foreach_non_finite_check_and_unscale_([expected], torch.zeros(()), inv)
+    assert torch.equal(out, expected) and found.item() == 0.0
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
+def test_unscale_into_flags_non_finite_anywhere(ops, dtype, bad):
+    for where in (0, 517, (1 << 20) + 12):
+        half = torch.ones((1 << 20) + 13, dtype=dtype)
+        half[where] = bad
+        found = torch.zeros(())
+        ops.unscale_into_([torch.ones(5, dtype=dtype), half], [torch.empty(5), torch.empty(half.numel())], found,
+                          torch.tensor(0.5))
+        assert found.item() == 1.0
+
+
+def test_unscale_into_never_clears_a_raised_flag(ops):
+    found = torch.ones(())
+    ops.unscale_into_([torch.ones(3, dtype=torch.float16)], [torch.empty(3)], found, torch.tensor(1.0))
+    assert found.item() == 1.0
+
+
+def reference_adam(master, grads, adamw, steps=12, lr=1e-3, betas=(0.9, 0.999), weight_decay=0.01, maximize=False):
+    p = master.clone().requires_grad_()
+    opt = (torch.optim.AdamW if adamw else torch.optim.Adam)(
+        [p], lr=lr, betas=betas, weight_decay=weight_decay, maximize=maximize, fused=True)
+    for g in grads[:steps]:
+        p.grad = g.clone()
+        opt.step()
+    return p.detach(), opt.state[p]
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("numel", SIZES)
+@pytest.mark.parametrize("adamw,betas,weight_decay,maximize", [
+    (True, (0.9, 0.999), 0.01, False),
+    (False, (0.9, 0.999), 0.0, False),
+    (False, (0.9, 0.95), 0.1, True),  # Adam's L2 decay, maximize
+    (True, (0.3, 0.99), 0.0, False),  # 1 - beta1 >= 0.5: the other branch of lerp
+])
+def test_adam_step_matches_torch_fused_adam_and_writes_the_rounded_weight(ops, dtype, numel, adamw, betas,
+                                                                         weight_decay, maximize):
+    g = torch.Generator().manual_seed(1)
+    master = (torch.randn(numel, generator=g) * 0.02).to(dtype).float()
+    grads = [torch.randn(numel, generator=g) * 1e-2 for _ in range(12)]
+    ref, ref_state = reference_adam(master, grads, adamw, betas=betas, weight_decay=weight_decay, maximize=maximize)
+    m, v, step = torch.zeros(numel), torch.zeros(numel), torch.zeros(())
+    model = master.to(dtype)
+    for grad in grads:
+        ops.adam_step_([master], [grad], [m], [v], [step], [model], 1e-3, *betas, weight_decay, 1e-8, adamw, maximize)
+        assert torch.equal(model, master.to(dtype))  # the model holds the rounded master after every step
+    assert step.item() == 12
+    # torch's fused kernel, element by element: equal except where its scalar tail rounds
+    # differently, and there by at most a few ulps.
+    differ = (master != ref).sum().item()
+    assert differ <= max(3, numel // 10_000)
+    assert torch.allclose(master, ref, rtol=2e-6, atol=1e-9)
+    assert torch.allclose(m, ref_state["exp_avg"], rtol=1e-6, atol=1e-12)
+    assert torch.allclose(v, ref_state["exp_avg_sq"], rtol=1e-6, atol=1e-15)
+
+
+def test_adam_step_without_a_model_tensor_updates_the_master_only(ops):
+    master, grad = torch.randn(100), torch.randn(100)
+    ref, _ = reference_adam(master, [grad], adamw=True, steps=1)
+    ops.adam_step_([master], [grad], [torch.zeros(100)], [torch.zeros(100)], [torch.zeros(())], [None],
+                   1e-3, 0.9, 0.999, 0.01, 1e-8, True, False)
+    assert torch.allclose(master, ref, rtol=2e-6, atol=0)
+
+
+def test_kernels_reject_mismatched_tensors(ops):
+    with pytest.raises(RuntimeError, match="sizes differ"):
+        ops.unscale_into_([torch.ones(3, dtype=torch.float16)], [torch.empty(4)], torch.zeros(()), torch.tensor(1.0))
+    with pytest.raises(RuntimeError, match="expected a float32 tensor"):
+        ops.unscale_into_([torch.ones(3, dtype=torch.float16)], [torch.empty(3, dtype=torch.float64)],
+                          torch.zeros(()), torch.tensor(1.0))
+    with pytest.raises(RuntimeError, match="contiguous"):
+        ops.adam_step_([torch.ones(4, 2).t()], [torch.ones(2, 4)], [torch.zeros(2, 4)], [torch.zeros(2, 4)],
+                       [torch.zeros(())], [None], 1e-3, 0.9, 0.999, 0.0, 1e-8, True, False)
+
+
+def half_model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.LayerNorm(64), torch.nn.Linear(64, 8)).half().apply(
+        lambda m: m.float() if isinstance(m, torch.nn.LayerNorm) else None)
+
+
+def train(fused_mode, steps=8, inf_at=(3,), optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True)):
+    model = half_model()
+    opt = MasterWeightOptimizer(optimizer(model.parameters()), fused=fused_mode)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    scaler = DynamicLossScaler(init_scale=2.0**12, growth_interval=3)
+    torch.manual_seed(1)
+    for i in range(steps):
+        x = torch.randn(16, 64).half()
+        loss = model(x).float().pow(2).mean()
+        scaler.scale(loss).backward()
+        if i in inf_at:
+            model[0].weight.grad[0, 0] = float("inf")
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(opt.master_params(), 0.5)  # clipping sees (and edits) the FP32 grads
+        if scaler.step(opt) is not None or not scaler.last_step_skipped:
+            sched.step()
+        scaler.update()
+        opt.zero_grad()
+    return model, opt, scaler
+
+
+def test_the_fused_path_trains_like_the_stock_path():
+    fast_model, fast_opt, fast_scaler = train(None)
+    stock_model, stock_opt, stock_scaler = train(False)
+    assert fast_scaler.skipped_steps == stock_scaler.skipped_steps == 1
+    assert fast_scaler.get_scale() == stock_scaler.get_scale()
+    for a, b in zip(fast_opt.master_params(), stock_opt.master_params()):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-7)
+    for a, b in zip(fast_model.parameters(), fast_opt.master_params()):
+        assert torch.equal(a.detach(), b.detach().to(a.dtype))
+    assert fast_opt.param_groups[0]["lr"] == stock_opt.param_groups[0]["lr"]
+    # The state has the layout of torch's fused Adam: it loads into the stock path and back.
+    stock_opt.load_state_dict(fast_opt.state_dict())
+    fast_opt.load_state_dict(stock_opt.state_dict())
+
+
+def test_the_fused_path_is_taken_only_when_it_applies(monkeypatch):
+    calls = []
+    real = fused_adam.adam_step
+    monkeypatch.setattr("amp_plugin.master_weights.adam_step", lambda *a: (calls.append(1), real(*a)))
+    train(None, steps=2, inf_at=())
+    assert len(calls) == 2  # AdamW(fused=True)
+    calls.clear()
+    train(None, steps=2, inf_at=(), optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2))  # the user chose for-loop
+    train(None, steps=2, inf_at=(), optimizer=lambda ps: torch.optim.SGD(ps, lr=1e-2))
+    train(False, steps=2, inf_at=())
+    assert calls == []
+    train(True, steps=2, inf_at=(), optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-2))  # asked for explicitly
+    assert len(calls) == 2
+
+
+def test_fused_true_says_why_it_cannot_apply():
+    with pytest.raises(ValueError, match="Adam and AdamW only, not SGD"):
+        MasterWeightOptimizer(torch.optim.SGD(half_model().parameters(), lr=0.1), fused=True)
+    with pytest.raises(ValueError, match="amsgrad=True"):
+        MasterWeightOptimizer(torch.optim.Adam(half_model().parameters(), amsgrad=True), fused=True)
+    with pytest.raises(TypeError, match="fused='yes'"):
+        MasterWeightOptimizer(torch.optim.Adam(half_model().parameters()), fused="yes")
+
+
+def test_a_failed_build_warns_once_and_the_stock_path_carries_on(monkeypatch):
+    monkeypatch.setattr(fused, "_state", {"tried": False, "ops": None, "error": None})
+    monkeypatch.setattr(fused, "_flags", lambda: ("amp_plugin_fused_broken", ["-this-flag-does-not-exist"]))
+    monkeypatch.delattr(torch.ops.amp_plugin, "adam_step_", raising=False)
+    monkeypatch.setattr(torch.ops, "amp_plugin", type("Empty", (), {})())
+    with pytest.warns(RuntimeWarning, match="could not build its fused CPU kernels"):
+        assert fused.kernels() is None
+    assert "Error" in fused.unavailable_reason()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no second warning
+        assert fused.kernels() is None
+        model, opt, scaler = train(None, steps=5)
+    assert scaler.skipped_steps == 1
+    with pytest.raises(ValueError, match="the kernels are unavailable"):
+        MasterWeightOptimizer(torch.optim.AdamW(half_model().parameters(), fused=True), fused=True)
+
+
+def test_the_environment_switch_turns_the_kernels_off(monkeypatch):
+    monkeypatch.setenv(fused.ENV_SWITCH, "0")
+    assert fused.kernels() is None
+    assert fused.unavailable_reason() == f"{fused.ENV_SWITCH}=0 is set"
+
+
+@pytest.mark.parametrize("contiguous", [True, False])
+def test_every_gradient_is_unscaled_exactly_once_on_either_path(contiguous):
+    """A non-contiguous half gradient sends the whole unscale down the stock path; the FP32
+    parameters (their own master) must not be unscaled a second time on the way."""
+    model = half_model()
+    opt = MasterWeightOptimizer(torch.optim.AdamW(model.parameters(), fused=True))
+    scaler = DynamicLossScaler(init_scale=2.0**8)
+    scaler.scale(model(torch.randn(4, 64).half()).float().sum()).backward()
+    if not contiguous:
+        model[0].weight.grad = model[0].weight.grad.t().contiguous().t()
+    before = [p.grad.float().clone() for p in model.parameters()]
+    scaler.unscale_(opt)
+    for master, grad in zip(opt.master_params(), before):
+        assert torch.equal(master.grad, grad * 2.0**-8)
