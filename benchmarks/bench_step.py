@@ -7,7 +7,9 @@ Same process, the three paths alternating, median of the repeats:
 - floor:     fused AdamW on N FP32 params (no scaling, no casts): what any FP32 run pays.
 - ours:      DynamicLossScaler + MasterWeightOptimizer(AdamW(fused=True)) over N FP16 params:
              unscale half grads into FP32 master grads with the inf check, step, update,
-             copy masters back into the FP16 model.
+             copy masters back into the FP16 model. On the CPU this runs amp_plugin's fused
+             kernels (two passes); "ours, stock torch ops" is the same with fused=False
+             (four passes of stock torch kernels).
 - lightning: Lightning `16-mixed`'s path: torch.amp.GradScaler + default AdamW (foreach) on
              N FP32 params: unscale_, step, update.
 
@@ -31,6 +33,7 @@ import time
 import torch
 
 from amp_plugin import DynamicLossScaler, MasterWeightOptimizer
+from amp_plugin import fused as fused_kernels
 
 
 def make_params(numel: int, chunks: int, dtype: torch.dtype, device: str = "cpu") -> list[torch.nn.Parameter]:
@@ -124,6 +127,12 @@ def stage_breakdown(numel: int, chunks: int, repeats: int, prototype: bool = Fal
         "alt: fused AdamW with grad_scale/found_inf": lambda: torch._fused_adamw_(
             masters, master_g, m, v, [], steps, grad_scale=one, found_inf=found, **hp),
     }
+    ops = fused_kernels.kernels()
+    if ops is not None:  # amp_plugin's two passes, in place of stages 1+2 and 4+5
+        stages["fused A: unscale_into_ (stages 1+2 in one pass)"] = lambda: ops.unscale_into_(
+            half_g, master_g, found, one)
+        stages["fused B: adam_step_ (stages 4+5 in one pass)"] = lambda: ops.adam_step_(
+            masters, master_g, m, v, steps, half_w, 1e-3, 0.9, 0.999, 0.01, 1e-8, True, False)
     if prototype:
         try:
             one_c, nonfinite_c = compiled_update()
@@ -161,13 +170,17 @@ def stage_breakdown(numel: int, chunks: int, repeats: int, prototype: bool = Fal
           f"median of {repeats}\n")
     print("| stage | ms | CPU ms | CPU vs floor |")
     print("|---|---:|---:|---:|")
-    total = 0.0
+    total = fused_total = 0.0
     for name in stages:
         w, c = statistics.median(wall[name]), statistics.median(cpu[name])
         if name[0].isdigit():
             total += c
+        if name.startswith("fused"):
+            fused_total += c
         print(f"| {name} | {w * 1e3:.1f} | {c * 1e3:.1f} | {c / floor_cpu:.2f}x |")
     print(f"| sum of stages 1-5 | | {total * 1e3:.1f} | {total / floor_cpu:.2f}x |")
+    if fused_total:
+        print(f"| sum of fused A + B (+ stage 3) | | {fused_total * 1e3:.1f} | {fused_total / floor_cpu:.2f}x |")
 
 
 def main() -> None:
@@ -197,6 +210,11 @@ def main() -> None:
     ours_scaler = DynamicLossScaler(init_scale=2.0**10)
     for p in half_params:
         p.grad.mul_(2.0**10)  # grads as a scaled backward leaves them
+    stock_params = make_params(numel, args.chunks, torch.float16, device)
+    stock_opt = MasterWeightOptimizer(torch.optim.AdamW(stock_params, lr=1e-3, fused=True), fused=False)
+    stock_scaler = DynamicLossScaler(init_scale=2.0**10)
+    for p in stock_params:
+        p.grad.mul_(2.0**10)
 
     light_params = make_params(numel, args.chunks, torch.float32, device)
     light_opt = torch.optim.AdamW(light_params, lr=1e-3)
@@ -212,12 +230,18 @@ def main() -> None:
         ours_scaler.step(ours_opt)
         ours_scaler.update()
 
+    def stock() -> None:
+        stock_scaler.unscale_(stock_opt)
+        stock_scaler.step(stock_opt)
+        stock_scaler.update()
+
     def lightning() -> None:
         light_scaler.unscale_(light_opt)
         light_scaler.step(light_opt)
         light_scaler.update()
 
-    paths = {"floor (fused AdamW, FP32)": floor, "ours (FP16 + FP32 masters)": ours, "Lightning 16-mixed path": lightning}
+    paths = {"floor (fused AdamW, FP32)": floor, "ours (FP16 + FP32 masters)": ours,
+             "ours, stock torch ops (fused=False)": stock, "Lightning 16-mixed path": lightning}
     for fn in paths.values():  # warm up: allocate state
         fn()
     times: dict[str, list[float]] = {name: [] for name in paths}

@@ -45,14 +45,18 @@ def table_rows(text: str) -> list[list[str]]:
     return rows
 
 
-def test_bench_step_prints_the_three_paths_the_traffic_floor_and_the_stages():
+def test_bench_step_prints_the_paths_the_traffic_floor_and_the_stages():
     out = run("bench_step.py", "--params", "0.2", "--chunks", "4", "--repeats", "2", "--threads", "1", "--stages")
     names = [row[0] for row in table_rows(out)]
-    assert names[:3] == ["floor (fused AdamW, FP32)", "ours (FP16 + FP32 masters)", "Lightning 16-mixed path"]
+    assert names[:4] == ["floor (fused AdamW, FP32)", "ours (FP16 + FP32 masters)",
+                         "ours, stock torch ops (fused=False)", "Lightning 16-mixed path"]
     assert sum(name.startswith("memory-traffic floor") for name in names) == 2
     assert re.search(r"ours / Lightning 16-mixed path: [0-9.]+x", out)
     stages = [name for name in names if name[0].isdigit()]
     assert len(stages) == 5 and "sum of stages 1-5" in names
+    assert [name for name in names if name.startswith("fused")] == [
+        "fused A: unscale_into_ (stages 1+2 in one pass)", "fused B: adam_step_ (stages 4+5 in one pass)"]
+    assert "sum of fused A + B (+ stage 3)" in names
 
 
 @pytest.mark.slow
