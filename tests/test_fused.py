@@ -178,7 +178,8 @@ def test_fused_true_says_why_it_cannot_apply():
         MasterWeightOptimizer(torch.optim.Adam(half_model().parameters()), fused="yes")
 
 
-def test_a_failed_build_warns_once_and_the_stock_path_carries_on(monkeypatch):
+def test_a_failed_build_warns_once_and_the_stock_path_carries_on(monkeypatch, tmp_path):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # the broken build stays out of the real cache
     monkeypatch.setattr(fused, "_state", {"tried": False, "ops": None, "error": None})
     monkeypatch.setattr(fused, "_flags", lambda: ("amp_plugin_fused_broken", ["-this-flag-does-not-exist"]))
     monkeypatch.delattr(torch.ops.amp_plugin, "adam_step_", raising=False)
