@@ -187,8 +187,7 @@ class MasterWeightOptimizer(Optimizer):
         if not self._grads_ready:
             self._master_grads()
         ops = self._fused_ops()
-        if ops is not None and self._fused_step_allowed():
-            adam_step(ops, self.optimizer, self._model_of)
+        if ops is not None and self._fused_step_allowed() and adam_step(ops, self.optimizer, self._model_of):
             self.optimizer._opt_called = True  # what an LR scheduler's step tracking records
             result = None
         else:

@@ -216,3 +216,19 @@ def test_every_gradient_is_unscaled_exactly_once_on_either_path(contiguous):
     scaler.unscale_(opt)
     for master, grad in zip(opt.master_params(), before):
         assert torch.equal(master.grad, grad * 2.0**-8)
+
+
+def test_a_gradient_the_kernel_cannot_take_sends_the_step_the_stock_way():
+    model = half_model()
+    opt = MasterWeightOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True))
+    stock_model = half_model()
+    stock = MasterWeightOptimizer(torch.optim.AdamW(stock_model.parameters(), lr=1e-2, fused=True), fused=False)
+    x = torch.randn(4, 64).half()
+    for net, o in ((model, opt), (stock_model, stock)):
+        net(x).float().sum().backward()
+        o.sync_grads()
+        first = o.master_params()[0]
+        first.grad = first.grad.t().contiguous().t()  # as a hook might leave it: not contiguous
+        o.step()
+    for a, b, p in zip(opt.master_params(), stock.master_params(), model.parameters()):
+        assert torch.equal(a, b) and torch.equal(p.detach(), a.detach().to(p.dtype))

@@ -45,38 +45,38 @@ def adam_ineligible(optimizer: Optimizer) -> str | None:
 
 
 @torch.no_grad()
-def adam_step(ops: Any, optimizer: Optimizer, model_of: dict[int, torch.Tensor]) -> None:
+def adam_step(ops: Any, optimizer: Optimizer, model_of: dict[int, torch.Tensor]) -> bool:
     """One Adam/AdamW step of ``optimizer`` (over FP32 masters) that also writes each updated
     master, rounded, into its model parameter (``model_of[id(master)]``; masters that are
     their own parameter are absent).
 
-    Initialises the state as ``torch.optim.Adam(fused=True)`` does, so state dicts move freely
-    between this step and torch's.
+    Returns False, having changed nothing, when a gradient does not suit the kernel (sparse,
+    not FP32, not contiguous: a hook may have replaced it); the caller then steps the stock
+    way. Initialises the state as ``torch.optim.Adam(fused=True)`` does, so state dicts move
+    freely between this step and torch's.
     """
-    adamw_default = isinstance(optimizer, torch.optim.AdamW)
+    grouped = []
     for group in optimizer.param_groups:
-        params, grads, exp_avgs, exp_avg_sqs, steps, models = [], [], [], [], [], []
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            if p.grad.is_sparse or p.grad.dtype != torch.float32 or not p.grad.is_contiguous():
-                raise RuntimeError("the fused master-weight step needs dense, contiguous FP32 master gradients")
+        params = [p for p in group["params"] if p.grad is not None]
+        if not all(not p.grad.is_sparse and p.grad.dtype == torch.float32 and p.grad.is_contiguous() for p in params):
+            return False
+        grouped.append((group, params))
+    adamw_default = isinstance(optimizer, torch.optim.AdamW)
+    for group, params in grouped:
+        if not params:
+            continue
+        for p in params:
             state = optimizer.state[p]
             if len(state) == 0:
                 state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            params.append(p)
-            grads.append(p.grad)
-            exp_avgs.append(state["exp_avg"])
-            exp_avg_sqs.append(state["exp_avg_sq"])
-            steps.append(state["step"])
-            models.append(model_of.get(id(p)))
-        if not params:
-            continue
+        states = [optimizer.state[p] for p in params]
         beta1, beta2 = (float(b) for b in group["betas"])
         ops.adam_step_(
-            params, grads, exp_avgs, exp_avg_sqs, steps, models, float(group["lr"]), beta1, beta2,
+            params, [p.grad for p in params], [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
+            [s["step"] for s in states], [model_of.get(id(p)) for p in params], float(group["lr"]), beta1, beta2,
             float(group["weight_decay"]), float(group["eps"]), bool(group.get("decoupled_weight_decay", adamw_default)),
             bool(group["maximize"]),
         )
+    return True
