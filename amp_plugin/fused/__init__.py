@@ -29,7 +29,7 @@ __all__ = ["kernels", "unavailable_reason", "ENV_SWITCH"]
 
 ENV_SWITCH = "AMP_PLUGIN_FUSED"
 _SOURCE = Path(__file__).with_name("master_step.cpp")
-_VERSION = 4  # bump when master_step.cpp changes: the build cache is keyed by name
+_VERSION = 5  # bump when master_step.cpp changes: the build cache is keyed by name
 _lock = threading.Lock()
 _state: dict[str, Any] = {"tried": False, "ops": None, "error": None}
 

@@ -149,9 +149,11 @@ void from_float_block(const float* src, Half* dst, int64_t n, bool stream) {
   }
 }
 
+// Non-temporal stores are weakly ordered: each thread that issued them fences before its
+// task ends, so the op's results are visible when it returns.
 inline void fence_streams() {
 #if defined(AMP_PLUGIN_SIMD)
-  _mm_sfence();  // non-temporal stores are visible before the op returns
+  _mm_sfence();
 #endif
 }
 
@@ -188,6 +190,9 @@ void unscale_one(const at::Tensor& half, const at::Tensor& out, float inv_scale,
       }
       store_floats(block, dst + b, n, stream);
     }
+    if (stream) {
+      fence_streams();
+    }
     if (bad) {
       found.store(1, std::memory_order_relaxed);
     }
@@ -215,7 +220,6 @@ void unscale_into_(at::TensorList half_grads, at::TensorList out, const at::Tens
       unscale_one<BF16Bits>(half_grads[t], out[t], s, stream, found);
     }
   }
-  fence_streams();
   if (found.load()) {
     found_inf.fill_(1.0);
   }
@@ -284,6 +288,9 @@ void adam_tensor(float* p, const float* g, float* m, float* v, void* model, at::
       } else if (model_dtype == at::kBFloat16) {
         from_float_block(p + b, static_cast<BF16Bits*>(model) + b, n, stream);
       }
+    }
+    if (stream) {
+      fence_streams();
     }
   });
 }
@@ -359,7 +366,6 @@ void adam_step_(at::TensorList params, at::TensorList grads, at::TensorList exp_
       adam_lerp_dispatch<Decay::kL2>(pp, grad, mp, vp, model_data, model_dtype, p.numel(), c, stream);
     }
   }
-  fence_streams();
 }
 
 }  // namespace
