@@ -26,7 +26,7 @@ import torch
 from torch.optim import Optimizer
 
 from amp_plugin import fused as _fused
-from amp_plugin.fused.adam import adam_ineligible, adam_step, unscale_fits, unscale_into
+from amp_plugin.fused.adam import adam_ineligible, adam_step, has_step_hooks, unscale_fits, unscale_into
 from amp_plugin.scaler import unscale_grouped
 
 __all__ = ["MasterWeightOptimizer"]
@@ -95,6 +95,8 @@ class MasterWeightOptimizer(Optimizer):
             self._adopt_group(group)
         if fused:
             reason = adam_ineligible(optimizer)
+            if reason is None and has_step_hooks(optimizer):
+                reason = "the wrapped optimizer has step hooks, which the fused step would bypass"
             if reason is None and _fused.kernels() is None:
                 reason = f"the kernels are unavailable ({_fused.unavailable_reason()})"
             if reason is not None:
@@ -259,12 +261,10 @@ class MasterWeightOptimizer(Optimizer):
         """The fused Adam step applies: asked for, or every group was built with fused=True."""
         if not (self.fused or all(group.get("fused") for group in self.optimizer.param_groups)):
             return False
-        if not self._fused_params_checked:  # parameters' device and dtype do not change
+        if not self._fused_params_checked:  # the optimizer's type and its parameters do not change
             self._fused_params_reason = adam_ineligible(self.optimizer)
             self._fused_params_checked = True
-        if self._fused_params_reason is not None:
-            return False
-        return not (self.optimizer._optimizer_step_pre_hooks or self.optimizer._optimizer_step_post_hooks)
+        return self._fused_params_reason is None and not has_step_hooks(self.optimizer)
 
     def _master_grads(self) -> list[torch.Tensor]:
         """Point each master's ``.grad`` at the model's gradient in FP32 (copy for half

@@ -157,7 +157,7 @@ def test_the_fused_path_trains_like_the_stock_path():
 def test_the_fused_path_is_taken_only_when_it_applies(monkeypatch):
     calls = []
     real = fused_adam.adam_step
-    monkeypatch.setattr("amp_plugin.master_weights.adam_step", lambda *a: (calls.append(1), real(*a)))
+    monkeypatch.setattr("amp_plugin.master_weights.adam_step", lambda *a: (calls.append(1), real(*a))[1])
     train(None, steps=2, inf_at=())
     assert len(calls) == 2  # AdamW(fused=True)
     calls.clear()
@@ -232,3 +232,29 @@ def test_a_gradient_the_kernel_cannot_take_sends_the_step_the_stock_way():
         o.step()
     for a, b, p in zip(opt.master_params(), stock.master_params(), model.parameters()):
         assert torch.equal(a, b) and torch.equal(p.detach(), a.detach().to(p.dtype))
+
+
+def test_step_hooks_on_the_wrapped_optimizer_pause_the_fused_step(monkeypatch):
+    calls = []
+    real = fused_adam.adam_step
+    monkeypatch.setattr("amp_plugin.master_weights.adam_step", lambda *a: (calls.append(1), real(*a))[1])
+    model = half_model()
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    opt = MasterWeightOptimizer(inner)
+    hooked = []
+
+    def one_step():
+        model(torch.randn(4, 64).half()).float().sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    one_step()
+    handle = inner.register_step_post_hook(lambda *_: hooked.append(1))
+    one_step()  # the hook must run, so torch's own step does
+    handle.remove()
+    one_step()
+    assert calls == [1, 1] and hooked == [1]
+    hooked_inner = torch.optim.AdamW(half_model().parameters(), fused=True)
+    hooked_inner.register_step_pre_hook(lambda *_: None)
+    with pytest.raises(ValueError, match="step hooks, which the fused step would bypass"):
+        MasterWeightOptimizer(hooked_inner, fused=True)

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-__all__ = ["adam_ineligible", "adam_step", "unscale_fits", "unscale_into"]
+__all__ = ["adam_ineligible", "adam_step", "has_step_hooks", "unscale_fits", "unscale_into"]
 
 
 def unscale_fits(half_grads: list[torch.Tensor], out: list[torch.Tensor]) -> bool:
@@ -28,12 +28,17 @@ def unscale_into(ops: Any, half_grads: list[torch.Tensor], out: list[torch.Tenso
     ops.unscale_into_(half_grads, out, found_inf, inv_scale.float())
 
 
+def has_step_hooks(optimizer: Optimizer) -> bool:
+    """The optimizer's own step hooks, which the fused step would bypass."""
+    return bool(optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks)
+
+
 def adam_ineligible(optimizer: Optimizer) -> str | None:
-    """Why ``optimizer`` cannot take the fused master-weight step, or ``None`` if it can."""
+    """Why ``optimizer`` (its type, options and parameters) cannot take the fused
+    master-weight step, or ``None`` if it can. Step hooks are checked apart
+    (:func:`has_step_hooks`): they can come and go between steps."""
     if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
         return f"the fused step implements Adam and AdamW only, not {type(optimizer).__name__}"
-    if optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks:
-        return "the wrapped optimizer has step hooks, which the fused step would bypass"
     for group in optimizer.param_groups:
         for key in ("amsgrad", "capturable", "differentiable"):
             if group.get(key):
