@@ -34,6 +34,13 @@ __all__ = ["MasterWeightOptimizer"]
 _HALF = (torch.float16, torch.bfloat16)
 
 
+class _Unchecked:
+    pass
+
+
+_UNCHECKED = _Unchecked()
+
+
 class MasterWeightOptimizer(Optimizer):
     """Wrap an optimizer built over half-precision parameters so it updates FP32 masters.
 
@@ -79,8 +86,8 @@ class MasterWeightOptimizer(Optimizer):
         self._grad_buffers: list[torch.Tensor | None] = []
         self._model_of: dict[int, torch.Tensor] = {}  # id(master) -> its half-precision model param
         self.fused = fused
-        self._fused_params_checked = False
-        self._fused_params_reason: str | None = None
+        # adam_ineligible's verdict, worked out at the first step (and after add_param_group)
+        self._fused_params_reason: str | None | _Unchecked = _UNCHECKED
         for name in (
             "_optimizer_step_pre_hooks",
             "_optimizer_step_post_hooks",
@@ -131,7 +138,7 @@ class MasterWeightOptimizer(Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         self.optimizer.add_param_group(param_group)
         self._adopt_group(self.optimizer.param_groups[-1])
-        self._fused_params_checked = False
+        self._fused_params_reason = _UNCHECKED
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the model's gradients and the masters' gradients."""
@@ -161,7 +168,9 @@ class MasterWeightOptimizer(Optimizer):
                 found = unscale_grouped(_by_device_dtype(own), inv_scale_on)
                 if buffers:
                     cpu = torch.device("cpu")
-                    found_cpu = found.setdefault(cpu, torch.zeros((), dtype=torch.float32))
+                    found_cpu = found.get(cpu)
+                    if found_cpu is None:
+                        found_cpu = found[cpu] = torch.zeros((), dtype=torch.float32)
                     unscale_into(ops, half_grads, buffers, found_cpu, inv_scale_on(cpu))
                 self._grads_ready = True
                 return found
@@ -261,9 +270,8 @@ class MasterWeightOptimizer(Optimizer):
         """The fused Adam step applies: asked for, or every group was built with fused=True."""
         if not (self.fused or all(group.get("fused") for group in self.optimizer.param_groups)):
             return False
-        if not self._fused_params_checked:  # the optimizer's type and its parameters do not change
+        if self._fused_params_reason is _UNCHECKED:  # the optimizer's type and parameters do not change
             self._fused_params_reason = adam_ineligible(self.optimizer)
-            self._fused_params_checked = True
         return self._fused_params_reason is None and not has_step_hooks(self.optimizer)
 
     def _master_grads(self) -> list[torch.Tensor]:
