@@ -21,7 +21,13 @@ def dtype(request) -> torch.dtype:
     return request.param
 
 
-@pytest.fixture(params=BACKENDS)
-def backend(request) -> str:
-    """Both interception backends of CpuHalfEmulation."""
+@pytest.fixture(params=BACKENDS + ["kernel-python"])
+def backend(request, monkeypatch) -> str:
+    """Both interception backends of CpuHalfEmulation; "kernel-python" is the "kernel" backend
+    with its Python kernels only (what runs where the C++ kernels cannot be built)."""
+    if request.param == "kernel-python":
+        from amp_plugin.emulation import _backends
+
+        monkeypatch.setattr(_backends, "USE_NATIVE_KERNELS", False)
+        return "kernel"
     return request.param

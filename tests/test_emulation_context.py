@@ -145,6 +145,50 @@ def test_keep_installed_makes_contexts_cheap_but_not_active():
     assert _mm_kernel() == kernel
 
 
+def _cpu_kernel_source(op: str) -> str:
+    """Where the CPU kernel the dispatcher runs for ``op`` was registered."""
+    dump = torch._C._dispatch_dump(op).splitlines()
+    return next(line for line in dump if line.startswith("CPU:"))
+
+
+_CPP_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
+
+
+def test_kernel_backend_runs_the_matmuls_in_cpp(monkeypatch):
+    from amp_plugin import fused
+    from amp_plugin.emulation import _backends
+
+    assert fused.kernels() is not None, fused.unavailable_reason()
+    before = {op: _cpu_kernel_source(op) for op in _CPP_OPS + ("aten::mm.out",)}
+    x, w, b = rnd(3, 5, 8, dtype=torch.bfloat16, seed=74), rnd(6, 8, dtype=torch.bfloat16, seed=75), rnd(6, dtype=torch.bfloat16, seed=76)
+    q, k = rnd(2, 4, 8, dtype=torch.float16, seed=77), rnd(2, 8, 3, dtype=torch.float16, seed=78)
+    x32, w32 = x.float(), w.float()
+    plain32 = F.linear(x32, w32)
+    with CpuHalfEmulation.keep_installed():
+        assert all("emulate.cpp" in _cpu_kernel_source(op) for op in _CPP_OPS)
+        assert _cpu_kernel_source("aten::mm.out") != before["aten::mm.out"]  # a Python kernel
+        assert_bitwise(F.linear(x32, w32), plain32, "FP32 passes through")
+        with CpuHalfEmulation(backend="kernel") as emu:
+            lin, lin2, prod = F.linear(x, w, b), F.linear(x[0], w, b), x[0] @ w.t()
+            att = torch.bmm(q, k)
+            att2 = torch.baddbmm(att, q, k, beta=0.5, alpha=2.0)
+            with CpuHalfEmulation() as inner:  # nested: counts are split between the two
+                q @ k
+            assert emu.emulated_calls == {"aten.mm.default": 1, "aten.addmm.default": 2, "aten.bmm.default": 2,
+                                          "aten.baddbmm.default": 1}
+    assert inner.emulated_calls == {"aten.bmm.default": 1}
+    assert {op: _cpu_kernel_source(op) for op in before} == before
+    assert_bitwise(lin, F.linear(x.float(), w.float(), b.float()).to(torch.bfloat16), "linear 3d")
+    assert_bitwise(lin2, F.linear(x[0].float(), w.float(), b.float()).to(torch.bfloat16), "linear 2d")
+    assert_bitwise(prod, (x[0].float() @ w.float().t()).to(torch.bfloat16), "mm")
+    assert_bitwise(att, torch.bmm(q.float(), k.float()).half(), "bmm")
+    assert_bitwise(att2, torch.baddbmm(att.float(), q.float(), k.float(), beta=0.5, alpha=2.0).half(), "baddbmm")
+
+    monkeypatch.setattr(_backends, "USE_NATIVE_KERNELS", False)
+    with CpuHalfEmulation(backend="kernel"):
+        assert not any("emulate.cpp" in _cpu_kernel_source(op) for op in _CPP_OPS)
+
+
 def test_backends_agree():
     x = rnd(2, 3, 4, dtype=torch.float16, seed=70)
     w = rnd(5, 4, dtype=torch.float16, seed=71)

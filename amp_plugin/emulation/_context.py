@@ -13,6 +13,7 @@ from amp_plugin.emulation._backends import (
     _EmulationMode,
     _KeepInstalled,
     _KernelOverrides,
+    native_sync,
 )
 from amp_plugin.emulation._ops import _HALF, _state
 
@@ -73,11 +74,14 @@ class CpuHalfEmulation:
             self._frames.append((None, None, None))
             return self
         state = _state
+        if state.kernel_depth:
+            native_sync()
         # the first active frame of this instance takes the counts snapshot
         snapshot = None if self.active else dict(state.counts)
         if self.backend == "kernel":
             if state.kernel_depth == 0:
                 _KernelOverrides.acquire()
+                native_sync(True)
             state.kernel_depth += 1
             self._frames.append(("kernel", None, snapshot))
             return self
@@ -95,6 +99,8 @@ class CpuHalfEmulation:
         if kind is None:
             return None
         state = _state
+        if state.kernel_depth:
+            native_sync(False if kind == "kernel" and state.kernel_depth == 1 else None)
         if snapshot is not None:
             self._accumulate(state.counts, snapshot, self._calls)
         if kind == "kernel":
@@ -150,15 +156,19 @@ class CpuHalfEmulation:
 
         Also usable without ``with``: ``hold = CpuHalfEmulation.keep_installed();
         hold.__enter__()`` at setup, ``hold.__exit__(None, None, None)`` at teardown.
-        While held, covered CPU ops run outside a context go through a short Python
-        check before the original kernel (a few microseconds per matmul call). A no-op
-        where the "kernel" backend is unavailable.
+        While held, covered CPU ops run outside a context go through a short check
+        before the original kernel: nothing measurable for ``mm``, ``addmm``, ``bmm``
+        and ``baddbmm`` where :mod:`amp_plugin.fused` is built (their kernels are C++),
+        a few microseconds of Python per call otherwise. A no-op where the "kernel"
+        backend is unavailable.
         """
         return _KeepInstalled()
 
     @property
     def emulated_calls(self) -> Dict[str, int]:
         """``{"aten.mm.default": n, ...}``: ops this instance emulated so far."""
+        if _state.kernel_depth:
+            native_sync()
         calls = dict(self._calls)
         for kind, _, snapshot in self._frames:
             if snapshot is not None:
@@ -168,6 +178,8 @@ class CpuHalfEmulation:
     def reset_counts(self) -> None:
         """Forget :attr:`emulated_calls` (restarts counting from now)."""
         self._calls.clear()
+        if _state.kernel_depth:
+            native_sync()
         now = dict(_state.counts)
         self._frames = [
             (kind, pushed, now if snapshot is not None else None)

@@ -1,0 +1,150 @@
+// C++ CPU kernels for the "kernel" backend of amp_plugin.emulation (CpuHalfEmulation).
+//
+// While installed, these replace the CPU kernels of aten::mm, addmm, bmm and baddbmm (the
+// default overloads: what F.linear, torch.matmul and their backward reach). A call with
+// FP16/BF16 operands, in a thread where emulation is switched on, upcasts the operands to
+// FP32, runs the FP32 CPU kernel and rounds the result to the input dtype once: the same
+// computation as the Python handlers in amp_plugin/emulation/_ops.py, bit for bit, without
+// a trip into Python. Every other call goes straight to the FP32/native CPU kernel
+// (at::cpu::*, the structured kernel the dispatcher would have run).
+//
+//   emulation_install() / emulation_uninstall(): register / remove the kernels (the
+//     dispatcher's previous CPU kernels take over again).
+//   emulation_sync(bool? active): switch emulation on or off in the calling thread (None
+//     leaves it as is); returns this thread's per-op counts of emulated calls (mm, addmm,
+//     bmm, baddbmm), resetting them, followed by the number of FP32 buffers it holds.
+
+#include <ATen/ATen.h>
+#include <ATen/ops/addmm_cpu_dispatch.h>
+#include <ATen/ops/baddbmm_cpu_dispatch.h>
+#include <ATen/ops/bmm_cpu_dispatch.h>
+#include <ATen/ops/mm_cpu_dispatch.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <array>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <vector>
+
+namespace {
+
+enum Op { kMm = 0, kAddmm, kBmm, kBaddbmm, kNumOps };
+
+// Operands at least this large (elements) are upcast into per-thread FP32 buffers reused
+// while emulation stays on (see _SCRATCH_MIN_NUMEL in _ops.py).
+constexpr int64_t kScratchMinNumel = 32768;
+
+thread_local bool tl_active = false;
+thread_local std::array<int64_t, kNumOps> tl_counts{};
+thread_local std::array<at::Tensor, 3> tl_scratch;
+
+inline bool emulated(const at::Tensor& a) {
+  const auto dt = a.scalar_type();
+  return tl_active && (dt == at::kHalf || dt == at::kBFloat16);
+}
+
+// t.float(), keeping t's strides; large dense operands go into the thread's buffer `slot`.
+at::Tensor upcast(const at::Tensor& t, int slot) {
+  const int64_t n = t.numel();
+  if (n < kScratchMinNumel ||
+      !(t.is_contiguous() || (t.dim() >= 2 && t.transpose(-1, -2).is_contiguous()))) {
+    return t.to(at::kFloat);
+  }
+  at::Tensor& buf = tl_scratch[slot];
+  if (!buf.defined() || buf.numel() < n) {
+    buf = at::empty({n}, t.options().dtype(at::kFloat));
+  }
+  at::Tensor view = buf.as_strided(t.sizes(), t.strides());
+  view.copy_(t);
+  return view;
+}
+
+at::Tensor mm(const at::Tensor& a, const at::Tensor& b) {
+  if (emulated(a) && b.scalar_type() == a.scalar_type()) {
+    ++tl_counts[kMm];
+    return at::cpu::mm(upcast(a, 0), upcast(b, 1)).to(a.scalar_type());
+  }
+  return at::cpu::mm(a, b);
+}
+
+at::Tensor bmm(const at::Tensor& a, const at::Tensor& b) {
+  if (emulated(a) && b.scalar_type() == a.scalar_type()) {
+    ++tl_counts[kBmm];
+    return at::cpu::bmm(upcast(a, 0), upcast(b, 1)).to(a.scalar_type());
+  }
+  return at::cpu::bmm(a, b);
+}
+
+at::Tensor addmm(const at::Tensor& c, const at::Tensor& a, const at::Tensor& b, const at::Scalar& beta,
+                 const at::Scalar& alpha) {
+  const auto dt = a.scalar_type();
+  if (emulated(a) && b.scalar_type() == dt && c.scalar_type() == dt) {
+    ++tl_counts[kAddmm];
+    return at::cpu::addmm(upcast(c, 2), upcast(a, 0), upcast(b, 1), beta, alpha).to(dt);
+  }
+  return at::cpu::addmm(c, a, b, beta, alpha);
+}
+
+at::Tensor baddbmm(const at::Tensor& c, const at::Tensor& a, const at::Tensor& b, const at::Scalar& beta,
+                   const at::Scalar& alpha) {
+  const auto dt = a.scalar_type();
+  if (emulated(a) && b.scalar_type() == dt && c.scalar_type() == dt) {
+    ++tl_counts[kBaddbmm];
+    return at::cpu::baddbmm(upcast(c, 2), upcast(a, 0), upcast(b, 1), beta, alpha).to(dt);
+  }
+  return at::cpu::baddbmm(c, a, b, beta, alpha);
+}
+
+std::mutex g_lock;
+std::unique_ptr<torch::Library> g_library;  // set while the kernels are registered
+
+// Replacing the CPU kernels is the point: drop the dispatcher's "Overriding a previously
+// registered kernel" warning while registering.
+class SilentWarnings : public c10::WarningHandler {
+ public:
+  void process(const c10::Warning&) override {}
+};
+
+void emulation_install() {
+  std::lock_guard<std::mutex> guard(g_lock);
+  if (g_library) {
+    return;
+  }
+  SilentWarnings silent;
+  c10::WarningUtils::WarningHandlerGuard quiet(&silent);
+  auto lib = std::make_unique<torch::Library>(torch::Library::IMPL, "aten", c10::DispatchKey::CPU,
+                                              __FILE__, __LINE__);
+  lib->impl("mm", TORCH_FN(mm));
+  lib->impl("addmm", TORCH_FN(addmm));
+  lib->impl("bmm", TORCH_FN(bmm));
+  lib->impl("baddbmm", TORCH_FN(baddbmm));
+  g_library = std::move(lib);
+}
+
+void emulation_uninstall() {
+  std::lock_guard<std::mutex> guard(g_lock);
+  g_library.reset();  // deregisters: the previous CPU kernels are computed again
+}
+
+std::vector<int64_t> emulation_sync(std::optional<bool> active) {
+  std::vector<int64_t> result(tl_counts.begin(), tl_counts.end());
+  tl_counts = {};
+  if (active.has_value()) {
+    tl_active = *active;
+    if (!tl_active) {
+      tl_scratch = {};  // the FP32 buffers live only while emulation is on
+    }
+  }
+  result.push_back(std::count_if(tl_scratch.begin(), tl_scratch.end(), [](const at::Tensor& t) { return t.defined(); }));
+  return result;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(amp_plugin, m) {
+  m.def("emulation_install() -> ()", &emulation_install);
+  m.def("emulation_uninstall() -> ()", &emulation_uninstall);
+  m.def("emulation_sync(bool? active) -> int[]", &emulation_sync);
+}
