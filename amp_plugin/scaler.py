@@ -89,6 +89,7 @@ class LossScaler:
         self._enabled = bool(enabled)
         self._scale_value = to_float32(check_number("init_scale", init_scale, gt=0.0))
         self._scale: torch.Tensor | None = None  # device copy, created on first use
+        self._inv_scales: dict[torch.device, torch.Tensor] = {}  # 1/scale per device, until the scale changes
         self._per_optimizer: dict[int, _OptimizerState] = {}
         self._iteration_skipped = False
         self._new_iteration = True
@@ -241,12 +242,18 @@ class LossScaler:
 
     def _inv_scale(self, device: torch.device) -> torch.Tensor:
         # Computed on the host from the exact float32 scale: the same double reciprocal
-        # GradScaler computes on the device, rounded to float32.
-        return torch.full((), 1.0 / self._scale_value, dtype=torch.float32, device=device)
+        # GradScaler computes on the device, rounded to float32. Kept while the scale holds
+        # (most steps), so an unscale allocates and fills nothing.
+        inv = self._inv_scales.get(device)
+        if inv is None:
+            inv = self._inv_scales[device] = torch.full((), 1.0 / self._scale_value, dtype=torch.float32, device=device)
+        return inv
 
     def _set_scale(self, value: float) -> None:
-        if value != self._scale_value and self._scale is not None:
-            self._scale.fill_(value)
+        if value != self._scale_value:
+            if self._scale is not None:
+                self._scale.fill_(value)
+            self._inv_scales.clear()
         self._scale_value = value
 
     def _found_inf_host(self, state: _OptimizerState) -> bool:
