@@ -1,6 +1,6 @@
 """On a CUDA GPU: tokens/s and peak memory of a larger char_gpt, ours vs Lightning's own precisions.
 
-    python benchmarks/gpu.py [--batch-size 64] [--warmup 10] [--steps 40] [--profile NAME ...]
+    python benchmarks/gpu.py [--batch-size 64] [--warmup 10] [--steps 40] [--rounds 3] [--profile NAME ...]
 
 Model: ``recipes.char_gpt.CharGPTRecipe`` with 6 layers, width 512, 8 heads, block (sequence)
 256, batch 64 (about 19M parameters, 16384 tokens per step), AdamW, unchanged recipe code.
@@ -16,14 +16,17 @@ Tokens/s: tokens of the timed steps divided by the wall time between a
 ``torch.cuda.synchronize()`` before the first timed step and one after the last (forward,
 backward, optimizer step, data loading and Lightning's per-step work all inside);
 the first ``--warmup`` steps (CUDA context, cuBLAS/cuDNN heuristics, allocator growth,
-early loss-scale overflows) are excluded. Peak memory: ``torch.cuda.max_memory_allocated()``
+early loss-scale overflows) are excluded. Every configuration is measured ``--rounds`` times,
+the configurations alternating within each round, so that drifts of the machine (clocks,
+other tenants, the host CPU) hit them alike; the table shows the median and the spread
+(slowest over fastest round, minus one). Peak memory: ``torch.cuda.max_memory_allocated()``
 over the whole fit (weights, FP32 masters, optimizer state, activations, gradients).
 
 TF32 is left at PyTorch's default (``torch.backends.cuda.matmul.allow_tf32`` is False unless
 something changed it; the header prints the values in effect), so ``fp32`` is true FP32.
 A configuration that fails is reported in its row and the rest still run; the script
-stops starting new configurations after ``--budget-s`` seconds (default 240). Without a
-CUDA device it says so and exits 0.
+starts no new measurement after ``--budget-s`` seconds (default 240; a configuration
+measured in fewer rounds says so). Without a CUDA device it says so and exits 0.
 """
 
 from __future__ import annotations
@@ -161,12 +164,31 @@ def measure(
     return result
 
 
+def summarize(runs: list[dict[str, Any]], error: str | None, rounds: int, budget_s: float) -> dict[str, Any]:
+    """One row from a configuration's rounds: median time and throughput, spread, peak memory."""
+    if error is not None:
+        return {"error": error}
+    if not runs:
+        return {"error": f"not run: over the {budget_s:.0f} s budget"}
+    times = [r["ms_per_step"] for r in runs]
+    return {
+        "ms_per_step": statistics.median(times),
+        "tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs),
+        "spread": max(times) / min(times) - 1.0,
+        "rounds": len(runs) if len(runs) == rounds else f"{len(runs)} of {rounds}",
+        "peak_gib": max(r["peak_gib"] for r in runs),
+        "skipped": runs[-1]["skipped"],
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--budget-s", type=float, default=240.0, help="start no configuration after this")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="measure each configuration this many times, alternating; report the median")
+    parser.add_argument("--budget-s", type=float, default=240.0, help="start no measurement after this")
     parser.add_argument("--configs", nargs="+", default=None, help="names to run (default: all)")
     parser.add_argument("--profile", nargs="+", default=[], metavar="NAME",
                         help="after the table, profile these configs (torch.profiler over the timed steps): "
@@ -175,6 +197,8 @@ def main() -> int:
                         help="run the same code on the CPU with a tiny model and no CUDA calls (for tests)")
     args = parser.parse_args()
 
+    if args.rounds < 1:
+        parser.error(f"--rounds {args.rounds}: need at least 1")
     cuda = not args.cpu_dry_run
     if cuda and not torch.cuda.is_available():
         print(NO_GPU_MESSAGE)
@@ -213,34 +237,38 @@ def main() -> int:
           f"float32_matmul_precision={torch.get_float32_matmul_precision()!r}")
     profile = "".join(f" '{name}'" for name in args.profile)
     print(f"command: python benchmarks/gpu.py --batch-size {args.batch_size} --warmup {args.warmup} "
-          f"--steps {args.steps} --budget-s {args.budget_s:g}{' --profile' + profile if profile else ''}\n", flush=True)
+          f"--steps {args.steps} --rounds {args.rounds} --budget-s {args.budget_s:g}"
+          f"{' --profile' + profile if profile else ''}\n", flush=True)
 
     start = time.perf_counter()
-    results: dict[str, dict[str, Any]] = {}
-    for name in names:
-        if time.perf_counter() - start > args.budget_s:
-            results[name] = {"error": f"not run: over the {args.budget_s:.0f} s budget"}
-            continue
-        try:
-            results[name] = measure(make_module, configs[name], args.warmup, args.steps, cuda)
-        except Exception as err:  # report it and carry on with the others
-            results[name] = {"error": f"{type(err).__name__}: {str(err).splitlines()[0][:160] if str(err) else ''}"}
-        print(f"  {name}: {results[name]}", flush=True)
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
+    errors: dict[str, str] = {}
+    for round_ in range(1, args.rounds + 1):
+        for name in names:
+            if name in errors or time.perf_counter() - start > args.budget_s:
+                continue
+            try:
+                runs[name].append(measure(make_module, configs[name], args.warmup, args.steps, cuda))
+            except Exception as err:  # report it and carry on with the others
+                errors[name] = f"{type(err).__name__}: {str(err).splitlines()[0][:160] if str(err) else ''}"
+            print(f"  round {round_}, {name}: {runs[name][-1] if name not in errors else errors[name]}", flush=True)
+    results = {name: summarize(runs[name], errors.get(name), args.rounds, args.budget_s) for name in names}
 
     fp32 = results.get(FP32_REFERENCE, {}).get("tokens_per_s") or results.get("ours fp32", {}).get("tokens_per_s")
     bf16 = results.get(BF16_LIGHTNING, {}).get("tokens_per_s")
-    print("\n| config | ms/step | tokens/s | vs FP32 | vs Lightning bf16-mixed | peak GiB | skipped steps |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print("\n| config | ms/step | tokens/s | vs FP32 | vs Lightning bf16-mixed | spread | rounds | peak GiB "
+          "| skipped steps |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name, r in results.items():
         if "error" in r:
-            print(f"| {name} | failed: {r['error']} | | | | | |")
+            print(f"| {name} | failed: {r['error']} | | | | | | | |")
             continue
         tps = r["tokens_per_s"]
         vs_fp32 = f"{tps / fp32:.2f}x" if fp32 else "-"
         vs_bf16 = f"{tps / bf16:.2f}x" if bf16 else "-"
         skipped = "-" if r["skipped"] is None else r["skipped"]
-        print(f"| {name} | {r['ms_per_step']:.1f} | {tps:,.0f} | {vs_fp32} | {vs_bf16} | {r['peak_gib']:.2f} "
-              f"| {skipped} |")
+        print(f"| {name} | {r['ms_per_step']:.1f} | {tps:,.0f} | {vs_fp32} | {vs_bf16} | {r['spread']:.0%} "
+              f"| {r['rounds']} | {r['peak_gib']:.2f} | {skipped} |")
     if fp32 and bf16:
         print("\nGoals: half precision >= 2.5x FP32 tokens/s, and not slower than Lightning bf16-mixed")
         for name in ("ours bf16", "ours fp16", "ours bf16_autocast", "ours fp16_autocast"):
@@ -251,7 +279,7 @@ def main() -> int:
     medians = [r["ms_per_step"] for r in results.values() if "ms_per_step" in r]
     if medians:
         print(f"\n{len(medians)} of {len(results)} configurations measured in {time.perf_counter() - start:.0f} s "
-              f"(median {statistics.median(medians):.1f} ms/step)")
+              f"(median {statistics.median(medians):.1f} ms/step; spread: slowest over fastest round, minus one)")
     for name in args.profile:
         r = measure(make_module, configs[name], args.warmup, args.steps, cuda, profile=True)
         print(f"\n## Profile of {name}: {r['ms_per_step']:.1f} ms/step while profiled ({args.steps} steps; "

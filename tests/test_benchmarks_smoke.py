@@ -107,10 +107,12 @@ def test_gpu_script_declines_politely_without_a_gpu():
 @pytest.mark.slow
 def test_gpu_script_runs_its_code_path_on_cpu():
     out = run("gpu.py", "--cpu-dry-run", "--configs", "ours fp16", "Lightning 32-true", "Lightning bf16-mixed",
-              "--batch-size", "2", "--warmup", "1", "--steps", "2", "--profile", "ours fp16")
+              "--batch-size", "2", "--warmup", "1", "--steps", "2", "--rounds", "2", "--profile", "ours fp16")
     rows = table_rows(out)
     assert [row[0] for row in rows] == ["ours fp16", "Lightning 32-true", "Lightning bf16-mixed"]
     assert all(not row[1].startswith("failed") for row in rows)
+    assert [row[6] for row in rows] == ["2", "2", "2"]  # the rounds column
+    assert out.count("round 2, ") == 3  # the configurations alternate: each one in every round
     assert "ours fp16: " in out and "x FP32" in out
     profile = out.split("## Profile of ours fp16", 1)[1]
     assert "aten::" in profile and "Self CPU time total" in profile
@@ -119,6 +121,8 @@ def test_gpu_script_runs_its_code_path_on_cpu():
 def test_gpu_and_step_scripts_refuse_unknown_names_and_missing_devices():
     out = run("gpu.py", "--cpu-dry-run", "--profile", "ours fp64", check=False)
     assert "unknown configs ['ours fp64']" in out
+    out = run("gpu.py", "--cpu-dry-run", "--rounds", "0", check=False)
+    assert "--rounds 0: need at least 1" in out
     if not torch.cuda.is_available():
         out = run("bench_step.py", "--device", "cuda", check=False)
         assert "--device cuda: torch.cuda.is_available() is False" in out
