@@ -71,6 +71,7 @@ def run_rounds(variants: dict, rounds: int, warmup: int = 1, only_first: dict | 
     return {
         name: (statistics.median(s[0] for s in v) * 1e3, statistics.median(s[1] for s in v) * 1e3, len(v))
         for name, v in samples.items()
+        if v  # a variant given 0 rounds (--skip-native-training) is left out
     }
 
 
@@ -209,16 +210,37 @@ def bench_overhead(n: int = 20000) -> dict:
 
         return per_call(fn, 200, contextlib.nullcontext)
 
+    @contextlib.contextmanager
+    def python_kernels_held():
+        """keep_installed() with the kernel backend's Python kernels only (no C++ kernels)."""
+        from amp_plugin.emulation import _backends
+
+        saved, _backends.USE_NATIVE_KERNELS = _backends.USE_NATIVE_KERNELS, False
+        try:
+            with CpuHalfEmulation.keep_installed():
+                yield
+        finally:
+            _backends.USE_NATIVE_KERNELS = saved
+
     rows = [("no context", contextlib.nullcontext, contextlib.nullcontext)]
     if CpuHalfEmulation().backend == "kernel":
+        from amp_plugin.emulation import _backends
+
+        kind = "C++ kernels for mm" if _backends._native_ops() is not None else "Python kernels only"
         rows += [
-            ("kernel backend", lambda: CpuHalfEmulation(backend="kernel"), contextlib.nullcontext),
+            (f"kernel backend ({kind})", lambda: CpuHalfEmulation(backend="kernel"), contextlib.nullcontext),
             (
-                "kernel backend, inside `keep_installed()`",
+                f"kernel backend ({kind}), inside `keep_installed()`",
                 lambda: CpuHalfEmulation(backend="kernel"),
                 CpuHalfEmulation.keep_installed,
             ),
         ]
+        if _backends._native_ops() is not None:
+            rows.append((
+                "kernel backend (Python kernels only), inside `keep_installed()`",
+                lambda: CpuHalfEmulation(backend="kernel"),
+                python_kernels_held,
+            ))
     rows.append(("mode backend", lambda: CpuHalfEmulation(backend="mode"), contextlib.nullcontext))
     out = {}
     for label, make, hold in rows:
@@ -268,7 +290,6 @@ def main(argv=None) -> None:
     if args.skip_native_training:
         args.native_rounds = 0
     results, notes = bench_training(args)
-    results = {k: v for k, v in results.items() if v[2] > 0}
     print(
         table(
             results,

@@ -60,6 +60,18 @@ def test_bench_step_prints_the_paths_the_traffic_floor_and_the_stages():
 
 
 @pytest.mark.slow
+def test_bench_emulation_prints_matmul_step_and_interception_tables():
+    out = run("bench_emulation.py", "--matmul", "32", "--d-model", "16", "--layers", "1", "--seq", "4", "--batch", "2",
+              "--repeats", "1", "--skip-native-training")
+    names = [row[0] for row in table_rows(out) if row[0] not in ("variant", "context")]  # minus headers
+    assert names[:5] == ["FP32", "FP16 emulated", "FP16 native", "BF16 emulated", "BF16 native"]  # (a)
+    assert names[5:9] == ["FP32", "FP16 emulated", "BF16 emulated", "FP16 emulated, mode backend"]  # (b), no native
+    assert "kernel backend (C++ kernels for mm), inside `keep_installed()`" in names  # (c)
+    assert "kernel backend (Python kernels only), inside `keep_installed()`" in names
+    assert re.search(r"FP16 emulated training step: [0-9.]+x FP32 CPU time", out)
+
+
+@pytest.mark.slow
 def test_bench_plugin_overhead_compares_matching_modes():
     out = run("bench_plugin_overhead.py", "--steps", "3", "--rounds", "1", "--n-embd", "16")
     assert [row[0] for row in table_rows(out)] == ["bf16 autocast", "fp32"]
