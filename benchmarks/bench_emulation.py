@@ -37,7 +37,7 @@ try:
 except ImportError:  # running from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from amp_plugin.emulation import CpuHalfEmulation
+from amp_plugin.emulation import CpuHalfEmulation, _backends
 
 try:
     from amp_plugin.master_weights import MasterWeightOptimizer
@@ -136,9 +136,18 @@ def make_step(args, dtype: torch.dtype, emulate: bool, backend: str = "auto"):
     g = torch.Generator().manual_seed(1)
     x = torch.randn(args.batch, args.seq, args.d_model, generator=g).to(dtype)
     y = torch.randint(0, args.classes, (args.batch, args.seq), generator=g)
-    emu = CpuHalfEmulation(enabled=emulate, backend=backend)
+    python_only = backend == "kernel-python"  # the kernel backend without its C++ kernels
+    emu = CpuHalfEmulation(enabled=emulate, backend="kernel" if python_only else backend)
 
     def step():
+        saved = _backends.USE_NATIVE_KERNELS
+        _backends.USE_NATIVE_KERNELS = saved and not python_only
+        try:
+            emulated_step()
+        finally:
+            _backends.USE_NATIVE_KERNELS = saved
+
+    def emulated_step():
         with emu:
             out = model(x)
             loss = F.cross_entropy(out.float().reshape(-1, args.classes), y.reshape(-1))
@@ -157,12 +166,15 @@ def bench_training(args) -> tuple[dict, list[str]]:
         ("FP32", torch.float32, False, "auto"),
         ("FP16 emulated", f16, True, "auto"),
         ("BF16 emulated", bf16, True, "auto"),
+        ("FP16 emulated, Python kernels", f16, True, "kernel-python"),
         ("FP16 emulated, mode backend", f16, True, "mode"),
         ("FP16 native", f16, False, "auto"),
         ("BF16 native", bf16, False, "auto"),
     ]
     if CpuHalfEmulation().backend == "mode":  # the default already is the mode backend
-        plan = [entry for entry in plan if entry[0] != "FP16 emulated, mode backend"]
+        plan = [entry for entry in plan if entry[3] not in ("mode", "kernel-python")]
+    elif _backends._native_ops() is None:  # the kernel backend runs its Python kernels anyway
+        plan = [entry for entry in plan if entry[3] != "kernel-python"]
     for name, dt, emulate, backend in plan:
         step, emu, model = make_step(args, dt, emulate, backend)
         variants[name] = (step, 1, contextlib.nullcontext)
@@ -213,8 +225,6 @@ def bench_overhead(n: int = 20000) -> dict:
     @contextlib.contextmanager
     def python_kernels_held():
         """keep_installed() with the kernel backend's Python kernels only (no C++ kernels)."""
-        from amp_plugin.emulation import _backends
-
         saved, _backends.USE_NATIVE_KERNELS = _backends.USE_NATIVE_KERNELS, False
         try:
             with CpuHalfEmulation.keep_installed():
@@ -224,8 +234,6 @@ def bench_overhead(n: int = 20000) -> dict:
 
     rows = [("no context", contextlib.nullcontext, contextlib.nullcontext)]
     if CpuHalfEmulation().backend == "kernel":
-        from amp_plugin.emulation import _backends
-
         kind = "C++ kernels for mm" if _backends._native_ops() is not None else "Python kernels only"
         rows += [
             (f"kernel backend ({kind})", lambda: CpuHalfEmulation(backend="kernel"), contextlib.nullcontext),

@@ -65,7 +65,8 @@ def test_bench_emulation_prints_matmul_step_and_interception_tables():
               "--repeats", "1", "--skip-native-training")
     names = [row[0] for row in table_rows(out) if row[0] not in ("variant", "context")]  # minus headers
     assert names[:5] == ["FP32", "FP16 emulated", "FP16 native", "BF16 emulated", "BF16 native"]  # (a)
-    assert names[5:9] == ["FP32", "FP16 emulated", "BF16 emulated", "FP16 emulated, mode backend"]  # (b), no native
+    assert names[5:10] == ["FP32", "FP16 emulated", "BF16 emulated", "FP16 emulated, Python kernels",
+                          "FP16 emulated, mode backend"]  # (b), no native
     assert "kernel backend (C++ kernels for mm), inside `keep_installed()`" in names  # (c)
     assert "kernel backend (Python kernels only), inside `keep_installed()`" in names
     assert re.search(r"FP16 emulated training step: [0-9.]+x FP32 CPU time", out)
