@@ -183,6 +183,24 @@ def test_large_operands_reuse_fp32_buffers(dtype, backend):
     assert emu.emulated_calls == {"aten.addmm.default": 1, "aten.mm.default": 3}
 
 
+def test_reused_buffers_never_serve_stale_values(dtype, backend):
+    # large operands go through reused FP32 buffers: in-place changes, new tensors (perhaps
+    # at a freed tensor's address) and transposed views of the same tensors all upcast afresh
+    a, w = rnd(256, 160, dtype=dtype, seed=88), rnd(160, 256, dtype=dtype, seed=89)
+    a0 = a.clone()
+    with CpuHalfEmulation(backend=backend):
+        first = a @ w
+        w.mul_(-2)
+        second = a @ w
+        a = rnd(256, 160, dtype=dtype, seed=90)
+        third = a @ w
+        fourth = (w.t() @ a.t()).t()
+    assert_bitwise(second, (a0.float() @ w.float()).to(dtype), "after mul_")
+    assert_bitwise(third, (a.float() @ w.float()).to(dtype), "new tensor")
+    assert_bitwise(fourth, (w.float().t() @ a.float().t()).to(dtype).t(), "transposed views")
+    assert not torch.equal(first, second)
+
+
 def test_inference_mode(dtype, backend):
     # without autograd, composite ops (matmul, linear, conv2d) reach the interception
     # undecomposed; they are still emulated
