@@ -17,9 +17,10 @@ Tokens/s: tokens of the timed steps divided by the wall time between a
 backward, optimizer step, data loading and Lightning's per-step work all inside);
 the first ``--warmup`` steps (CUDA context, cuBLAS/cuDNN heuristics, allocator growth,
 early loss-scale overflows) are excluded. Every configuration is measured ``--rounds`` times,
-the configurations alternating within each round, so that drifts of the machine (clocks,
-other tenants, the host CPU) hit them alike; the table shows the median and the spread
-(slowest over fastest round, minus one). Peak memory: ``torch.cuda.max_memory_allocated()``
+the configurations alternating within each round and each round starting one configuration
+later, so that drifts of the machine (clocks, other tenants, the host CPU) and the order
+(which configuration runs first, after which other one) hit them alike; the table shows the
+median and the spread (slowest over fastest round, minus one). Peak memory: ``torch.cuda.max_memory_allocated()``
 over the whole fit (weights, FP32 masters, optimizer state, activations, gradients).
 
 TF32 is left at PyTorch's default (``torch.backends.cuda.matmul.allow_tf32`` is False unless
@@ -246,7 +247,8 @@ def main() -> int:
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
     errors: dict[str, str] = {}
     for round_ in range(1, args.rounds + 1):
-        for name in names:
+        start_at = (round_ - 1) % len(names)  # each round starts one configuration later: no fixed neighbours
+        for name in names[start_at:] + names[:start_at]:
             if name in errors or time.perf_counter() - start > args.budget_s:
                 continue
             try:
