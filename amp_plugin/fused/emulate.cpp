@@ -15,6 +15,7 @@
 //     bmm, baddbmm), resetting them, followed by the number of FP32 buffers it holds.
 
 #include <ATen/ATen.h>
+#include <c10/util/accumulate.h>
 #include <ATen/ops/addmm_cpu_dispatch.h>
 #include <ATen/ops/baddbmm_cpu_dispatch.h>
 #include <ATen/ops/bmm_cpu_dispatch.h>
@@ -33,12 +34,15 @@ namespace {
 enum Op { kMm = 0, kAddmm, kBmm, kBaddbmm, kNumOps };
 
 // Operands at least this large (elements) are upcast into per-thread FP32 buffers reused
-// while emulation stays on (see _SCRATCH_MIN_NUMEL in _ops.py).
+// while emulation stays on (see _SCRATCH_MIN_NUMEL in _ops.py), and so is the FP32 result
+// before it is rounded: a fresh allocation this large costs more than the conversion (the
+// memory comes back from the OS zeroed, page by page).
 constexpr int64_t kScratchMinNumel = 32768;
+constexpr int kResultSlot = 3;  // slots 0-2: operands
 
 thread_local bool tl_active = false;
 thread_local std::array<int64_t, kNumOps> tl_counts{};
-thread_local std::array<at::Tensor, 3> tl_scratch;
+thread_local std::array<at::Tensor, 4> tl_scratch;
 
 inline bool emulated(const at::Tensor& a) {
   const auto dt = a.scalar_type();
@@ -61,10 +65,28 @@ at::Tensor upcast(const at::Tensor& t, int slot) {
   return view;
 }
 
+// A contiguous FP32 tensor of `sizes` for an op's result: in the thread's buffer when large.
+at::Tensor result_buffer(at::IntArrayRef sizes) {
+  const int64_t n = c10::multiply_integers(sizes);
+  if (n < kScratchMinNumel) {
+    return at::empty(sizes, at::kFloat);
+  }
+  at::Tensor& buf = tl_scratch[kResultSlot];
+  if (!buf.defined() || buf.numel() < n) {
+    buf = at::empty({n}, at::kFloat);
+  }
+  return buf.narrow(0, 0, n).view(sizes);
+}
+
 at::Tensor mm(const at::Tensor& a, const at::Tensor& b) {
   if (emulated(a) && b.scalar_type() == a.scalar_type()) {
     ++tl_counts[kMm];
-    return at::cpu::mm(upcast(a, 0), upcast(b, 1)).to(a.scalar_type());
+    const at::Tensor ua = upcast(a, 0), ub = upcast(b, 1);
+    if (a.dim() != 2 || b.dim() != 2) {
+      return at::cpu::mm(ua, ub);  // raises the kernel's own error
+    }
+    at::Tensor out = result_buffer({a.size(0), b.size(1)});
+    return at::cpu::mm_out(out, ua, ub).to(a.scalar_type());
   }
   return at::cpu::mm(a, b);
 }
@@ -72,7 +94,12 @@ at::Tensor mm(const at::Tensor& a, const at::Tensor& b) {
 at::Tensor bmm(const at::Tensor& a, const at::Tensor& b) {
   if (emulated(a) && b.scalar_type() == a.scalar_type()) {
     ++tl_counts[kBmm];
-    return at::cpu::bmm(upcast(a, 0), upcast(b, 1)).to(a.scalar_type());
+    const at::Tensor ua = upcast(a, 0), ub = upcast(b, 1);
+    if (a.dim() != 3 || b.dim() != 3) {
+      return at::cpu::bmm(ua, ub);  // raises the kernel's own error
+    }
+    at::Tensor out = result_buffer({a.size(0), a.size(1), b.size(2)});
+    return at::cpu::bmm_out(out, ua, ub).to(a.scalar_type());
   }
   return at::cpu::bmm(a, b);
 }
@@ -82,7 +109,12 @@ at::Tensor addmm(const at::Tensor& c, const at::Tensor& a, const at::Tensor& b, 
   const auto dt = a.scalar_type();
   if (emulated(a) && b.scalar_type() == dt && c.scalar_type() == dt) {
     ++tl_counts[kAddmm];
-    return at::cpu::addmm(upcast(c, 2), upcast(a, 0), upcast(b, 1), beta, alpha).to(dt);
+    const at::Tensor uc = upcast(c, 2), ua = upcast(a, 0), ub = upcast(b, 1);
+    if (a.dim() != 2 || b.dim() != 2) {
+      return at::cpu::addmm(uc, ua, ub, beta, alpha);  // raises the kernel's own error
+    }
+    at::Tensor out = result_buffer({a.size(0), b.size(1)});
+    return at::cpu::addmm_out(out, uc, ua, ub, beta, alpha).to(dt);
   }
   return at::cpu::addmm(c, a, b, beta, alpha);
 }
@@ -92,7 +124,12 @@ at::Tensor baddbmm(const at::Tensor& c, const at::Tensor& a, const at::Tensor& b
   const auto dt = a.scalar_type();
   if (emulated(a) && b.scalar_type() == dt && c.scalar_type() == dt) {
     ++tl_counts[kBaddbmm];
-    return at::cpu::baddbmm(upcast(c, 2), upcast(a, 0), upcast(b, 1), beta, alpha).to(dt);
+    const at::Tensor uc = upcast(c, 2), ua = upcast(a, 0), ub = upcast(b, 1);
+    if (a.dim() != 3 || b.dim() != 3) {
+      return at::cpu::baddbmm(uc, ua, ub, beta, alpha);  // raises the kernel's own error
+    }
+    at::Tensor out = result_buffer({a.size(0), a.size(1), b.size(2)});
+    return at::cpu::baddbmm_out(out, uc, ua, ub, beta, alpha).to(dt);
   }
   return at::cpu::baddbmm(c, a, b, beta, alpha);
 }
