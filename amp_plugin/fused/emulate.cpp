@@ -15,11 +15,11 @@
 //     bmm, baddbmm), resetting them, followed by the number of FP32 buffers it holds.
 
 #include <ATen/ATen.h>
-#include <c10/util/accumulate.h>
 #include <ATen/ops/addmm_cpu_dispatch.h>
 #include <ATen/ops/baddbmm_cpu_dispatch.h>
 #include <ATen/ops/bmm_cpu_dispatch.h>
 #include <ATen/ops/mm_cpu_dispatch.h>
+#include <c10/util/accumulate.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -83,7 +83,7 @@ at::Tensor mm(const at::Tensor& a, const at::Tensor& b) {
     ++tl_counts[kMm];
     const at::Tensor ua = upcast(a, 0), ub = upcast(b, 1);
     if (a.dim() != 2 || b.dim() != 2) {
-      return at::cpu::mm(ua, ub);  // raises the kernel's own error
+      return at::cpu::mm(ua, ub).to(a.scalar_type());  // raises the kernel's own error
     }
     at::Tensor out = result_buffer({a.size(0), b.size(1)});
     return at::cpu::mm_out(out, ua, ub).to(a.scalar_type());
@@ -96,7 +96,7 @@ at::Tensor bmm(const at::Tensor& a, const at::Tensor& b) {
     ++tl_counts[kBmm];
     const at::Tensor ua = upcast(a, 0), ub = upcast(b, 1);
     if (a.dim() != 3 || b.dim() != 3) {
-      return at::cpu::bmm(ua, ub);  // raises the kernel's own error
+      return at::cpu::bmm(ua, ub).to(a.scalar_type());  // raises the kernel's own error
     }
     at::Tensor out = result_buffer({a.size(0), a.size(1), b.size(2)});
     return at::cpu::bmm_out(out, ua, ub).to(a.scalar_type());
@@ -111,7 +111,7 @@ at::Tensor addmm(const at::Tensor& c, const at::Tensor& a, const at::Tensor& b, 
     ++tl_counts[kAddmm];
     const at::Tensor uc = upcast(c, 2), ua = upcast(a, 0), ub = upcast(b, 1);
     if (a.dim() != 2 || b.dim() != 2) {
-      return at::cpu::addmm(uc, ua, ub, beta, alpha);  // raises the kernel's own error
+      return at::cpu::addmm(uc, ua, ub, beta, alpha).to(dt);  // raises the kernel's own error
     }
     at::Tensor out = result_buffer({a.size(0), b.size(1)});
     return at::cpu::addmm_out(out, uc, ua, ub, beta, alpha).to(dt);
@@ -126,7 +126,7 @@ at::Tensor baddbmm(const at::Tensor& c, const at::Tensor& a, const at::Tensor& b
     ++tl_counts[kBaddbmm];
     const at::Tensor uc = upcast(c, 2), ua = upcast(a, 0), ub = upcast(b, 1);
     if (a.dim() != 3 || b.dim() != 3) {
-      return at::cpu::baddbmm(uc, ua, ub, beta, alpha);  // raises the kernel's own error
+      return at::cpu::baddbmm(uc, ua, ub, beta, alpha).to(dt);  // raises the kernel's own error
     }
     at::Tensor out = result_buffer({a.size(0), a.size(1), b.size(2)});
     return at::cpu::baddbmm_out(out, uc, ua, ub, beta, alpha).to(dt);
