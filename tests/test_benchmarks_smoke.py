@@ -73,6 +73,22 @@ def test_bench_emulation_prints_matmul_step_and_interception_tables():
 
 
 @pytest.mark.slow
+def test_host_work_of_the_master_weight_modes_stays_below_lightning_bf16_mixed():
+    """On a GPU this model's step waits on the host, so the host work a mode issues is its speed.
+    Counted exactly (no clock): ours with FP32 master weights must not issue more Python calls
+    or computing aten ops per step than Lightning's bf16-mixed, and our autocast mode no more
+    than 2% over it."""
+    out = run("host_work.py", "--steps", "2", "--configs", "ours bf16", "ours fp16", "ours bf16_autocast",
+              "Lightning bf16-mixed")
+    rows = {row[0]: row for row in table_rows(out)}
+    assert list(rows) == ["ours bf16", "ours fp16", "ours bf16_autocast", "Lightning bf16-mixed"]
+    ratio = {name: (float(row[5].rstrip("x")), float(row[6].rstrip("x"))) for name, row in rows.items()}
+    assert ratio["Lightning bf16-mixed"] == (1.0, 1.0)
+    assert max(ratio["ours bf16"]) <= 1.0 and max(ratio["ours fp16"]) <= 1.0, ratio
+    assert max(ratio["ours bf16_autocast"]) <= 1.02, ratio
+
+
+@pytest.mark.slow
 def test_bench_plugin_overhead_compares_matching_modes():
     out = run("bench_plugin_overhead.py", "--steps", "3", "--rounds", "1", "--n-embd", "16")
     assert [row[0] for row in table_rows(out)] == ["bf16 autocast", "fp32"]
