@@ -58,11 +58,18 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def rotated(items: list, round_: int) -> list:
+    """``items`` starting ``round_`` places later, wrapping around: over the rounds no item
+    always runs first, or always right after the same other one."""
+    k = round_ % len(items) if items else 0
+    return items[k:] + items[:k]
+
+
 def alternate(configs: dict[str, Callable[[], list[float]]], rounds: int) -> dict[str, list[float]]:
-    """Run every config once per round, in turn, so machine noise hits all of them alike."""
+    """Run every config once per round, in turn (:func:`rotated`), so machine noise hits all of them alike."""
     results: dict[str, list[float]] = {name: [] for name in configs}
-    for _ in range(rounds):
-        for name, run in configs.items():
-            times = run()
+    for round_ in range(rounds):
+        for name in rotated(list(configs), round_):
+            times = configs[name]()
             results[name] += times[3:] if len(times) > 3 else times  # drop warm-up steps
     return results

@@ -19,8 +19,7 @@ Two recipes, ``char_gpt`` (a small GPT: 2 layers, width 128, block 64, batch 16)
 Every configuration trains a fresh module; all use ``adam_eps=1e-4`` (the recipes' advice
 for pure FP16, where 1e-8 rounds to zero; it costs nothing). Configurations alternate
 within each round, so drifting machine load hits them alike, and each round starts one
-configuration later than the one before, so that no configuration always runs first or
-always follows the same other one.
+configuration later: none always runs first or after the same neighbour.
 
 Time: wall and process CPU time of each training step (forward, backward, optimizer step
 and Lightning's per-step hooks; data loading excluded), median over the timed steps of all
@@ -81,7 +80,7 @@ import pytorch_lightning as pl
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import StepTimer  # noqa: E402
+from _harness import StepTimer, rotated  # noqa: E402
 from _memory import MemoryProbe  # noqa: E402
 
 from amp_plugin import MixedPrecisionPlugin  # noqa: E402
@@ -359,8 +358,7 @@ def main() -> None:
         cpu: dict[str, list[float]] = {c.name: [] for c in configs}
         skipped: dict[str, int] = {c.name: 0 for c in configs}
         for round_ in range(args.rounds):
-            start = round_ % len(configs)  # each round starts one configuration later: no fixed neighbours
-            for config in configs[start:] + configs[:start]:
+            for config in rotated(configs, round_):
                 steps = args.native_steps if config.native else args.steps
                 w, c, s = time_config(make, config, steps + args.warmup, args.warmup)
                 wall[config.name] += w

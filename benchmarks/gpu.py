@@ -209,6 +209,7 @@ def main() -> int:
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo, installed or not
     import pytorch_lightning as pl
+    from _harness import rotated  # next to this script
 
     for logger in ("pytorch_lightning", "lightning.pytorch", "lightning_fabric", "lightning.fabric"):
         logging.getLogger(logger).setLevel(logging.WARNING)  # no per-Trainer banners between rows
@@ -247,8 +248,7 @@ def main() -> int:
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
     errors: dict[str, str] = {}
     for round_ in range(1, args.rounds + 1):
-        start_at = (round_ - 1) % len(names)  # each round starts one configuration later: no fixed neighbours
-        for name in names[start_at:] + names[:start_at]:
+        for name in rotated(names, round_ - 1):
             if name in errors or time.perf_counter() - start > args.budget_s:
                 continue
             try:
