@@ -20,8 +20,9 @@ early loss-scale overflows) are excluded. Every configuration is measured ``--ro
 the configurations alternating within each round and each round starting one configuration
 later, so that drifts of the machine (clocks, other tenants, the host CPU) and the order
 (which configuration runs first, after which other one) hit them alike; the table shows the
-median and the spread (slowest over fastest round, minus one). Peak memory: ``torch.cuda.max_memory_allocated()``
-over the whole fit (weights, FP32 masters, optimizer state, activations, gradients).
+median and the spread (slowest over fastest round, minus one). Peak memory:
+``torch.cuda.max_memory_allocated()`` over the whole fit (weights, FP32 masters, optimizer
+state, activations, gradients).
 
 TF32 is left at PyTorch's default (``torch.backends.cuda.matmul.allow_tf32`` is False unless
 something changed it; the header prints the values in effect), so ``fp32`` is true FP32.
