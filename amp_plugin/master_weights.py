@@ -160,21 +160,20 @@ class MasterWeightOptimizer(Optimizer):
         Called by a loss scaler's ``unscale_``. Returns one found-inf tensor per device.
         """
         ops = self._fused_ops()
-        if ops is not None:
-            buffers, half_grads = self._bind_master_grads()
-            if unscale_fits(half_grads, buffers):
-                # FP32 parameters (their own master) in place, the half ones in one fused pass each
-                own = [p.grad for p, m in zip(self._model_params, self._master_params) if p is m and p.grad is not None]
-                found = unscale_grouped(_by_device_dtype(own), inv_scale_on)
-                if buffers:
-                    cpu = torch.device("cpu")
-                    found_cpu = found.get(cpu)
-                    if found_cpu is None:
-                        found_cpu = found[cpu] = torch.zeros((), dtype=torch.float32)
-                    unscale_into(ops, half_grads, buffers, found_cpu, inv_scale_on(cpu))
-                self._grads_ready = True
-                return found
-        return unscale_grouped(_by_device_dtype(self._master_grads()), inv_scale_on)
+        buffers, half_grads = bound = self._bind_master_grads()
+        if ops is not None and unscale_fits(half_grads, buffers):
+            # FP32 parameters (their own master) in place, the half ones in one fused pass each
+            own = [p.grad for p, m in zip(self._model_params, self._master_params) if p is m and p.grad is not None]
+            found = unscale_grouped(_by_device_dtype(own), inv_scale_on)
+            if buffers:
+                cpu = torch.device("cpu")
+                found_cpu = found.get(cpu)
+                if found_cpu is None:
+                    found_cpu = found[cpu] = torch.zeros((), dtype=torch.float32)
+                unscale_into(ops, half_grads, buffers, found_cpu, inv_scale_on(cpu))
+            self._grads_ready = True
+            return found
+        return unscale_grouped(_by_device_dtype(self._master_grads(bound)), inv_scale_on)
 
     @torch.no_grad()
     def sync_grads(self) -> None:
@@ -274,10 +273,11 @@ class MasterWeightOptimizer(Optimizer):
             self._fused_params_reason = adam_ineligible(self.optimizer)
         return self._fused_params_reason is None and not has_step_hooks(self.optimizer)
 
-    def _master_grads(self) -> list[torch.Tensor]:
+    def _master_grads(self, bound: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None) -> list[torch.Tensor]:
         """Point each master's ``.grad`` at the model's gradient in FP32 (copy for half
-        params, the same tensor for FP32 params); return the master grads."""
-        copy_dst, copy_src = self._bind_master_grads()
+        params, the same tensor for FP32 params); return the master grads. ``bound``: what
+        :meth:`_bind_master_grads` returned, when the caller has already called it."""
+        copy_dst, copy_src = bound if bound is not None else self._bind_master_grads()
         if copy_dst:
             torch._foreach_copy_(copy_dst, copy_src)
         self._grads_ready = True

@@ -213,9 +213,13 @@ def test_every_gradient_is_unscaled_exactly_once_on_either_path(contiguous):
     if not contiguous:
         model[0].weight.grad = model[0].weight.grad.t().contiguous().t()
     before = [p.grad.float().clone() for p in model.parameters()]
+    binds = []
+    bind = opt._bind_master_grads
+    opt._bind_master_grads = lambda: (binds.append(1), bind())[1]
     scaler.unscale_(opt)
     for master, grad in zip(opt.master_params(), before):
         assert torch.equal(master.grad, grad * 2.0**-8)
+    assert len(binds) == 1  # the fallback reuses the fused path's look at the gradients
 
 
 def test_a_gradient_the_kernel_cannot_take_sends_the_step_the_stock_way():
