@@ -58,7 +58,8 @@ FP32_REFERENCE = "Lightning 32-true"
 BF16_LIGHTNING = "Lightning bf16-mixed"
 
 
-def _configs() -> dict[str, Any]:
+def _configs(**plugin_kwargs: Any) -> dict[str, Any]:
+    """Name -> fresh Trainer kwargs; ``plugin_kwargs`` go to every ``MixedPrecisionPlugin``."""
     try:
         from amp_plugin.plugin import MixedPrecisionPlugin
     except Exception as err:  # still measure Lightning's own; our rows then show the error
@@ -71,7 +72,7 @@ def _configs() -> dict[str, Any]:
             return fail
     else:
         def ours(**kwargs: Any):
-            return lambda: {"plugins": [MixedPrecisionPlugin(**kwargs)]}
+            return lambda: {"plugins": [MixedPrecisionPlugin(**kwargs, **plugin_kwargs)]}
 
     def lightning(precision: str):
         return lambda: {"precision": precision}

@@ -42,19 +42,11 @@ os.environ["AMP_PLUGIN_FUSED"] = "0"  # the master-weight step a GPU runs: stock
 
 import pytorch_lightning as pl  # noqa: E402
 
-from amp_plugin import MixedPrecisionPlugin  # noqa: E402
+from gpu import _configs as gpu_configs  # noqa: E402  (next to this script)
 from recipes.char_gpt import CharGPTRecipe  # noqa: E402
 
 MODEL = dict(n_layer=6, n_head=8, n_embd=16, block_size=16, batch_size=2, max_chars=20_000, warmup_steps=0)
 REFERENCE = "Lightning bf16-mixed"
-
-
-def _ours(**kwargs: Any):
-    return lambda: {"plugins": [MixedPrecisionPlugin(emulate="off", **kwargs)]}
-
-
-def _lightning(precision: str):
-    return lambda: {"precision": precision}
 
 
 def _lightning_16_mixed() -> dict[str, Any]:
@@ -63,16 +55,9 @@ def _lightning_16_mixed() -> dict[str, Any]:
     return {"plugins": [MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu"))]}
 
 
-CONFIGS = {
-    "ours bf16": _ours(precision="bf16"),
-    "ours fp16": _ours(precision="fp16"),
-    "ours bf16_autocast": _ours(precision="bf16", master_weights=False, autocast=True),
-    "ours fp16_autocast": _ours(precision="fp16", master_weights=False, autocast=True),
-    "ours bf16_pure": _ours(precision="bf16", master_weights=False),
-    "Lightning bf16-mixed": _lightning("bf16-mixed"),
-    "Lightning 16-mixed": _lightning_16_mixed,
-    "Lightning bf16-true": _lightning("bf16-true"),
-}
+# gpu.py's half-precision configurations, with native half kernels and a CPU GradScaler
+CONFIGS = {name: make for name, make in gpu_configs(emulate="off").items() if "32" not in name}
+CONFIGS["Lightning 16-mixed"] = _lightning_16_mixed
 
 
 class _AtenCounter(TorchDispatchMode):
