@@ -2,6 +2,10 @@
 
 The numerics core (this package's top level) has no Lightning import: loss scalers, FP32
 master weights and CPU half-precision emulation work in a plain PyTorch loop.
+
+The Lightning layer lives in :mod:`amp_plugin.lightning` (``MixedPrecisionPlugin`` and the
+callbacks, also importable as :mod:`amp_plugin.callbacks`). ``amp_plugin.MixedPrecisionPlugin``
+is resolved on first access, so importing the core never imports Lightning.
 """
 
 from amp_plugin.dynamic_scaler import DynamicLossScaler, LossScaleCollapseError
@@ -14,7 +18,7 @@ from amp_plugin.scaler import LossScaler, ScaleUpdate, StaticLossScaler
 def __getattr__(name: str):
     # The Lightning layer is imported on first use, so the numerics core stays Lightning-free.
     if name == "MixedPrecisionPlugin":
-        from amp_plugin.plugin import MixedPrecisionPlugin
+        from amp_plugin.lightning import MixedPrecisionPlugin
 
         return MixedPrecisionPlugin
     raise AttributeError(f"module 'amp_plugin' has no attribute {name!r}")

@@ -9,7 +9,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-import pytorch_lightning as pl
+from amp_plugin.lightning import pl
 
 
 class StepTimer(pl.Callback):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import pytorch_lightning as pl
+from amp_plugin.lightning import pl
 import torch
 
 

@@ -88,7 +88,7 @@ def make_plugin(config: str):
 
 
 def make_recipe(recipe: str, seed: int, overrides: dict[str, Any], config: str):
-    import recipes as r
+    import amp_plugin.recipes as r
 
     cls = {"digits": r.DigitsRecipe, "char_gpt": r.CharGPTRecipe,
            "underflow_demo": r.UnderflowDemoRecipe, "stagnation_demo": r.StagnationDemoRecipe}[recipe]
@@ -109,10 +109,10 @@ def run_one(recipe: str, config: str, seed: int, steps: int, overrides: dict[str
     """Train one configuration for ``steps`` steps on one seed; validate once at the end."""
     import logging
 
-    import pytorch_lightning as pl
-    from pytorch_lightning.loggers.logger import Logger
+    from amp_plugin.lightning import pl
+    Logger = pl.loggers.logger.Logger
 
-    logging.getLogger("pytorch_lightning").setLevel(logging.ERROR)
+    logging.getLogger(pl.__name__).setLevel(logging.ERROR)
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
 
     class _Curve(Logger):

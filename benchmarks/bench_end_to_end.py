@@ -76,7 +76,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-import pytorch_lightning as pl
+from amp_plugin.lightning import pl
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -84,7 +84,7 @@ from _harness import StepTimer, rotated  # noqa: E402
 from _memory import MemoryProbe  # noqa: E402
 
 from amp_plugin import MixedPrecisionPlugin  # noqa: E402
-from recipes import CharGPTRecipe, DigitsRecipe  # noqa: E402
+from amp_plugin.recipes import CharGPTRecipe, DigitsRecipe  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -117,7 +117,7 @@ def _lightning(precision: str) -> Callable[[], dict[str, Any]]:
 
 
 def _lightning_16_mixed_cpu() -> dict[str, Any]:
-    from pytorch_lightning.plugins.precision import MixedPrecision
+    MixedPrecision = pl.plugins.precision.MixedPrecision
 
     return {"plugins": [MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu"))]}
 

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import alternate, fit_steps, median_ms  # noqa: E402
 
 from amp_plugin import MixedPrecisionPlugin  # noqa: E402
-from recipes.char_gpt import CharGPTRecipe  # noqa: E402
+from amp_plugin.recipes.char_gpt import CharGPTRecipe  # noqa: E402
 
 
 def main() -> None:

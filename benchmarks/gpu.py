@@ -2,7 +2,7 @@
 
     python benchmarks/gpu.py [--batch-size 64] [--warmup 10] [--steps 40] [--rounds 3] [--profile NAME ...]
 
-Model: ``recipes.char_gpt.CharGPTRecipe`` with 6 layers, width 512, 8 heads, block (sequence)
+Model: ``amp_plugin.recipes.CharGPTRecipe`` with 6 layers, width 512, 8 heads, block (sequence)
 256, batch 64 (about 19M parameters, 16384 tokens per step), AdamW, unchanged recipe code.
 Configurations, each a fresh module and ``Trainer`` on one GPU, run one after another:
 
@@ -61,7 +61,7 @@ BF16_LIGHTNING = "Lightning bf16-mixed"
 def _configs(**plugin_kwargs: Any) -> dict[str, Any]:
     """Name -> fresh Trainer kwargs; ``plugin_kwargs`` go to every ``MixedPrecisionPlugin``."""
     try:
-        from amp_plugin.plugin import MixedPrecisionPlugin
+        from amp_plugin.lightning.plugin import MixedPrecisionPlugin
     except Exception as err:  # still measure Lightning's own; our rows then show the error
         import_error = err
 
@@ -100,7 +100,7 @@ def measure(
     ``profile=True`` records the timed steps with ``torch.profiler`` and adds ``"profile"``
     (per-operator summaries, sorted by host time and, on a GPU, by device time) to the result.
     """
-    import pytorch_lightning as pl
+    from amp_plugin.lightning import pl
 
     sync = torch.cuda.synchronize if cuda else (lambda: None)
 
@@ -210,13 +210,13 @@ def main() -> int:
         return 0
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo, installed or not
-    import pytorch_lightning as pl
+    from amp_plugin.lightning import pl
     from _harness import rotated  # next to this script
 
     for logger in ("pytorch_lightning", "lightning.pytorch", "lightning_fabric", "lightning.fabric"):
         logging.getLogger(logger).setLevel(logging.WARNING)  # no per-Trainer banners between rows
 
-    from recipes.char_gpt import CharGPTRecipe
+    from amp_plugin.recipes.char_gpt import CharGPTRecipe
 
     configs = _configs()
     names = args.configs or list(configs)

@@ -40,17 +40,17 @@ from torch.utils._python_dispatch import TorchDispatchMode
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo, installed or not
 os.environ["AMP_PLUGIN_FUSED"] = "0"  # the master-weight step a GPU runs: stock torch ops
 
-import pytorch_lightning as pl  # noqa: E402
+from amp_plugin.lightning import pl  # noqa: E402
 
 from gpu import _configs as gpu_configs  # noqa: E402  (next to this script)
-from recipes.char_gpt import CharGPTRecipe  # noqa: E402
+from amp_plugin.recipes.char_gpt import CharGPTRecipe  # noqa: E402
 
 MODEL = dict(n_layer=6, n_head=8, n_embd=16, block_size=16, batch_size=2, max_chars=20_000, warmup_steps=0)
 REFERENCE = "Lightning bf16-mixed"
 
 
 def _lightning_16_mixed() -> dict[str, Any]:
-    from pytorch_lightning.plugins.precision import MixedPrecision
+    MixedPrecision = pl.plugins.precision.MixedPrecision
 
     return {"plugins": [MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu"))]}
 

@@ -1,9 +1,11 @@
 """Ready experiment templates: LightningModules that own their data.
 
 Each recipe is instantiated from a Hydra config through ``_target_`` (for example
-``recipes.digits.DigitsRecipe``) with plain keyword arguments, and is precision-agnostic:
+``amp_plugin.recipes.DigitsRecipe``) with plain keyword arguments, and is precision-agnostic:
 the precision plugin decides the parameter and compute dtypes, the recipe computes its loss
 in FP32. Copy a recipe's file to start your own experiment.
+
+This folder is installed as the package ``amp_plugin.recipes`` (see ``pyproject.toml``).
 
 - ``DigitsRecipe``: sklearn's 8x8 digits, MLP or small CNN (the default recipe).
 - ``CharGPTRecipe``: a tiny character-level GPT on Python's standard-library sources.
@@ -11,9 +13,9 @@ in FP32. Copy a recipe's file to start your own experiment.
 - ``StagnationDemoRecipe``: updates below half an FP16 ulp, lost without FP32 master weights.
 """
 
-from recipes.char_gpt import CharGPTRecipe
-from recipes.digits import DigitsRecipe
-from recipes.stagnation_demo import StagnationDemoRecipe
-from recipes.underflow_demo import UnderflowDemoRecipe
+from amp_plugin.recipes.char_gpt import CharGPTRecipe
+from amp_plugin.recipes.digits import DigitsRecipe
+from amp_plugin.recipes.stagnation_demo import StagnationDemoRecipe
+from amp_plugin.recipes.underflow_demo import UnderflowDemoRecipe
 
 __all__ = ["CharGPTRecipe", "DigitsRecipe", "StagnationDemoRecipe", "UnderflowDemoRecipe"]

@@ -28,7 +28,7 @@ To train on your own text, copy this file and replace ``build_corpus`` with anyt
 returns a 1-D int64 tensor of token ids below ``VOCAB_SIZE`` (or change ``VOCAB_SIZE``).
 From Hydra::
 
-    _target_: recipes.char_gpt.CharGPTRecipe
+    _target_: amp_plugin.recipes.CharGPTRecipe
     n_layer: 4
     n_embd: 128
 """
@@ -39,14 +39,14 @@ import math
 import os
 import time
 
-import pytorch_lightning as pl
+from amp_plugin.lightning import pl
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
-from recipes._sampling import train_loader
+from amp_plugin.recipes._sampling import train_loader
 
 __all__ = ["CORPUS_FILES", "VOCAB_SIZE", "CharGPT", "CharGPTRecipe", "build_corpus"]
 

@@ -20,7 +20,7 @@ To adapt it to your own classification data, copy this file and change three thi
 logged keys ``train/loss``, ``val/loss``, ``val/acc``, the optimizer and dataloader
 plumbing) carries over. Configure it from Hydra with::
 
-    _target_: recipes.digits.DigitsRecipe
+    _target_: amp_plugin.recipes.DigitsRecipe
     lr: 3.0e-3
     hidden_sizes: [128, 128]
 """
@@ -29,14 +29,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import pytorch_lightning as pl
+from amp_plugin.lightning import pl
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from typing_extensions import override
 
-from recipes._sampling import train_loader
+from amp_plugin.recipes._sampling import train_loader
 
 __all__ = ["DigitsRecipe", "load_digits_split"]
 

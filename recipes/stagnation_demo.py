@@ -28,7 +28,7 @@ stagnation visible on its own.
 To adapt it, move the weights (``weight_low``/``weight_high``) to another binade or change
 ``lr``: the updates are lost while ``lr * |grad| < ulp(w) / 2``. From Hydra::
 
-    _target_: recipes.stagnation_demo.StagnationDemoRecipe
+    _target_: amp_plugin.recipes.StagnationDemoRecipe
     lr: 2.0e-3
 """
 
@@ -36,14 +36,14 @@ from __future__ import annotations
 
 import copy
 
-import pytorch_lightning as pl
+from amp_plugin.lightning import pl
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from typing_extensions import override
 
-from recipes._sampling import train_loader
+from amp_plugin.recipes._sampling import train_loader
 
 __all__ = ["StagnationDemoRecipe"]
 

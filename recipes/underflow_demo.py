@@ -42,7 +42,7 @@ To adapt it, change ``loss_weight`` (smaller: more underflow; keep ``lr * loss_w
 constant) or ``hidden_size`` (0 is a linear model, >0 adds a tanh hidden layer, which
 learns more slowly). From Hydra::
 
-    _target_: recipes.underflow_demo.UnderflowDemoRecipe
+    _target_: amp_plugin.recipes.UnderflowDemoRecipe
     loss_weight: 5.0e-7
     lr: 5.0e+4
 """
@@ -51,14 +51,14 @@ from __future__ import annotations
 
 import copy
 
-import pytorch_lightning as pl
+from amp_plugin.lightning import pl
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from typing_extensions import override
 
-from recipes._sampling import train_loader
+from amp_plugin.recipes._sampling import train_loader
 
 __all__ = ["UnderflowDemoRecipe"]
 

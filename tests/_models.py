@@ -1,12 +1,24 @@
-"""Tiny LightningModules shared by the plugin tests."""
+"""Tiny LightningModules shared by the plugin tests, for either Lightning namespace.
+
+The models are written once as plain classes ("bodies"); :func:`as_lightning` turns a body into a
+``LightningModule`` of the namespace a test runs under (the ``pl`` fixture of ``conftest.py``), so
+every plugin and callback test runs against ``lightning.pytorch`` and ``pytorch_lightning`` alike.
+"""
 
 from __future__ import annotations
 
+import functools
 import math
+from types import ModuleType
 
-import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
+
+
+@functools.cache
+def as_lightning(pl: ModuleType, body: type) -> type:
+    """``body`` as a ``pl.LightningModule`` subclass (cached, so each pair is one class)."""
+    return type(body.__name__, (body, pl.LightningModule), {"__module__": body.__module__})
 
 
 def tiny_data(n: int = 64, features: int = 8, seed: int = 0) -> torch.utils.data.TensorDataset:
@@ -16,7 +28,7 @@ def tiny_data(n: int = 64, features: int = 8, seed: int = 0) -> torch.utils.data
     return torch.utils.data.TensorDataset(x, y)
 
 
-class TinyClassifier(pl.LightningModule):
+class TinyClassifier:
     """Linear -> LayerNorm -> ReLU -> Linear, with overflow injection at chosen global steps.
 
     Args:
@@ -85,7 +97,7 @@ class TinyClassifier(pl.LightningModule):
         return torch.utils.data.DataLoader(tiny_data(self.n), batch_size=self.batch_size)
 
 
-def quiet_trainer(**kwargs) -> pl.Trainer:
+def quiet_trainer(pl: ModuleType, **kwargs):
     defaults = dict(
         accelerator="cpu",
         devices=1,

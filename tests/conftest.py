@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import pytest
 import torch
 from _emulation_helpers import BACKENDS, DTYPES, ids
 
 from amp_plugin import fused
+from amp_plugin.lightning import NAMESPACES
 
 
 def pytest_sessionstart(session) -> None:
@@ -30,4 +33,11 @@ def backend(request, monkeypatch) -> str:
 
         monkeypatch.setattr(_backends, "USE_NATIVE_KERNELS", False)
         return "kernel"
+    return request.param
+
+
+@pytest.fixture(params=NAMESPACES, ids=lambda ns: ns.__name__)
+def pl(request) -> ModuleType:
+    """Each installed Lightning namespace in turn (``lightning.pytorch``, ``pytorch_lightning``):
+    the plugin and callback suites run against both from one set of tests."""
     return request.param

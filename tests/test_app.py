@@ -170,7 +170,7 @@ def test_multirun_of_two_presets_then_compare(tmp_path):
     assert not (failed.parent / "checkpoints").exists()
     assert len(list(sweep.glob("*/checkpoints/last.ckpt"))) == 3
 
-    proc = run_cli("-m", "amp_plugin.compare", str(sweep), cwd=ROOT)
+    proc = run_cli("-m", "amp_plugin.app.compare", str(sweep), cwd=ROOT)
     assert proc.returncode == 1, proc.stderr[-3000:]  # one run failed
     lines = proc.stdout.splitlines()
     assert lines[0].split()[:4] == ["run", "precision", "scaler", "recipe"]

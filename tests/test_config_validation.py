@@ -53,7 +53,7 @@ def test_default_config_is_fp16_dynamic_digits():
     validate(cfg)
     assert (cfg.precision.name, cfg.precision.precision, cfg.precision.master_weights) == ("fp16", "fp16", True)
     assert scaler_kind(cfg.scaler) == "dynamic"
-    assert cfg.recipe._target_ == "recipes.digits.DigitsRecipe"
+    assert cfg.recipe._target_ == "amp_plugin.recipes.DigitsRecipe"
     assert cfg.logger._target_.endswith("CSVLogger")
     assert cfg.seed == 0 and cfg.ckpt_path is None
 
@@ -77,7 +77,7 @@ def test_explicit_scaler_on_the_command_line_wins(overrides, expected):
 @pytest.mark.parametrize("preset", sorted(PRESETS))
 def test_every_preset_and_recipe_instantiates(preset, recipe):
     from amp_plugin.app.run import build
-    from amp_plugin.plugin import MixedPrecisionPlugin
+    from amp_plugin.lightning.plugin import MixedPrecisionPlugin
 
     cfg = compose_config(f"precision={preset}", f"recipe={recipe}")
     parts = build(cfg)
@@ -87,7 +87,7 @@ def test_every_preset_and_recipe_instantiates(preset, recipe):
     assert (plugin.amp_precision, plugin.master_weights, plugin.autocast) == (precision, master_weights, autocast)
     expected_scaler = {"dynamic": DynamicLossScaler, "none": type(None)}[DEFAULT_SCALER[preset]]
     assert type(plugin.scaler) is expected_scaler
-    assert type(parts["module"]).__module__ == f"recipes.{recipe}"
+    assert type(parts["module"]).__module__ == f"amp_plugin.recipes.{recipe}"
     assert [type(c).__name__ for c in parts["callbacks"]] == ["LossScaleMonitor", "ModelCheckpoint", "PreflightChecks"]
 
 
@@ -212,8 +212,8 @@ def test_recipe_arguments_are_type_checked_against_the_recipe_signature():
         build(compose_config("+recipe.extra=1"))
     with pytest.raises(ConfigError, match=r"model='rnn' is not supported"):
         build(compose_config("recipe.model=rnn"))
-    with pytest.raises(ConfigError, match=r"recipe._target_='recipes.nope.Nope'"):
-        build(compose_config("recipe._target_=recipes.nope.Nope"))
+    with pytest.raises(ConfigError, match=r"recipe._target_='amp_plugin.recipes.nope.Nope'"):
+        build(compose_config("recipe._target_=amp_plugin.recipes.nope.Nope"))
 
 
 def test_unreadable_checkpoint_is_a_config_error(tmp_path):

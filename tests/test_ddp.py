@@ -15,10 +15,10 @@ WORKER = Path(__file__).with_name("_ddp_worker.py")
 
 @pytest.mark.slow
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
-def test_ranks_agree_on_skips(tmp_path, precision):
+def test_ranks_agree_on_skips(pl, tmp_path, precision):
     env = {**os.environ, "PYTHONPATH": str(WORKER.parent), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
-        [sys.executable, str(WORKER), str(tmp_path), precision],
+        [sys.executable, str(WORKER), str(tmp_path), precision, pl.__name__],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import pytorch_lightning as pl
+from amp_plugin.lightning import pl
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]

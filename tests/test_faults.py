@@ -5,15 +5,15 @@ from __future__ import annotations
 import copy
 
 import pytest
-import pytorch_lightning as pl
 import torch
-from _models import TinyClassifier, quiet_trainer
+from _models import TinyClassifier, as_lightning, quiet_trainer
 
 from amp_plugin import DynamicLossScaler, MixedPrecisionPlugin
+from amp_plugin.lightning._namespace import Callback
 from amp_plugin.callbacks import FaultInjector
 
 
-class FullSnapshots(pl.Callback):
+class FullSnapshots(Callback):
     """Weights, optimizer state and LR before and after every batch."""
 
     def __init__(self):
@@ -47,13 +47,13 @@ def identical(a, b):
     )
 
 
-def run(faults, steps=30):
+def run(pl, faults, steps=30):
     pl.seed_everything(0)
-    model = TinyClassifier(scheduler_gamma=0.99, lr=2e-2)
+    model = as_lightning(pl, TinyClassifier)(scheduler_gamma=0.99, lr=2e-2)
     plugin = MixedPrecisionPlugin("fp16", scaler=DynamicLossScaler(init_scale=2.0**12, growth_interval=4))
     snaps = FullSnapshots()
     injector = FaultInjector(**faults)
-    trainer = quiet_trainer(plugins=[plugin], max_steps=steps, callbacks=[injector, snaps])
+    trainer = quiet_trainer(pl, plugins=[plugin], max_steps=steps, callbacks=[injector, snaps])
     trainer.fit(model)
     return model, plugin, snaps, injector, trainer
 
@@ -67,8 +67,8 @@ def run(faults, steps=30):
         (dict(nan_input_at=[3, 9]), "nan_input"),
     ],
 )
-def test_fault_is_skipped_counted_and_changes_nothing(faults, kind):
-    model, plugin, snaps, injector, _ = run(faults)
+def test_fault_is_skipped_counted_and_changes_nothing(pl, faults, kind):
+    model, plugin, snaps, injector, _ = run(pl, faults)
     assert injector.injected == [(3, kind), (9, kind)]
     assert plugin.scaler.skipped_steps == 2
     for step in (3, 9):
@@ -79,10 +79,10 @@ def test_fault_is_skipped_counted_and_changes_nothing(faults, kind):
     assert plugin.scaler.get_scale() == 2.0**12 / 2 * 2 / 2 * 2**5
 
 
-def test_training_recovers_close_to_an_unfaulted_run():
-    clean, *_ = run({})
-    faulted, *_ = run(dict(inject_inf_at=[3, 9], nan_loss_at=[15], nan_input_at=[20]))
-    x, y = TinyClassifier().train_dataloader().dataset.tensors
+def test_training_recovers_close_to_an_unfaulted_run(pl):
+    clean, *_ = run(pl, {})
+    faulted, *_ = run(pl, dict(inject_inf_at=[3, 9], nan_loss_at=[15], nan_input_at=[20]))
+    x, y = as_lightning(pl, TinyClassifier)().train_dataloader().dataset.tensors
     accuracy = {}
     for name, model in (("clean", clean), ("faulted", faulted)):
         with torch.no_grad():
@@ -91,12 +91,12 @@ def test_training_recovers_close_to_an_unfaulted_run():
     assert accuracy["faulted"] > 0.85 and abs(accuracy["faulted"] - accuracy["clean"]) < 0.1
 
 
-def test_rank_and_param_selection():
+def test_rank_and_param_selection(pl):
     injector = FaultInjector(inject_inf_at=[1], param="net.3.bias")
     pl.seed_everything(0)
-    model = TinyClassifier()
+    model = as_lightning(pl, TinyClassifier)()
     plugin = MixedPrecisionPlugin("fp16")
-    quiet_trainer(plugins=[plugin], max_steps=3, callbacks=[injector]).fit(model)
+    quiet_trainer(pl, plugins=[plugin], max_steps=3, callbacks=[injector]).fit(model)
     assert injector.injected == [(1, "inf_grad:net.3.bias")]
     assert plugin.last_nonfinite_params == []  # the last step was clean
 
@@ -107,9 +107,9 @@ def test_bad_steps_are_rejected(bad):
         FaultInjector(**bad)
 
 
-def test_unknown_param_is_a_clear_error():
-    model = TinyClassifier()
+def test_unknown_param_is_a_clear_error(pl):
+    model = as_lightning(pl, TinyClassifier)()
     plugin = MixedPrecisionPlugin("fp16")
-    trainer = quiet_trainer(plugins=[plugin], max_steps=3, callbacks=[FaultInjector(inject_inf_at=[0], param="nope")])
+    trainer = quiet_trainer(pl, plugins=[plugin], max_steps=3, callbacks=[FaultInjector(inject_inf_at=[0], param="nope")])
     with pytest.raises(ValueError, match="param='nope'.*net.0.weight"):
         trainer.fit(model)

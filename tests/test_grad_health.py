@@ -6,18 +6,18 @@ import csv
 import math
 
 import pytest
-import pytorch_lightning as pl
 import torch
-from pytorch_lightning.loggers import CSVLogger
 from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.data import DataLoader, TensorDataset
 
+from _models import as_lightning
 from amp_plugin import DynamicLossScaler
+from amp_plugin.lightning._namespace import Callback
 from amp_plugin.callbacks import GradientHealthMonitor
-from amp_plugin.callbacks import grad_health
+from amp_plugin.lightning.callbacks import grad_health
 from amp_plugin.master_weights import MasterWeightOptimizer
-from amp_plugin.plugin import MixedPrecisionPlugin
+from amp_plugin.lightning.plugin import MixedPrecisionPlugin
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:.*does not have many workers.*"),
@@ -28,7 +28,7 @@ pytestmark = [
 TINY = 1e-7
 
 
-class Planted(pl.LightningModule):
+class Planted:
     """``big`` gets ordinary gradients; ``tiny.weight`` gets exactly ``TINY`` per element."""
 
     def __init__(self):
@@ -52,7 +52,7 @@ class Planted(pl.LightningModule):
                           batch_size=4)
 
 
-class GradCapture(pl.Callback):
+class GradCapture(Callback):
     """Keeps a copy of the gradients the optimizer is about to use, by model parameter name."""
 
     def __init__(self):
@@ -66,13 +66,13 @@ class GradCapture(pl.Callback):
         self.grads[trainer.global_step] = {names[id(m)]: p.grad.detach().float().clone() for m, p in zip(model, params)}
 
 
-def fit(tmp_path, monitor, plugin, max_steps=1, logger=True, extra=()):
+def fit(pl, tmp_path, monitor, plugin, max_steps=1, logger=True, extra=()):
     trainer = pl.Trainer(
         max_steps=max_steps, plugins=[plugin], callbacks=[monitor, *extra],
-        logger=CSVLogger(tmp_path, name="run") if logger else False, default_root_dir=tmp_path,
+        logger=pl.loggers.CSVLogger(tmp_path, name="run") if logger else False, default_root_dir=tmp_path,
         log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )
-    trainer.fit(Planted())
+    trainer.fit(as_lightning(pl, Planted)())
     return trainer
 
 
@@ -85,9 +85,9 @@ def by_param(rows, step=0):
     return {r["param"]: r for r in rows if int(r["step"]) == step}
 
 
-def test_tiny_gradients_underflow_at_scale_1_and_not_at_2_16(tmp_path):
+def test_tiny_gradients_underflow_at_scale_1_and_not_at_2_16(pl, tmp_path):
     monitor = GradientHealthMonitor(every_n_steps=1, verbose=False)
-    fit(tmp_path, monitor, MixedPrecisionPlugin("fp16", scaler=DynamicLossScaler(init_scale=2.0**16)))
+    fit(pl, tmp_path, monitor, MixedPrecisionPlugin("fp16", scaler=DynamicLossScaler(init_scale=2.0**16)))
     with open(monitor.csv_path) as f:
         assert f.readline().strip() == (
             "step,param,numel,zero_frac,underflow_frac_scale1,underflow_frac_current,amax,headroom_bits")
@@ -103,9 +103,9 @@ def test_tiny_gradients_underflow_at_scale_1_and_not_at_2_16(tmp_path):
     assert float(rows["big.weight"]["underflow_frac_scale1"]) < 0.5
 
 
-def test_without_scaling_the_same_gradients_flush_to_zero(tmp_path):
+def test_without_scaling_the_same_gradients_flush_to_zero(pl, tmp_path):
     monitor = GradientHealthMonitor(every_n_steps=1, verbose=False)
-    fit(tmp_path, monitor, MixedPrecisionPlugin("fp16", scaler=None))
+    fit(pl, tmp_path, monitor, MixedPrecisionPlugin("fp16", scaler=None))
     tiny = by_param(read_rows(monitor.csv_path))["tiny.weight"]
     # TINY / batch = 2.5e-8 is below half FP16's smallest subnormal: the output gradient is 0.
     assert float(tiny["zero_frac"]) == 1.0
@@ -119,11 +119,11 @@ def test_without_scaling_the_same_gradients_flush_to_zero(tmp_path):
                                               scaler=DynamicLossScaler(init_scale=2.0**12)), id="autocast"),
     pytest.param(lambda: MixedPrecisionPlugin("fp32"), id="fp32"),
 ])
-def test_every_column_matches_its_definition(tmp_path, plugin):
+def test_every_column_matches_its_definition(pl, tmp_path, plugin):
     plugin = plugin()
     scale = plugin.scaler.get_scale() if plugin.scaler is not None else 1.0
     monitor, capture = GradientHealthMonitor(every_n_steps=2, verbose=False), GradCapture()
-    trainer = fit(tmp_path, monitor, plugin, max_steps=3, extra=[capture])
+    trainer = fit(pl, tmp_path, monitor, plugin, max_steps=3, extra=[capture])
     rows = read_rows(monitor.csv_path)
     assert sorted({int(r["step"]) for r in rows}) == [0, 2]
     for row in rows:
@@ -149,7 +149,7 @@ def test_every_column_matches_its_definition(tmp_path, plugin):
     assert monitor.last_summary["amp/underflow_frac_scale1"] == pytest.approx(expected)
 
 
-def test_rows_only_every_n_steps_and_no_work_in_between(tmp_path, monkeypatch):
+def test_rows_only_every_n_steps_and_no_work_in_between(pl, tmp_path, monkeypatch):
     measured = []
     original = grad_health.measure
 
@@ -176,7 +176,7 @@ def test_rows_only_every_n_steps_and_no_work_in_between(tmp_path, monkeypatch):
 
     step = -1
     monitor.on_before_optimizer_step = wrapped
-    fit(tmp_path, monitor, MixedPrecisionPlugin("fp16"), max_steps=8)
+    fit(pl, tmp_path, monitor, MixedPrecisionPlugin("fp16"), max_steps=8)
     assert sorted({int(r["step"]) for r in read_rows(monitor.csv_path)}) == [0, 3, 6]
     assert measured == [3, 3, 3]
     assert {s: n for s, n in torch_calls.items() if s % 3} == {1: 0, 2: 0, 4: 0, 5: 0, 7: 0}
@@ -203,45 +203,45 @@ def test_headroom_formula():
     assert math.isnan(grad_health.headroom_bits(math.nan, 8.0))
 
 
-def test_without_logger_the_csv_goes_to_default_root_dir(tmp_path):
+def test_without_logger_the_csv_goes_to_default_root_dir(pl, tmp_path):
     monitor = GradientHealthMonitor(every_n_steps=1, verbose=False)
-    fit(tmp_path, monitor, MixedPrecisionPlugin("fp16"), logger=False)
+    fit(pl, tmp_path, monitor, MixedPrecisionPlugin("fp16"), logger=False)
     assert monitor.csv_path == str(tmp_path / "grad_health.csv")
     assert len(read_rows(monitor.csv_path)) == 3
 
 
-def test_resume_keeps_rows_before_the_checkpoint_and_redoes_the_rest(tmp_path):
+def test_resume_keeps_rows_before_the_checkpoint_and_redoes_the_rest(pl, tmp_path):
     def trainer(max_steps, monitor):
         return pl.Trainer(max_steps=max_steps, plugins=[MixedPrecisionPlugin("fp16")], callbacks=[monitor],
                           logger=False, default_root_dir=tmp_path, enable_checkpointing=False,
                           enable_progress_bar=False, enable_model_summary=False)
 
     first = trainer(2, GradientHealthMonitor(every_n_steps=1, verbose=False))
-    first.fit(Planted())
+    first.fit(as_lightning(pl, Planted)())
     first.save_checkpoint(tmp_path / "step2.ckpt")
-    trainer(4, GradientHealthMonitor(every_n_steps=1, verbose=False)).fit(Planted(), ckpt_path=tmp_path / "step2.ckpt")
+    trainer(4, GradientHealthMonitor(every_n_steps=1, verbose=False)).fit(as_lightning(pl, Planted)(), ckpt_path=tmp_path / "step2.ckpt")
     assert [int(r["step"]) for r in read_rows(tmp_path / "grad_health.csv")] == [0] * 3 + [1] * 3 + [2] * 3 + [3] * 3
     before = read_rows(tmp_path / "grad_health.csv")[:6]
-    trainer(3, GradientHealthMonitor(every_n_steps=1, verbose=False)).fit(Planted(), ckpt_path=tmp_path / "step2.ckpt")
+    trainer(3, GradientHealthMonitor(every_n_steps=1, verbose=False)).fit(as_lightning(pl, Planted)(), ckpt_path=tmp_path / "step2.ckpt")
     rows = read_rows(tmp_path / "grad_health.csv")
     assert [int(r["step"]) for r in rows] == [0] * 3 + [1] * 3 + [2] * 3
     assert rows[:6] == before
 
 
-def test_console_line_names_the_worst_layer(tmp_path, monkeypatch):
+def test_console_line_names_the_worst_layer(pl, tmp_path, monkeypatch):
     lines = []
     monkeypatch.setattr(grad_health, "rank_zero_info", lines.append)
-    fit(tmp_path, GradientHealthMonitor(every_n_steps=1), MixedPrecisionPlugin("fp16", scaler=None))
+    fit(pl, tmp_path, GradientHealthMonitor(every_n_steps=1), MixedPrecisionPlugin("fp16", scaler=None))
     assert len(lines) == 1
     assert "grad health at step 0" in lines[0] and "worst tiny.weight (100.0%)" in lines[0]
 
 
-def test_other_precision_plugins_measure_at_scale_1(tmp_path):
+def test_other_precision_plugins_measure_at_scale_1(pl, tmp_path):
     monitor = GradientHealthMonitor(every_n_steps=1, verbose=False)
     trainer = pl.Trainer(max_steps=1, callbacks=[monitor], logger=False, default_root_dir=tmp_path,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     with pytest.warns(UserWarning, match="as if the loss scale were 1"):
-        trainer.fit(Planted())
+        trainer.fit(as_lightning(pl, Planted)())
     tiny = by_param(read_rows(monitor.csv_path))["tiny.weight"]
     assert float(tiny["amax"]) == pytest.approx(TINY) and tiny["underflow_frac_current"] == "1.0"
 

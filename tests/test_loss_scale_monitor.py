@@ -7,15 +7,15 @@ import logging
 import warnings
 
 import pytest
-import pytorch_lightning as pl
 import torch
-from pytorch_lightning.loggers import CSVLogger
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from _models import as_lightning
 from amp_plugin import DynamicLossScaler, LossScaleCollapseError, StaticLossScaler
+from amp_plugin.lightning._namespace import Callback
 from amp_plugin.callbacks import LossScaleMonitor, ScaleEvent
-from amp_plugin.plugin import MixedPrecisionPlugin
+from amp_plugin.lightning.plugin import MixedPrecisionPlugin
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:.*does not have many workers.*"),
@@ -24,7 +24,7 @@ pytestmark = [
 ]
 
 
-class Net(pl.LightningModule):
+class Net:
     """A tiny regression; ``inf_at`` / ``nan_at`` plant non-finite gradients at global steps."""
 
     def __init__(self, inf_at=(), nan_bias_at=(), n=64):
@@ -57,11 +57,11 @@ def small_scaler(**kwargs):
     return DynamicLossScaler(init_scale=2.0**10, growth_interval=3, **kwargs)
 
 
-def fit(tmp_path, model, monitor, max_steps, scaler=None, logger=True, plugin=None, **kwargs):
+def fit(pl, tmp_path, model, monitor, max_steps, scaler=None, logger=True, plugin=None, **kwargs):
     plugin = plugin or MixedPrecisionPlugin("fp16", scaler=scaler if scaler is not None else small_scaler())
     trainer = pl.Trainer(
         max_steps=max_steps, plugins=[plugin], callbacks=[monitor],
-        logger=CSVLogger(tmp_path, name="run") if logger else False,
+        logger=pl.loggers.CSVLogger(tmp_path, name="run") if logger else False,
         default_root_dir=tmp_path, log_every_n_steps=1, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, **kwargs,
     )
@@ -97,9 +97,9 @@ SCALE_PER_STEP = [1024, 1024, 1024, 512, 256, 256, 256, 512, 512, 512, 256, 256]
 SKIPPED_PER_STEP = [0, 0, 1, 2, 2, 2, 2, 2, 2, 3, 3, 3]
 
 
-def test_scale_events_csv_rows_and_metrics_per_step(tmp_path):
+def test_scale_events_csv_rows_and_metrics_per_step(pl, tmp_path):
     monitor = LossScaleMonitor()
-    trainer = fit(tmp_path, Net(inf_at={2, 3, 9}, nan_bias_at={3}), monitor, max_steps=12)
+    trainer = fit(pl, tmp_path, as_lightning(pl, Net)(inf_at={2, 3, 9}, nan_bias_at={3}), monitor, max_steps=12)
 
     rows = read_csv(f"{trainer.log_dir}/scale_events.csv")
     assert rows[0] == ["step", "old_scale", "new_scale", "reason", "nonfinite_params"]
@@ -116,9 +116,9 @@ def test_scale_events_csv_rows_and_metrics_per_step(tmp_path):
     assert trainer.progress_bar_metrics["amp/skipped_steps"] == 3.0
 
 
-def test_gradient_accumulation_logs_once_per_optimizer_step(tmp_path):
+def test_gradient_accumulation_logs_once_per_optimizer_step(pl, tmp_path):
     monitor = LossScaleMonitor()
-    trainer = fit(tmp_path, Net(inf_at={1}), monitor, max_steps=4, accumulate_grad_batches=2)
+    trainer = fit(pl, tmp_path, as_lightning(pl, Net)(inf_at={1}), monitor, max_steps=4, accumulate_grad_batches=2)
     assert [(e.step, e.old_scale, e.new_scale, e.reason) for e in monitor.events] == [(1, 1024.0, 512.0, "overflow")]
     metrics = step_metrics(trainer, "amp/loss_scale", "amp/skipped_steps")
     assert {s: (m["amp/loss_scale"], m["amp/skipped_steps"]) for s, m in metrics.items()} == {
@@ -126,34 +126,34 @@ def test_gradient_accumulation_logs_once_per_optimizer_step(tmp_path):
     }
 
 
-def test_without_logger_the_csv_goes_to_default_root_dir(tmp_path):
+def test_without_logger_the_csv_goes_to_default_root_dir(pl, tmp_path):
     monitor = LossScaleMonitor()
-    fit(tmp_path, Net(inf_at={1}), monitor, max_steps=3, logger=False)
+    fit(pl, tmp_path, as_lightning(pl, Net)(inf_at={1}), monitor, max_steps=3, logger=False)
     assert monitor.csv_path == str(tmp_path / "scale_events.csv")
     assert read_csv(monitor.csv_path)[1][:4] == ["1", "1024.0", "512.0", "overflow"]
 
 
-def test_static_scaler_skips_are_recorded(tmp_path):
+def test_static_scaler_skips_are_recorded(pl, tmp_path):
     monitor = LossScaleMonitor()
-    fit(tmp_path, Net(inf_at={1}), monitor, max_steps=3, scaler=StaticLossScaler(128.0))
+    fit(pl, tmp_path, as_lightning(pl, Net)(inf_at={1}), monitor, max_steps=3, scaler=StaticLossScaler(128.0))
     assert monitor.events == [ScaleEvent(1, 128.0, 128.0, "skipped", (("l2.weight", 3),))]
 
 
-def test_hysteresis_skips_are_events_that_keep_the_scale(tmp_path):
+def test_hysteresis_skips_are_events_that_keep_the_scale(pl, tmp_path):
     monitor = LossScaleMonitor()
     scaler = DynamicLossScaler(init_scale=2.0**10, growth_interval=100, hysteresis=2)
-    fit(tmp_path, Net(inf_at={1, 2}), monitor, max_steps=4, scaler=scaler)
+    fit(pl, tmp_path, as_lightning(pl, Net)(inf_at={1, 2}), monitor, max_steps=4, scaler=scaler)
     assert [e.row() for e in monitor.events] == [
         (1, 1024.0, 1024.0, "hysteresis", "l2.weight:3"),
         (2, 1024.0, 512.0, "overflow", "l2.weight:3"),
     ]
 
 
-def test_collapse_at_min_scale_is_recorded_before_the_run_dies(tmp_path):
+def test_collapse_at_min_scale_is_recorded_before_the_run_dies(pl, tmp_path):
     monitor = LossScaleMonitor()
     scaler = DynamicLossScaler(init_scale=2.0, min_scale=1.0)
     with pytest.raises(LossScaleCollapseError):
-        fit(tmp_path, Net(inf_at=range(10)), monitor, max_steps=5, scaler=scaler)
+        fit(pl, tmp_path, as_lightning(pl, Net)(inf_at=range(10)), monitor, max_steps=5, scaler=scaler)
     rows = read_csv(monitor.csv_path)[1:]
     assert [r[:4] for r in rows] == [["0", "2.0", "1.0", "overflow"], ["1", "1.0", "1.0", "min_scale"]]
 
@@ -177,29 +177,29 @@ def notices():
         logger.removeHandler(handler)
 
 
-def test_every_event_noticed_with_overflowing_param_names(tmp_path, notices):
-    fit(tmp_path, Net(inf_at={2, 3, 9}, nan_bias_at={3}), LossScaleMonitor(notice_interval_s=0), max_steps=12)
+def test_every_event_noticed_with_overflowing_param_names(pl, tmp_path, notices):
+    fit(pl, tmp_path, as_lightning(pl, Net)(inf_at={2, 3, 9}, nan_bias_at={3}), LossScaleMonitor(notice_interval_s=0), max_steps=12)
     assert len(notices) == 4
     assert "step 3" in notices[1] and "l2.weight:3;l1.bias:1" in notices[1] and "512 -> 256" in notices[1]
     assert "256 -> 512" in notices[2] and "growth" in notices[2]
 
 
-def test_notices_are_rate_limited_and_counted(tmp_path, notices):
-    fit(tmp_path, Net(inf_at={2, 3, 9}), LossScaleMonitor(notice_interval_s=3600), max_steps=12)
+def test_notices_are_rate_limited_and_counted(pl, tmp_path, notices):
+    fit(pl, tmp_path, as_lightning(pl, Net)(inf_at={2, 3, 9}), LossScaleMonitor(notice_interval_s=3600), max_steps=12)
     assert len(notices) == 2  # the first event, then the end-of-training count
     assert "step 2" in notices[0] and "l2.weight:3" in notices[0]
     assert "3 loss-scale event(s) not shown" in notices[1] and "scale_events.csv" in notices[1]
 
 
-def test_no_notices_when_disabled(tmp_path, notices):
-    fit(tmp_path, Net(inf_at={2}), LossScaleMonitor(notice_interval_s=None), max_steps=4)
+def test_no_notices_when_disabled(pl, tmp_path, notices):
+    fit(pl, tmp_path, as_lightning(pl, Net)(inf_at={2}), LossScaleMonitor(notice_interval_s=None), max_steps=4)
     assert notices == []
 
 
 SYNCS = ("item", "tolist", "__bool__", "__float__", "__int__", "cpu", "numpy")
 
 
-def test_adds_no_host_sync(tmp_path, monkeypatch):
+def test_adds_no_host_sync(pl, tmp_path, monkeypatch):
     """The hooks never read a tensor back, and what they log is a CPU tensor."""
     monitor = LossScaleMonitor()
     calls, inside, logged = [], [False], []
@@ -230,12 +230,12 @@ def test_adds_no_host_sync(tmp_path, monkeypatch):
         return original_log(self, name, value, *args, **kwargs)
 
     monkeypatch.setattr(pl.LightningModule, "log", spy_log)
-    fit(tmp_path, Net(inf_at={2}), monitor, max_steps=5)
+    fit(pl, tmp_path, as_lightning(pl, Net)(inf_at={2}), monitor, max_steps=5)
     assert calls == []
     assert len(logged) == 10 and {device.type for _, device in logged} == {"cpu"}
 
 
-class _Window(pl.Callback):
+class _Window(Callback):
     """Counts ``Tensor.item`` calls between the first batch-start hook and the last batch-end hook."""
 
     def __init__(self, counter, opens):
@@ -250,7 +250,7 @@ class _Window(pl.Callback):
             self.counter["open"] = False
 
 
-def item_calls_per_run(tmp_path, monkeypatch, monitors, device="cpu"):
+def item_calls_per_run(pl, tmp_path, monkeypatch, monitors, device="cpu"):
     counts = []
     counter = {"open": False}
     original = torch.Tensor.item
@@ -266,66 +266,66 @@ def item_calls_per_run(tmp_path, monkeypatch, monitors, device="cpu"):
         callbacks = [_Window(counter, opens=True)] + ([monitor] if monitor else []) + [_Window(counter, opens=False)]
         trainer = pl.Trainer(
             max_steps=6, plugins=[MixedPrecisionPlugin("fp16", scaler=small_scaler())], callbacks=callbacks,
-            logger=CSVLogger(tmp_path), log_every_n_steps=1, accelerator=device, devices=1,
+            logger=pl.loggers.CSVLogger(tmp_path), log_every_n_steps=1, accelerator=device, devices=1,
             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         )
-        trainer.fit(Net(inf_at={2}))
+        trainer.fit(as_lightning(pl, Net)(inf_at={2}))
     return counts
 
 
-def test_same_item_calls_per_step_with_and_without_the_monitor(tmp_path, monkeypatch):
+def test_same_item_calls_per_step_with_and_without_the_monitor(pl, tmp_path, monkeypatch):
     """From batch start to batch end, with a skipped step among them: the monitor adds no .item()."""
-    without, with_monitor = item_calls_per_run(tmp_path, monkeypatch, [None, LossScaleMonitor(notice_interval_s=0)])
+    without, with_monitor = item_calls_per_run(pl, tmp_path, monkeypatch, [None, LossScaleMonitor(notice_interval_s=0)])
     assert without == with_monitor > 0
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_same_device_syncs_with_and_without_the_monitor_on_cuda(tmp_path):
+def test_same_device_syncs_with_and_without_the_monitor_on_cuda(pl, tmp_path):
     """CUDA's sync debug mode flags every host-device synchronisation of a whole run."""
     counts = []
     for callbacks in ([], [LossScaleMonitor(notice_interval_s=0)]):
         trainer = pl.Trainer(
             max_steps=6, plugins=[MixedPrecisionPlugin("fp16", scaler=small_scaler())], callbacks=callbacks,
-            logger=CSVLogger(tmp_path), log_every_n_steps=1, accelerator="cuda", devices=1,
+            logger=pl.loggers.CSVLogger(tmp_path), log_every_n_steps=1, accelerator="cuda", devices=1,
             enable_checkpointing=False, enable_progress_bar=True, enable_model_summary=False,
         )
         torch.cuda.set_sync_debug_mode("warn")
         try:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
-                trainer.fit(Net(inf_at={2}))
+                trainer.fit(as_lightning(pl, Net)(inf_at={2}))
         finally:
             torch.cuda.set_sync_debug_mode("default")
         counts.append(sum("synchroniz" in str(w.message) for w in caught))
     assert counts[0] == counts[1]
 
 
-def test_resume_rewrites_the_history_then_appends(tmp_path):
+def test_resume_rewrites_the_history_then_appends(pl, tmp_path):
     straight = LossScaleMonitor()
-    fit(tmp_path / "a", Net(inf_at={2, 3, 9}), straight, max_steps=12)
+    fit(pl, tmp_path / "a", as_lightning(pl, Net)(inf_at={2, 3, 9}), straight, max_steps=12)
 
     first = LossScaleMonitor()
-    trainer = fit(tmp_path / "b", Net(inf_at={2, 3, 9}), first, max_steps=5)
+    trainer = fit(pl, tmp_path / "b", as_lightning(pl, Net)(inf_at={2, 3, 9}), first, max_steps=5)
     ckpt = tmp_path / "b" / "mid.ckpt"
     trainer.save_checkpoint(ckpt)
     resumed = LossScaleMonitor()
     plugin = MixedPrecisionPlugin("fp16", scaler=small_scaler())
     trainer = pl.Trainer(
-        max_steps=12, plugins=[plugin], callbacks=[resumed], logger=CSVLogger(tmp_path / "b", name="run"),
+        max_steps=12, plugins=[plugin], callbacks=[resumed], logger=pl.loggers.CSVLogger(tmp_path / "b", name="run"),
         log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )
-    trainer.fit(Net(inf_at={2, 3, 9}), ckpt_path=ckpt)
+    trainer.fit(as_lightning(pl, Net)(inf_at={2, 3, 9}), ckpt_path=ckpt)
     assert resumed.events == straight.events
     assert read_csv(resumed.csv_path) == read_csv(straight.csv_path)
     assert resumed.csv_path != first.csv_path  # a new version dir, with the whole history
 
 
-def test_other_precision_plugins_warn_once_and_log_nothing(tmp_path):
+def test_other_precision_plugins_warn_once_and_log_nothing(pl, tmp_path):
     monitor = LossScaleMonitor()
-    trainer = pl.Trainer(max_steps=2, callbacks=[monitor], logger=CSVLogger(tmp_path), log_every_n_steps=1,
+    trainer = pl.Trainer(max_steps=2, callbacks=[monitor], logger=pl.loggers.CSVLogger(tmp_path), log_every_n_steps=1,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     with pytest.warns(UserWarning, match="LossScaleMonitor reads the state of amp_plugin's MixedPrecisionPlugin"):
-        trainer.fit(Net())
+        trainer.fit(as_lightning(pl, Net)())
     assert monitor.events == [] and "amp/loss_scale" not in trainer.logged_metrics
 
 

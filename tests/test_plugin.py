@@ -6,10 +6,9 @@ import logging
 import math
 
 import pytest
-import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
-from _models import TinyClassifier, quiet_trainer, tiny_data
+from _models import TinyClassifier, as_lightning, quiet_trainer, tiny_data
 
 from amp_plugin import (
     DynamicLossScaler,
@@ -18,10 +17,11 @@ from amp_plugin import (
     MixedPrecisionPlugin,
     StaticLossScaler,
 )
+from amp_plugin.lightning._namespace import Callback
 
 
-def fit(model, plugin, **trainer_kwargs):
-    trainer = quiet_trainer(plugins=[plugin], **trainer_kwargs)
+def fit(pl, model, plugin, **trainer_kwargs):
+    trainer = quiet_trainer(pl, plugins=[plugin], **trainer_kwargs)
     trainer.fit(model)
     return trainer
 
@@ -38,9 +38,9 @@ def fit(model, plugin, **trainer_kwargs):
         (dict(precision="fp32"), torch.float32, torch.float32, torch.float32, False),
     ],
 )
-def test_param_and_input_dtypes_per_mode(kwargs, linear, norm, inputs, wrapped):
-    model = TinyClassifier()
-    trainer = fit(model, MixedPrecisionPlugin(**kwargs), max_steps=2)
+def test_param_and_input_dtypes_per_mode(pl, kwargs, linear, norm, inputs, wrapped):
+    model = as_lightning(pl, TinyClassifier)()
+    trainer = fit(pl, model, MixedPrecisionPlugin(**kwargs), max_steps=2)
     assert model.net[0].weight.dtype == linear
     assert model.net[1].weight.dtype == norm
     assert set(model.seen_dtypes) == {inputs}
@@ -60,11 +60,11 @@ def test_default_scaler_per_precision():
     assert MixedPrecisionPlugin("fp16", scaler=None).scaler is None
 
 
-def test_autocast_on_cpu_really_is_fp16():
+def test_autocast_on_cpu_really_is_fp16(pl):
     seen = []
-    model = TinyClassifier()
+    model = as_lightning(pl, TinyClassifier)()
     model.net[0].register_forward_hook(lambda m, i, o: seen.append(o.dtype))
-    fit(model, MixedPrecisionPlugin("fp16", master_weights=False, autocast=True), max_steps=1)
+    fit(pl, model, MixedPrecisionPlugin("fp16", master_weights=False, autocast=True), max_steps=1)
     assert seen == [torch.float16]
 
 
@@ -90,7 +90,7 @@ def test_wrong_types():
         MixedPrecisionPlugin(master_weights="yes")
 
 
-class Snapshots(pl.Callback):
+class Snapshots(Callback):
     """Records the model's weights before and after every batch."""
 
     def __init__(self):
@@ -104,12 +104,12 @@ class Snapshots(pl.Callback):
 
 
 @pytest.mark.parametrize("kwargs", [dict(), dict(master_weights=False, autocast=True), dict(master_weights=False)])
-def test_injected_overflows_are_skipped_and_change_nothing(kwargs):
+def test_injected_overflows_are_skipped_and_change_nothing(pl, kwargs):
     # SGD: Adam with eps=1e-8 is itself broken in pure FP16 (eps rounds to 0, v underflows).
-    model = TinyClassifier(overflow_at=(2, 5, 6), optimizer="sgd")
+    model = as_lightning(pl, TinyClassifier)(overflow_at=(2, 5, 6), optimizer="sgd")
     plugin = MixedPrecisionPlugin("fp16", scaler=DynamicLossScaler(init_scale=2.0**10), **kwargs)
     snaps = Snapshots()
-    trainer = fit(model, plugin, max_steps=8, callbacks=[snaps])
+    trainer = fit(pl, model, plugin, max_steps=8, callbacks=[snaps])
     assert plugin.scaler.skipped_steps == 3
     assert plugin.scaler.get_scale() == 2.0**7
     assert trainer.global_step == 8  # global_step counts attempted optimizer steps
@@ -118,30 +118,30 @@ def test_injected_overflows_are_skipped_and_change_nothing(kwargs):
         assert same == (step in (2, 5, 6)), step
 
 
-def test_overflowing_parameter_is_named():
-    model = TinyClassifier(overflow_at=(3,))
+def test_overflowing_parameter_is_named(pl):
+    model = as_lightning(pl, TinyClassifier)(overflow_at=(3,))
     plugin = MixedPrecisionPlugin("fp16")
     names = {}
 
-    class Record(pl.Callback):
+    class Record(Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             names[trainer.global_step - 1] = list(plugin.last_nonfinite_params)
 
-    fit(model, plugin, max_steps=5, callbacks=[Record()])
+    fit(pl, model, plugin, max_steps=5, callbacks=[Record()])
     assert names[3] == [("net.0.weight", 1)]
     assert names[2] == [] and names[4] == []
 
 
 @pytest.mark.parametrize("skip_lr, expected", [(True, 0.5**7), (False, 0.5**10)])
-def test_skipped_steps_hold_the_lr_schedule(skip_lr, expected):
-    model = TinyClassifier(overflow_at=(1, 4, 8), scheduler_gamma=0.5, lr=0.1)
+def test_skipped_steps_hold_the_lr_schedule(pl, skip_lr, expected):
+    model = as_lightning(pl, TinyClassifier)(overflow_at=(1, 4, 8), scheduler_gamma=0.5, lr=0.1)
     plugin = MixedPrecisionPlugin("fp16", skip_lr_on_overflow=skip_lr)
-    trainer = fit(model, plugin, max_steps=10)
+    trainer = fit(pl, model, plugin, max_steps=10)
     assert plugin.scaler.skipped_steps == 3
     assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.1 * expected, rel=1e-12)
 
 
-class CaptureGrads(pl.Callback):
+class CaptureGrads(Callback):
     """Master grads as hooks see them (before clipping) and as the optimizer sees them (after)."""
 
     def __init__(self):
@@ -162,11 +162,11 @@ class CaptureGrads(pl.Callback):
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw_fused"])
 @pytest.mark.parametrize("algorithm, clip", [("norm", 0.05), ("value", 0.01)])
-def test_clipping_sees_unscaled_fp32_grads(optimizer, algorithm, clip):
-    model = TinyClassifier(optimizer=optimizer)
+def test_clipping_sees_unscaled_fp32_grads(pl, optimizer, algorithm, clip):
+    model = as_lightning(pl, TinyClassifier)(optimizer=optimizer)
     capture = CaptureGrads()
     plugin = MixedPrecisionPlugin("fp16", scaler=DynamicLossScaler(init_scale=2.0**12))
-    fit(model, plugin, max_steps=3, callbacks=[capture], gradient_clip_val=clip, gradient_clip_algorithm=algorithm)
+    fit(pl, model, plugin, max_steps=3, callbacks=[capture], gradient_clip_val=clip, gradient_clip_algorithm=algorithm)
     assert len(capture.seen) == len(capture.stepped) == 3
     for before, after in zip(capture.seen, capture.stepped):
         assert all(g.dtype == torch.float32 for g in before)
@@ -190,13 +190,13 @@ def clipped(grads, algorithm, clip):
     return [p.grad for p in params]
 
 
-def test_accumulation_steps_once_per_optimizer_step_and_matches_fp32():
+def test_accumulation_steps_once_per_optimizer_step_and_matches_fp32(pl):
     results = {}
     for precision in ("fp32", "fp16"):
         pl.seed_everything(0)
-        model = TinyClassifier(lr=1e-2)
+        model = as_lightning(pl, TinyClassifier)(lr=1e-2)
         plugin = MixedPrecisionPlugin(precision)
-        trainer = fit(model, plugin, max_steps=4, accumulate_grad_batches=2)
+        trainer = fit(pl, model, plugin, max_steps=4, accumulate_grad_batches=2)
         assert trainer.global_step == 4
         if plugin.scaler is not None:
             assert plugin.scaler.update_count == 4
@@ -205,7 +205,7 @@ def test_accumulation_steps_once_per_optimizer_step_and_matches_fp32():
         torch.testing.assert_close(a, b, atol=4e-3, rtol=0)
 
 
-class TwoOptimizers(pl.LightningModule):
+class TwoOptimizers:
     def __init__(self, overflow_at_iteration: int):
         super().__init__()
         self.automatic_optimization = False
@@ -232,10 +232,10 @@ class TwoOptimizers(pl.LightningModule):
         return torch.utils.data.DataLoader(tiny_data(48), batch_size=8)
 
 
-def test_manual_optimization_updates_the_scale_once_per_iteration():
-    model = TwoOptimizers(overflow_at_iteration=2)
+def test_manual_optimization_updates_the_scale_once_per_iteration(pl):
+    model = as_lightning(pl, TwoOptimizers)(overflow_at_iteration=2)
     scaler = DynamicLossScaler(init_scale=2.0**8, growth_interval=2)
-    fit(model, MixedPrecisionPlugin("fp16", scaler=scaler), max_epochs=1)
+    fit(pl, model, MixedPrecisionPlugin("fp16", scaler=scaler), max_epochs=1)
     assert model.iteration == 6
     assert scaler.update_count == 6
     assert scaler.skipped_steps == 1
@@ -243,15 +243,15 @@ def test_manual_optimization_updates_the_scale_once_per_iteration():
     assert scaler.get_scale() == 2.0**8 * 2 / 2 * 2
 
 
-def test_nan_loss_is_skipped():
+def test_nan_loss_is_skipped(pl):
     class NanLoss(TinyClassifier):
         def training_step(self, batch, batch_idx):
             loss = super().training_step(batch, batch_idx)
             return loss * math.nan if self.global_step == 1 else loss
 
-    model = NanLoss()
+    model = as_lightning(pl, NanLoss)()
     plugin = MixedPrecisionPlugin("fp16")
-    fit(model, plugin, max_steps=3)
+    fit(pl, model, plugin, max_steps=3)
     assert plugin.scaler.skipped_steps == 1
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
@@ -265,10 +265,10 @@ def test_nan_loss_is_skipped():
         (dict(precision="fp32", emulate="on"), False),
     ],
 )
-def test_emulation_auto_choice_is_logged_once(kwargs, emulating, caplog):
+def test_emulation_auto_choice_is_logged_once(pl, kwargs, emulating, caplog):
     plugin = MixedPrecisionPlugin(**kwargs)
     with caplog.at_level(logging.INFO):
-        fit(TinyClassifier(), plugin, max_steps=2)
+        fit(pl, as_lightning(pl, TinyClassifier)(), plugin, max_steps=2)
     assert plugin.emulating == emulating
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("amp_plugin:")]
     assert len(lines) == 1
@@ -288,16 +288,16 @@ def test_norm_layers_are_never_rounded_through_half():
     assert out.dtype == torch.bfloat16  # the FP32 norms hand half-precision activations on
 
 
-def test_scale_collapse_saves_the_last_good_state_then_raises(tmp_path):
+def test_scale_collapse_saves_the_last_good_state_then_raises(pl, tmp_path):
     class AlwaysOverflow(TinyClassifier):
         def on_after_backward(self):
             if self.global_step >= 2:
                 self.net[0].weight.grad[0, 0] = math.inf
 
-    model = AlwaysOverflow()
+    model = as_lightning(pl, AlwaysOverflow)()
     plugin = MixedPrecisionPlugin("fp16", scaler=DynamicLossScaler(init_scale=4.0, min_scale=1.0))
     snaps = Snapshots()
-    trainer = quiet_trainer(plugins=[plugin], max_steps=20, default_root_dir=tmp_path, callbacks=[snaps])
+    trainer = quiet_trainer(pl, plugins=[plugin], max_steps=20, default_root_dir=tmp_path, callbacks=[snaps])
     with pytest.raises(LossScaleCollapseError) as info:
         trainer.fit(model)
     err = info.value
@@ -310,22 +310,22 @@ def test_scale_collapse_saves_the_last_good_state_then_raises(tmp_path):
         assert torch.equal(saved["state_dict"][name], value)
 
 
-def test_on_min_scale_skip_keeps_training():
+def test_on_min_scale_skip_keeps_training(pl):
     class AlwaysOverflow(TinyClassifier):
         def on_after_backward(self):
             if self.global_step >= 2:
                 self.net[0].weight.grad[0, 0] = math.inf
 
     plugin = MixedPrecisionPlugin("fp16", scaler=DynamicLossScaler(init_scale=4.0, on_min_scale="skip"))
-    trainer = fit(AlwaysOverflow(), plugin, max_steps=10)
+    trainer = fit(pl, as_lightning(pl, AlwaysOverflow)(), plugin, max_steps=10)
     assert trainer.global_step == 10 and plugin.scaler.skipped_steps == 8
 
 
-def test_refitting_a_module_holds_the_schedule_with_the_new_plugin():
-    model = TinyClassifier(overflow_at=(1,), scheduler_gamma=0.5, lr=0.1)
-    fit(model, MixedPrecisionPlugin("fp16"), max_steps=3)  # first plugin: one skip, two LR steps
+def test_refitting_a_module_holds_the_schedule_with_the_new_plugin(pl):
+    model = as_lightning(pl, TinyClassifier)(overflow_at=(1,), scheduler_gamma=0.5, lr=0.1)
+    fit(pl, model, MixedPrecisionPlugin("fp16"), max_steps=3)  # first plugin: one skip, two LR steps
     model.overflow_at = {1, 2}
     plugin = MixedPrecisionPlugin("fp16")
-    trainer = fit(model, plugin, max_steps=4)  # fresh optimizer and scheduler, 4 steps, 2 skipped
+    trainer = fit(pl, model, plugin, max_steps=4)  # fresh optimizer and scheduler, 4 steps, 2 skipped
     assert plugin.scaler.skipped_steps == 2
     assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**2, rel=1e-12)

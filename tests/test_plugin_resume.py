@@ -3,20 +3,18 @@
 from __future__ import annotations
 
 import pytest
-import pytorch_lightning as pl
-from pytorch_lightning.callbacks import ModelCheckpoint
 import torch
-from _models import TinyClassifier, quiet_trainer
+from _models import TinyClassifier, as_lightning, quiet_trainer
 
 from amp_plugin import DynamicLossScaler, MasterWeightOptimizer, MixedPrecisionPlugin
-from amp_plugin.plugin import CHECKPOINT_KEY
+from amp_plugin.lightning.plugin import CHECKPOINT_KEY
 
 
-def make(precision="fp16", **plugin_kwargs):
+def make(pl, precision="fp16", **plugin_kwargs):
     pl.seed_everything(0)
     # Overflows only where a scaler can skip them (bf16 has none by default).
     overflow_at = (1, 5, 6) if precision == "fp16" else ()
-    model = TinyClassifier(overflow_at=overflow_at, n=24, scheduler_gamma=0.9, step_keyed=True)
+    model = as_lightning(pl, TinyClassifier)(overflow_at=overflow_at, n=24, scheduler_gamma=0.9, step_keyed=True)
     scaler = DynamicLossScaler(init_scale=2.0**10, growth_interval=2, hysteresis=2) if precision == "fp16" else None
     return model, MixedPrecisionPlugin(precision, scaler=scaler, **plugin_kwargs)
 
@@ -48,29 +46,29 @@ def assert_same(a, b):
     "precision, kwargs",
     [("fp16", {}), ("bf16", {}), ("fp16", dict(master_weights=False, autocast=True))],
 )
-def test_resume_is_bit_exact(tmp_path, precision, kwargs):
+def test_resume_is_bit_exact(pl, tmp_path, precision, kwargs):
     """A run that saves a checkpoint each epoch; resuming from the first gives the same end state.
 
     Batches are keyed by global_step: Lightning restarts a plain DataLoader from its first
     batch on resume, which would change the data, not our state.
     """
-    model, plugin = make(precision, **kwargs)
-    saver = ModelCheckpoint(dirpath=tmp_path, filename="{epoch}", save_top_k=-1, every_n_epochs=1)
-    trainer = quiet_trainer(plugins=[plugin], max_steps=8, callbacks=[saver], enable_checkpointing=True)
+    model, plugin = make(pl, precision, **kwargs)
+    saver = pl.callbacks.ModelCheckpoint(dirpath=tmp_path, filename="{epoch}", save_top_k=-1, every_n_epochs=1)
+    trainer = quiet_trainer(pl, plugins=[plugin], max_steps=8, callbacks=[saver], enable_checkpointing=True)
     trainer.fit(model)
     uninterrupted = final_state(trainer, model, plugin)
 
-    model, plugin = make(precision, **kwargs)
-    trainer = quiet_trainer(plugins=[plugin], max_steps=8)
+    model, plugin = make(pl, precision, **kwargs)
+    trainer = quiet_trainer(pl, plugins=[plugin], max_steps=8)
     trainer.fit(model, ckpt_path=tmp_path / "epoch=0.ckpt")  # saved after step 3 of 8
     assert_same(final_state(trainer, model, plugin), uninterrupted)
     if precision == "fp16":
         assert plugin.scaler.skipped_steps == 3
 
 
-def test_checkpoint_layout(tmp_path):
-    model, plugin = make()
-    trainer = quiet_trainer(plugins=[plugin], max_steps=3)
+def test_checkpoint_layout(pl, tmp_path):
+    model, plugin = make(pl)
+    trainer = quiet_trainer(pl, plugins=[plugin], max_steps=3)
     trainer.fit(model)
     trainer.save_checkpoint(tmp_path / "c.ckpt")
     ckpt = torch.load(tmp_path / "c.ckpt", weights_only=False)
@@ -84,26 +82,26 @@ def test_checkpoint_layout(tmp_path):
     assert [m.dtype for m in masters] == [torch.float32] * 4
 
 
-def test_resuming_with_another_precision_warns_and_keeps_the_new_scaler(tmp_path):
-    model, plugin = make("fp16")
-    trainer = quiet_trainer(plugins=[plugin], max_steps=3)
+def test_resuming_with_another_precision_warns_and_keeps_the_new_scaler(pl, tmp_path):
+    model, plugin = make(pl, "fp16")
+    trainer = quiet_trainer(pl, plugins=[plugin], max_steps=3)
     trainer.fit(model)
     trainer.save_checkpoint(tmp_path / "c.ckpt")
-    model, plugin = make("bf16")
-    trainer = quiet_trainer(plugins=[plugin], max_steps=4)
+    model, plugin = make(pl, "bf16")
+    trainer = quiet_trainer(pl, plugins=[plugin], max_steps=4)
     with pytest.warns(UserWarning, match=r"precision: checkpoint 'fp16', now 'bf16'.*not restored"):
         trainer.fit(model, ckpt_path=tmp_path / "c.ckpt")
 
 
-def test_changed_scaler_settings_warn_and_win(tmp_path):
-    model, plugin = make("fp16")
-    trainer = quiet_trainer(plugins=[plugin], max_steps=3)
+def test_changed_scaler_settings_warn_and_win(pl, tmp_path):
+    model, plugin = make(pl, "fp16")
+    trainer = quiet_trainer(pl, plugins=[plugin], max_steps=3)
     trainer.fit(model)
     scale = plugin.scaler.get_scale()
     trainer.save_checkpoint(tmp_path / "c.ckpt")
-    model = TinyClassifier(n=32)
+    model = as_lightning(pl, TinyClassifier)(n=32)
     plugin = MixedPrecisionPlugin("fp16", scaler=DynamicLossScaler(init_scale=2.0**10, growth_interval=50, hysteresis=2))
-    trainer = quiet_trainer(plugins=[plugin], max_steps=3)
+    trainer = quiet_trainer(pl, plugins=[plugin], max_steps=3)
     with pytest.warns(UserWarning, match=r"growth_interval: 2 -> 50"):
         trainer.fit(model, ckpt_path=tmp_path / "c.ckpt")
     assert plugin.scaler.growth_interval == 50

@@ -5,15 +5,14 @@ from __future__ import annotations
 import warnings
 
 import pytest
-import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
-from pytorch_lightning.plugins.precision import MixedPrecision
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from _models import as_lightning
 from amp_plugin.callbacks import PreflightChecks
-from amp_plugin.plugin import MixedPrecisionPlugin
+from amp_plugin.lightning.plugin import MixedPrecisionPlugin
 from amp_plugin.preflight import (
     PreflightError,
     PreflightWarning,
@@ -28,7 +27,7 @@ pytestmark = [
 ]
 
 
-class Net(pl.LightningModule):
+class Net:
     def __init__(self, half=False, half_loss=False, optimizer="sgd", eps=1e-8, grad_scaler=False, init=None):
         super().__init__()
         torch.manual_seed(0)
@@ -57,7 +56,7 @@ class Net(pl.LightningModule):
                           batch_size=4)
 
 
-def run(model, plugin, checks=None, max_steps=2, tmp_path=None):
+def run(pl, model, plugin, checks=None, max_steps=2, tmp_path=None):
     """Fit and return the preflight messages that were warned."""
     checks = checks or PreflightChecks()
     trainer = pl.Trainer(
@@ -81,77 +80,77 @@ def tiny_weights(body):
         body[0].weight.uniform_(1e-7, 1e-6)
 
 
-def test_weights_beyond_fp16_range_suggest_bf16(tmp_path):
-    [message] = run(Net(init=huge_weight), MixedPrecisionPlugin("fp16"), tmp_path=tmp_path)
+def test_weights_beyond_fp16_range_suggest_bf16(pl, tmp_path):
+    [message] = run(pl, as_lightning(pl, Net)(init=huge_weight), MixedPrecisionPlugin("fp16"), tmp_path=tmp_path)
     assert message.startswith("amp_plugin preflight [weight_range]")
     assert "1 weight value(s) exceed FP16's maximum 65504" in message and "body.0.weight" in message
     assert "Fix: train in bf16" in message
 
 
-def test_weights_below_fp16_normal_range_suggest_bf16(tmp_path):
-    [message] = run(Net(init=tiny_weights), MixedPrecisionPlugin("fp16"), tmp_path=tmp_path)
+def test_weights_below_fp16_normal_range_suggest_bf16(pl, tmp_path):
+    [message] = run(pl, as_lightning(pl, Net)(init=tiny_weights), MixedPrecisionPlugin("fp16"), tmp_path=tmp_path)
     assert "below FP16's smallest normal value 6.1e-05" in message and "body.0.weight" in message
     assert "precision='bf16'" in message
 
 
-def test_weight_range_is_only_checked_for_fp16(tmp_path):
-    assert run(Net(init=huge_weight), MixedPrecisionPlugin("bf16"), tmp_path=tmp_path) == []
+def test_weight_range_is_only_checked_for_fp16(pl, tmp_path):
+    assert run(pl, as_lightning(pl, Net)(init=huge_weight), MixedPrecisionPlugin("bf16"), tmp_path=tmp_path) == []
 
 
-def test_weight_range_skips_norm_layers_kept_in_fp32(tmp_path):
+def test_weight_range_skips_norm_layers_kept_in_fp32(pl, tmp_path):
     model = nn.Sequential(nn.Linear(2, 2), nn.LayerNorm(2))
     with torch.no_grad():
         model[1].weight.fill_(1e5)
     assert check_weight_range(model.named_parameters())  # the plain function sees it
-    norm_huge = Net(init=lambda body: body[1].weight.data.fill_(1e5))
-    assert run(norm_huge, MixedPrecisionPlugin("fp16"), tmp_path=tmp_path) == []
+    norm_huge = as_lightning(pl, Net)(init=lambda body: body[1].weight.data.fill_(1e5))
+    assert run(pl, norm_huge, MixedPrecisionPlugin("fp16"), tmp_path=tmp_path) == []
 
 
-def test_eps_that_is_zero_in_fp16_state(tmp_path):
+def test_eps_that_is_zero_in_fp16_state(pl, tmp_path):
     plugin = MixedPrecisionPlugin("fp16", master_weights=False, autocast=False, scaler=None)
-    [message] = run(Net(optimizer="adam"), plugin, tmp_path=tmp_path)
+    [message] = run(pl, as_lightning(pl, Net)(optimizer="adam"), plugin, tmp_path=tmp_path)
     assert message.startswith("amp_plugin preflight [optimizer_eps]")
     assert "eps=1e-08, which is 0 in torch.float16" in message
     assert "master_weights=True" in message and "eps=1e-4" in message
 
 
-def test_eps_is_fine_with_fp32_master_state(tmp_path):
-    assert run(Net(optimizer="adam"), MixedPrecisionPlugin("fp16"), tmp_path=tmp_path) == []
+def test_eps_is_fine_with_fp32_master_state(pl, tmp_path):
+    assert run(pl, as_lightning(pl, Net)(optimizer="adam"), MixedPrecisionPlugin("fp16"), tmp_path=tmp_path) == []
     adam = torch.optim.Adam(nn.Linear(2, 2).half().parameters(), eps=1e-4)
     assert check_optimizer_eps(adam) == []
 
 
-def test_half_model_under_autocast(tmp_path):
+def test_half_model_under_autocast(pl, tmp_path):
     plugin = MixedPrecisionPlugin("fp16", master_weights=False, autocast=True)
-    messages = run(Net(half=True), plugin, max_steps=1, tmp_path=tmp_path)
+    messages = run(pl, as_lightning(pl, Net)(half=True), plugin, max_steps=1, tmp_path=tmp_path)
     [message] = [m for m in messages if "[half_params_autocast]" in m]
     assert "autocast is on, but 6 parameter(s) are already torch.float16" in message
     assert "keep the model in FP32" in message and "master_weights=True" in message
 
 
-def test_grad_scaler_attribute_with_fp16_parameters(tmp_path):
+def test_grad_scaler_attribute_with_fp16_parameters(pl, tmp_path):
     plugin = MixedPrecisionPlugin("fp16", master_weights=False, autocast=False, scaler=None)
-    messages = run(Net(grad_scaler=True), plugin, tmp_path=tmp_path)
+    messages = run(pl, as_lightning(pl, Net)(grad_scaler=True), plugin, tmp_path=tmp_path)
     [message] = [m for m in messages if "[grad_scaler_half_grads]" in m]
     assert "torch.amp.GradScaler (pl_module.grad_scaler)" in message
     assert "Attempting to unscale FP16 gradients" in message
     assert "MixedPrecisionPlugin('fp16', master_weights=True)" in message
 
 
-def test_lightning_16_mixed_with_a_half_model_is_stopped_before_it_fails(tmp_path):
+def test_lightning_16_mixed_with_a_half_model_is_stopped_before_it_fails(pl, tmp_path):
     """Lightning's own GradScaler would raise 'Attempting to unscale FP16 gradients' at step 0."""
-    plugin = MixedPrecision("16-mixed", device="cpu", scaler=torch.amp.GradScaler("cpu"))
+    plugin = pl.plugins.precision.MixedPrecision("16-mixed", device="cpu", scaler=torch.amp.GradScaler("cpu"))
     checks = PreflightChecks(on_problem="raise", skip=["half_params_autocast"])
     with pytest.raises(PreflightError, match=r"\[grad_scaler_half_grads\].*MixedPrecision precision plugin"):
-        run(Net(half=True), plugin, checks=checks, tmp_path=tmp_path)
+        run(pl, as_lightning(pl, Net)(half=True), plugin, checks=checks, tmp_path=tmp_path)
 
 
 @pytest.mark.parametrize("plugin", [
     pytest.param(lambda: MixedPrecisionPlugin("fp16"), id="scaled"),  # the hook sees the scaled FP32 loss
     pytest.param(lambda: MixedPrecisionPlugin("fp16", scaler=None), id="unscaled"),
 ])
-def test_half_loss(tmp_path, plugin):
-    [message] = run(Net(half_loss=True), plugin(), tmp_path=tmp_path)
+def test_half_loss(pl, tmp_path, plugin):
+    [message] = run(pl, as_lightning(pl, Net)(half_loss=True), plugin(), tmp_path=tmp_path)
     assert message.startswith("amp_plugin preflight [half_loss]: the training loss is torch.float16")
     assert "logits.float()" in message
 
@@ -170,18 +169,18 @@ def test_half_loss_message_explains_the_scale():
     pytest.param(lambda: MixedPrecisionPlugin("bf16", master_weights=False, autocast=False), id="bf16-pure"),
     pytest.param(lambda: None, id="lightning-32"),
 ])
-def test_clean_setups_are_silent(tmp_path, plugin):
-    assert run(Net(optimizer="adam"), plugin(), tmp_path=tmp_path) == []
+def test_clean_setups_are_silent(pl, tmp_path, plugin):
+    assert run(pl, as_lightning(pl, Net)(optimizer="adam"), plugin(), tmp_path=tmp_path) == []
 
 
-def test_strict_mode_raises_with_the_same_text(tmp_path):
+def test_strict_mode_raises_with_the_same_text(pl, tmp_path):
     with pytest.raises(PreflightError, match=r"\[weight_range\].*Fix: train in bf16"):
-        run(Net(init=huge_weight), MixedPrecisionPlugin("fp16"), PreflightChecks(on_problem="raise"), tmp_path=tmp_path)
+        run(pl, as_lightning(pl, Net)(init=huge_weight), MixedPrecisionPlugin("fp16"), PreflightChecks(on_problem="raise"), tmp_path=tmp_path)
 
 
-def test_skipped_checks_do_not_run(tmp_path):
+def test_skipped_checks_do_not_run(pl, tmp_path):
     checks = PreflightChecks(skip=["weight_range"])
-    assert run(Net(init=huge_weight), MixedPrecisionPlugin("fp16"), checks, tmp_path=tmp_path) == []
+    assert run(pl, as_lightning(pl, Net)(init=huge_weight), MixedPrecisionPlugin("fp16"), checks, tmp_path=tmp_path) == []
     assert checks.problems == []
 
 

@@ -6,15 +6,15 @@ import copy
 import math
 
 import pytest
-import pytorch_lightning as pl
+from amp_plugin.lightning import pl
 import torch
 import torch.nn.functional as F
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from recipes import CharGPTRecipe, DigitsRecipe, StagnationDemoRecipe, UnderflowDemoRecipe
-from recipes.char_gpt import VOCAB_SIZE, build_corpus
-from recipes.digits import load_digits_split
+from amp_plugin.recipes import CharGPTRecipe, DigitsRecipe, StagnationDemoRecipe, UnderflowDemoRecipe
+from amp_plugin.recipes.char_gpt import VOCAB_SIZE, build_corpus
+from amp_plugin.recipes.digits import load_digits_split
 
 
 @pytest.fixture(autouse=True)

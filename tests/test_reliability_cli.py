@@ -224,14 +224,14 @@ def test_fault_injector_rejects_bad_arguments(kwargs, match):
         FaultInjector(**kwargs)
 
 
-def test_fault_injector_for_a_missing_rank_fails_before_the_first_step():
-    from _models import TinyClassifier, quiet_trainer
+def test_fault_injector_for_a_missing_rank_fails_before_the_first_step(pl):
+    from _models import TinyClassifier, as_lightning, quiet_trainer
 
     from amp_plugin import MixedPrecisionPlugin
     from amp_plugin.callbacks import FaultInjector
 
-    trainer = quiet_trainer(plugins=[MixedPrecisionPlugin("fp16")], max_steps=3,
+    trainer = quiet_trainer(pl, plugins=[MixedPrecisionPlugin("fp16")], max_steps=3,
                             callbacks=[FaultInjector(inject_inf_at=[0], rank=1)])
     with pytest.raises(ValueError, match=r"rank=1 is not allowed: the run has 1 process\(es\)"):
-        trainer.fit(TinyClassifier())
+        trainer.fit(as_lightning(pl, TinyClassifier)())
     assert trainer.global_step == 0

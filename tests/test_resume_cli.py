@@ -20,10 +20,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import pytorch_lightning as pl
+from amp_plugin.lightning import pl
 import torch
 
-from amp_plugin.app.checkpoint_io import AtomicCheckpointIO
+from amp_plugin.lightning.checkpoint_io import AtomicCheckpointIO
 
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
@@ -42,7 +42,7 @@ class Throttle(pl.Callback):
 
 
 def epoch_length() -> int:
-    from recipes.digits import DigitsRecipe
+    from amp_plugin.recipes.digits import DigitsRecipe
 
     return len(DigitsRecipe().train_dataloader())
 
@@ -189,7 +189,7 @@ def test_a_checkpoint_write_that_fails_halfway_leaves_the_previous_one(tmp_path,
 _KILLED_WRITER = """
 import io, os, signal, sys
 import torch
-from amp_plugin.app.checkpoint_io import AtomicCheckpointIO
+from amp_plugin.lightning.checkpoint_io import AtomicCheckpointIO
 
 path = sys.argv[1]
 writer = AtomicCheckpointIO()

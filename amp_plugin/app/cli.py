@@ -98,7 +98,7 @@ class SweepFailures(Callback):
         for job in failed:
             first = (job / "FAILED").read_text().strip().splitlines()[0]
             lines.append(f"  {job}: {first[:160]}")
-        lines.append(f"Compare the runs with: python -m amp_plugin.compare {sweep_dir}")
+        lines.append(f"Compare the runs with: amp-compare {sweep_dir}")
         print("\n".join(lines), file=sys.stderr, flush=True)
         sys.exit(1)
 

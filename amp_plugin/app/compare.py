@@ -1,4 +1,4 @@
-"""Compare runs: ``python -m amp_plugin.compare multirun/2025-01-01/12-00-00``.
+"""Compare runs: ``amp-compare multirun/2025-01-01/12-00-00``.
 
 Finds every run directory below the given paths (a directory holding ``summary.json``, or a
 ``FAILED`` note), prints one table row per run (the overrides that distinguish it,
@@ -137,7 +137,7 @@ def write_csv(runs: Sequence[dict[str, Any]], path: str | Path) -> Path:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m amp_plugin.compare",
+        prog="amp-compare",
         description="Compare amp_plugin training runs (for example the jobs of one Hydra multirun).",
     )
     parser.add_argument("dirs", nargs="+", help="run or multirun directories (searched recursively)")
@@ -161,3 +161,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         written.append(plots.plot_compare(ok, out / "compare.png", title=f"{len(ok)} runs"))
     print("\nwrote " + ", ".join(str(p) for p in written))
     return 0 if all(run.get("status") == "ok" for run in runs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

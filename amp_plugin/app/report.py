@@ -17,15 +17,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import pytorch_lightning as pl
 import torch
 from omegaconf import DictConfig
-from pytorch_lightning.callbacks import Callback
 from typing_extensions import override
 
 from amp_plugin.app import plots
 from amp_plugin.app.validation import scaler_kind
-from amp_plugin.callbacks import FaultInjector
+from amp_plugin.lightning import FaultInjector, pl
+from amp_plugin.lightning._namespace import Callback
 
 __all__ = ["RunRecorder", "describe", "format_summary", "mark_failed", "summarize", "write_outputs"]
 
@@ -126,10 +125,10 @@ def describe(plugin: Any, scaler: str) -> str:
     return text
 
 
-def _recipe_name(target: str) -> str:
-    """``recipes.digits.DigitsRecipe`` -> ``digits`` (the module name, as in configs/recipe/)."""
-    parts = target.split(".")
-    return parts[-2] if len(parts) >= 2 else parts[-1]
+def _recipe_name(module: Any) -> str:
+    """``amp_plugin.recipes.DigitsRecipe`` -> ``digits``: the name of the module that defines the
+    recipe's class (as in configs/recipe/)."""
+    return type(module).__module__.rsplit(".", 1)[-1]
 
 
 def mark_failed(output_dir: Path, err: BaseException) -> None:
@@ -171,7 +170,7 @@ def summarize(cfg: DictConfig, trainer: pl.Trainer, parts: dict[str, Any], recor
     injector = next((c for c in parts["callbacks"] if isinstance(c, FaultInjector)), None)
     return {
         "status": "ok",
-        "recipe": _recipe_name(target),
+        "recipe": _recipe_name(parts["module"]),
         "recipe_target": target,
         "precision": cfg.precision.name,
         "plugin_settings": {

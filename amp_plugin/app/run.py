@@ -33,13 +33,10 @@ from pathlib import Path
 from typing import Any
 
 import hydra
-import pytorch_lightning as pl
 import torch
 from hydra.errors import InstantiationException
-from lightning_fabric.utilities.exceptions import MisconfigurationException
 from omegaconf import DictConfig, OmegaConf
 
-from amp_plugin.app.checkpoint_io import AtomicCheckpointIO
 from amp_plugin.app.report import (
     FAILED_FILE,
     RunRecorder,
@@ -50,7 +47,9 @@ from amp_plugin.app.report import (
 )
 from amp_plugin.app.schema import FAULT_STEP_KEYS
 from amp_plugin.app.validation import ConfigError, scaler_kind, validate
-from amp_plugin.callbacks import FaultInjector
+from amp_plugin.lightning import AtomicCheckpointIO, FaultInjector, pl
+
+MisconfigurationException = pl.utilities.exceptions.MisconfigurationException
 
 __all__ = ["build", "train"]
 

@@ -33,9 +33,9 @@ __all__ = [
 
 @dataclass
 class PrecisionConf:
-    """Arguments of :class:`amp_plugin.plugin.MixedPrecisionPlugin` (the scaler comes from ``scaler``)."""
+    """Arguments of :class:`amp_plugin.lightning.MixedPrecisionPlugin` (the scaler comes from ``scaler``)."""
 
-    _target_: str = "amp_plugin.plugin.MixedPrecisionPlugin"
+    _target_: str = "amp_plugin.lightning.MixedPrecisionPlugin"
     name: str = "custom"  # preset name; a known preset's keys must keep their meaning
     precision: str = "fp16"  # fp16 | bf16 | fp32: dtype of the model's weights and activations
     master_weights: bool = True  # the optimizer updates FP32 copies of half-precision weights
@@ -75,14 +75,14 @@ class NoScalerConf:
 
 @dataclass
 class TrainerConf:
-    """The ``pytorch_lightning.Trainer`` arguments the app types and range-checks.
+    """The ``lightning.pytorch.Trainer`` arguments the app types and range-checks.
 
     Any other Trainer argument can be added from the command line with ``+trainer.NAME=VALUE``.
     ``devices``, ``limit_*_batches`` and ``val_check_interval`` accept an int or a float (or
     ``"auto"``/a list for ``devices``), so they are typed ``Any`` and checked by :func:`validate`.
     """
 
-    _target_: str = "pytorch_lightning.Trainer"
+    _target_: str = "lightning.pytorch.Trainer"
     accelerator: str = "auto"
     devices: Any = 1
     num_nodes: int = 1

@@ -4,18 +4,19 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import pytorch_lightning as pl
 import torch
-from pytorch_lightning.callbacks import Callback
-from pytorch_lightning.utilities import rank_zero_info
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from amp_plugin.callbacks._common import CsvLog, find_plugin
+from amp_plugin.lightning._namespace import Callback, rank_zero_info
+from amp_plugin.lightning.callbacks._common import CsvLog, find_plugin
 from amp_plugin.master_weights import MasterWeightOptimizer
-from amp_plugin.plugin import MixedPrecisionPlugin
+from amp_plugin.lightning.plugin import MixedPrecisionPlugin
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
 
 __all__ = ["GradientHealthMonitor", "ParamGradHealth", "FP16_MAX", "FP16_MIN_NORMAL"]
 

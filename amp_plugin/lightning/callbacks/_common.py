@@ -9,12 +9,14 @@ from __future__ import annotations
 import csv
 import os
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import pytorch_lightning as pl
-from pytorch_lightning.utilities import rank_zero_warn
 
-from amp_plugin.plugin import MixedPrecisionPlugin
+from amp_plugin.lightning._namespace import rank_zero_warn
+from amp_plugin.lightning.plugin import MixedPrecisionPlugin
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
 
 __all__ = ["CsvLog", "find_plugin", "run_log_dir"]
 

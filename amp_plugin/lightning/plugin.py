@@ -21,23 +21,24 @@ import contextlib
 import os
 import warnings
 from collections.abc import Callable, Generator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import pytorch_lightning as pl
 import torch
-from lightning_fabric.utilities.types import Optimizable
-from pytorch_lightning.plugins.precision import Precision
-from pytorch_lightning.utilities import rank_zero_info
 from torch import Tensor
 from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
+from amp_plugin.lightning._namespace import LIGHTNING_MODULES, Precision, rank_zero_info, trainer_calls
 from amp_plugin._checks import check_choice
 from amp_plugin.dynamic_scaler import DynamicLossScaler, LossScaleCollapseError
 from amp_plugin.emulation import CpuHalfEmulation, should_emulate
 from amp_plugin.half_module import cast_floating, cast_module
 from amp_plugin.master_weights import MasterWeightOptimizer
 from amp_plugin.scaler import LossScaler
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    from lightning.fabric.utilities.types import Optimizable
 
 __all__ = ["MixedPrecisionPlugin", "CHECKPOINT_KEY"]
 
@@ -147,7 +148,7 @@ class MixedPrecisionPlugin(Precision):
             self._emulation_hold = CpuHalfEmulation.keep_installed()
             self._emulation_hold.__enter__()
         module = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
-        if isinstance(module, pl.LightningModule):
+        if isinstance(module, LIGHTNING_MODULES):
             self._module = module
             self._hold_schedulers_on_skip(module, lr_schedulers)
         if not self._described:  # once per plugin, not once per fit/validate stage
@@ -235,6 +236,19 @@ class MixedPrecisionPlugin(Precision):
         else:
             self._pending_update = True
         return result
+
+    @override
+    def _clip_gradients(
+        self, model: Any, optimizer: Any, clip_val: float | None = None, gradient_clip_algorithm: Any = None
+    ) -> None:
+        # Lightning's own version checks for its namespace's LightningModule only; the
+        # plugin serves both namespaces (amp_plugin.lightning._namespace).
+        if not isinstance(model, LIGHTNING_MODULES) or not model.automatic_optimization:
+            return
+        trainer_calls(model)._call_lightning_module_hook(
+            model.trainer, "configure_gradient_clipping", optimizer,
+            gradient_clip_val=clip_val, gradient_clip_algorithm=gradient_clip_algorithm,
+        )
 
     def _update(self, trainer: pl.Trainer | None) -> None:
         """``scaler.update()``; if the scale collapses, save the last good state first."""

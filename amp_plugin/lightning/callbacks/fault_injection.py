@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import pytorch_lightning as pl
 import torch
 from typing_extensions import override
+from amp_plugin.lightning._namespace import Callback
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
 
 __all__ = ["FaultInjector"]
 
@@ -26,7 +29,7 @@ def _steps(name: str, value: Sequence[int] | None) -> frozenset[int]:
     return frozenset(steps)
 
 
-class FaultInjector(pl.Callback):
+class FaultInjector(Callback):
     """Write non-finite values into a run at chosen optimizer steps (``trainer.global_step``).
 
     Args:

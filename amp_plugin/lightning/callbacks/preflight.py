@@ -3,18 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import pytorch_lightning as pl
 import torch
-from pytorch_lightning.callbacks import Callback
-from pytorch_lightning.plugins.precision import MixedPrecision
-from pytorch_lightning.utilities import rank_zero_warn
 from typing_extensions import override
 
+from amp_plugin.lightning._namespace import LIGHTNING_AUTOCAST_PLUGINS, Callback, rank_zero_warn
 from amp_plugin._checks import check_choice, check_number
 from amp_plugin.half_module import NORM_TYPES
-from amp_plugin.plugin import MixedPrecisionPlugin
+from amp_plugin.lightning.plugin import MixedPrecisionPlugin
 from amp_plugin.scaler import LossScaler
 from amp_plugin.preflight import (
     CHECKS,
@@ -28,6 +25,9 @@ from amp_plugin.preflight import (
     check_weight_range,
     find_grad_scalers,
 )
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
 
 __all__ = ["PreflightChecks"]
 
@@ -138,5 +138,5 @@ def _settings(plugin: Any) -> tuple[str, bool, bool]:
         return plugin.amp_precision, plugin.autocast, plugin.master_weights or plugin.autocast
     name = str(getattr(plugin, "precision", "32-true"))
     precision = "fp16" if name.startswith("16") else "bf16" if name.startswith("bf16") else "fp32"
-    autocast = isinstance(plugin, MixedPrecision) or name.endswith("-mixed")
+    autocast = isinstance(plugin, LIGHTNING_AUTOCAST_PLUGINS) or name.endswith("-mixed")
     return precision, autocast, autocast

@@ -4,19 +4,20 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import pytorch_lightning as pl
 import torch
-from pytorch_lightning.callbacks import Callback
-from pytorch_lightning.utilities import rank_zero_info
 from typing_extensions import override
 
+from amp_plugin.lightning._namespace import Callback, rank_zero_info
 from amp_plugin._checks import check_number
-from amp_plugin.callbacks._common import CsvLog, find_plugin
+from amp_plugin.lightning.callbacks._common import CsvLog, find_plugin
 from amp_plugin.dynamic_scaler import LossScaleCollapseError
-from amp_plugin.plugin import MixedPrecisionPlugin
+from amp_plugin.lightning.plugin import MixedPrecisionPlugin
 from amp_plugin.scaler import LossScaler, ScaleUpdate
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
 
 __all__ = ["LossScaleMonitor", "ScaleEvent"]
 

@@ -22,20 +22,20 @@ import uuid
 from typing import Any
 
 import torch
+from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
-from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO
-from lightning_fabric.utilities.cloud_io import get_filesystem
-from lightning_fabric.utilities.types import _PATH
 from typing_extensions import override
+
+from amp_plugin.lightning._namespace import TorchCheckpointIO
 
 __all__ = ["AtomicCheckpointIO", "atomic_save"]
 
 
-def _is_local(path: _PATH) -> bool:
-    return isinstance(get_filesystem(path), LocalFileSystem)
+def _is_local(path: str | os.PathLike[str]) -> bool:
+    return isinstance(url_to_fs(str(path))[0], LocalFileSystem)
 
 
-def atomic_save(obj: Any, path: _PATH) -> None:
+def atomic_save(obj: Any, path: str | os.PathLike[str]) -> None:
     """``torch.save(obj, path)``, all or nothing: write a sibling temp file, fsync, ``os.replace``."""
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
@@ -68,7 +68,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     """
 
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: str | os.PathLike[str], storage_options: Any | None = None) -> None:
         if storage_options is not None or not _is_local(path):
             super().save_checkpoint(checkpoint, path, storage_options=storage_options)
             return

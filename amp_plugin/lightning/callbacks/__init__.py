@@ -8,11 +8,11 @@
 - :class:`FaultInjector`: inf/NaN gradients, NaN losses or NaN batches at chosen steps.
 """
 
-from amp_plugin.callbacks.fault_injection import FaultInjector
+from amp_plugin.lightning.callbacks.fault_injection import FaultInjector
 
-from amp_plugin.callbacks.grad_health import GradientHealthMonitor, ParamGradHealth
-from amp_plugin.callbacks.loss_scale import LossScaleMonitor, ScaleEvent
-from amp_plugin.callbacks.preflight import PreflightChecks
+from amp_plugin.lightning.callbacks.grad_health import GradientHealthMonitor, ParamGradHealth
+from amp_plugin.lightning.callbacks.loss_scale import LossScaleMonitor, ScaleEvent
+from amp_plugin.lightning.callbacks.preflight import PreflightChecks
 
 __all__ = [
     "FaultInjector",

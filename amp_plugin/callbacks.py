@@ -1,0 +1,22 @@
+"""``amp_plugin.callbacks``: the Lightning callbacks, under the name the design documents.
+
+They live in :mod:`amp_plugin.lightning.callbacks`; importing this module imports Lightning.
+"""
+
+from amp_plugin.lightning.callbacks import (
+    FaultInjector,
+    GradientHealthMonitor,
+    LossScaleMonitor,
+    ParamGradHealth,
+    PreflightChecks,
+    ScaleEvent,
+)
+
+__all__ = [
+    "FaultInjector",
+    "GradientHealthMonitor",
+    "LossScaleMonitor",
+    "ParamGradHealth",
+    "PreflightChecks",
+    "ScaleEvent",
+]
