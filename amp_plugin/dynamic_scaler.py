@@ -134,23 +134,32 @@ class DynamicLossScaler(LossScaler):
         if update.reason == "min_scale" and self.on_min_scale == "raise":
             raise LossScaleCollapseError(update.old_scale, update.iteration, self.consecutive_skips)
 
+    def settings(self) -> dict[str, Any]:
+        return {
+            "growth_factor": self.growth_factor,
+            "backoff_factor": self.backoff_factor,
+            "growth_interval": self.growth_interval,
+            "hysteresis": self.hysteresis,
+            "hysteresis_reset": self.hysteresis_reset,
+            "min_scale": self.min_scale,
+            "max_scale": self.max_scale,
+            "on_min_scale": self.on_min_scale,
+        }
+
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
         if not state:
             return state
-        state.update(
-            growth_factor=self.growth_factor,
-            backoff_factor=self.backoff_factor,
-            growth_interval=self.growth_interval,
-            _growth_tracker=self._growth_tracker,
-            hysteresis=self.hysteresis,
-            hysteresis_reset=self.hysteresis_reset,
-            _hysteresis_tracker=self._hysteresis_tracker,
-            min_scale=self.min_scale,
-            max_scale=self.max_scale,
-            on_min_scale=self.on_min_scale,
-        )
+        state.update(self.settings(), _growth_tracker=self._growth_tracker, _hysteresis_tracker=self._hysteresis_tracker)
         return state
+
+    def resume_from(self, state_dict: dict[str, Any]) -> list[str]:
+        """See :meth:`LossScaler.resume_from`. A changed ``hysteresis`` refills the counter, so
+        the new setting holds from the first overflow after the resume."""
+        changed = super().resume_from(state_dict)
+        if state_dict.get("hysteresis", self.hysteresis) != self.hysteresis:
+            self._hysteresis_tracker = self.hysteresis
+        return changed
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore every tracker. Accepts a ``torch.amp.GradScaler`` state dict too (its

@@ -221,6 +221,27 @@ class LossScaler:
         self.update_count = int(state_dict.get("update_count", 0))
         self.last_step_skipped = bool(state_dict.get("last_step_skipped", False))
 
+    def settings(self) -> dict[str, Any]:
+        """The constructor arguments that shape the scale policy (not its progress)."""
+        return {}
+
+    def resume_from(self, state_dict: dict[str, Any]) -> list[str]:
+        """Continue a saved run's scale and trackers under this scaler's own settings.
+
+        Returns ``"key: saved -> now"`` for every setting that differs from the saved one;
+        the configured value is kept.
+        """
+        state, changed = dict(state_dict), []
+        for key, value in self.settings().items():
+            if key in state and state[key] != value:
+                changed.append(f"{key}: {state[key]!r} -> {value!r}")
+            state[key] = value
+        self.load_state_dict(state)
+        return changed
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(scale={self.get_scale():g}, enabled={self._enabled})"
+
     # ------------------------------------------------------------------ for subclasses
     def _policy(self, found_inf: bool) -> tuple[float, str | None]:
         """Return ``(new_scale, reason)`` for an iteration; see :class:`ScaleUpdate`."""
@@ -320,6 +341,9 @@ class StaticLossScaler(LossScaler):
 
     def _policy(self, found_inf: bool) -> tuple[float, str | None]:
         return self._scale_value, None
+
+    def settings(self) -> dict[str, Any]:
+        return {"scale": self._scale_value}
 
     def __repr__(self) -> str:
         return f"StaticLossScaler(scale={self._scale_value:g}, enabled={self._enabled})"

@@ -85,8 +85,10 @@ def test_every_preset_and_recipe_instantiates(preset, recipe):
     precision, master_weights, autocast = PRESETS[preset]
     assert isinstance(plugin, MixedPrecisionPlugin)
     assert (plugin.amp_precision, plugin.master_weights, plugin.autocast) == (precision, master_weights, autocast)
-    expected_scaler = {"dynamic": DynamicLossScaler, "none": type(None)}[DEFAULT_SCALER[preset]]
-    assert type(plugin.scaler) is expected_scaler
+    if DEFAULT_SCALER[preset] == "dynamic":
+        assert type(plugin.scaler) is DynamicLossScaler
+    else:
+        assert not plugin.scaler.is_enabled()
     assert type(parts["module"]).__module__ == f"amp_plugin.recipes.{recipe}"
     assert [type(c).__name__ for c in parts["callbacks"]] == ["LossScaleMonitor", "ModelCheckpoint", "PreflightChecks"]
 

@@ -121,7 +121,7 @@ def test_without_scaling_the_same_gradients_flush_to_zero(pl, tmp_path):
 ])
 def test_every_column_matches_its_definition(pl, tmp_path, plugin):
     plugin = plugin()
-    scale = plugin.scaler.get_scale() if plugin.scaler is not None else 1.0
+    scale = plugin.scaler.get_scale()  # 1.0 without loss scaling
     monitor, capture = GradientHealthMonitor(every_n_steps=2, verbose=False), GradCapture()
     trainer = fit(pl, tmp_path, monitor, plugin, max_steps=3, extra=[capture])
     rows = read_rows(monitor.csv_path)

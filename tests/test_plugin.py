@@ -53,11 +53,13 @@ def test_param_and_input_dtypes_per_mode(pl, kwargs, linear, norm, inputs, wrapp
 
 def test_default_scaler_per_precision():
     assert isinstance(MixedPrecisionPlugin("fp16").scaler, DynamicLossScaler)
-    assert MixedPrecisionPlugin("bf16").scaler is None
-    assert MixedPrecisionPlugin("fp32").scaler is None
+    assert MixedPrecisionPlugin("fp16").scaler.is_enabled()
+    for plugin in (MixedPrecisionPlugin("bf16"), MixedPrecisionPlugin("fp32"), MixedPrecisionPlugin("fp16", scaler=None)):
+        # No loss scaling is a disabled scaler: same interface, scale 1, nothing skipped.
+        assert not plugin.scaler.is_enabled()
+        assert plugin.scaler.get_scale() == 1.0 and plugin.scaler.skipped_steps == 0
     explicit = StaticLossScaler(8.0)
     assert MixedPrecisionPlugin("bf16", scaler=explicit).scaler is explicit
-    assert MixedPrecisionPlugin("fp16", scaler=None).scaler is None
 
 
 def test_autocast_on_cpu_really_is_fp16(pl):
@@ -71,7 +73,8 @@ def test_autocast_on_cpu_really_is_fp16(pl):
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(precision="fp17"), "precision='fp17' is not allowed: precision must be one of 'fp16', 'bf16', 'fp32'"),
+        (dict(precision="fp17"), "precision='fp17' is not allowed: precision must be one of 'fp32', 'fp16', 'bf16', "
+                                 "'fp16_autocast', 'bf16_autocast', 'fp16_pure', 'bf16_pure'"),
         (dict(emulate="maybe"), "emulate='maybe'"),
         (dict(master_weights=True, autocast=True), "cannot be combined"),
         (dict(precision="fp32", scaler=StaticLossScaler(2.0)), "precision='fp32'"),
@@ -198,8 +201,7 @@ def test_accumulation_steps_once_per_optimizer_step_and_matches_fp32(pl):
         plugin = MixedPrecisionPlugin(precision)
         trainer = fit(pl, model, plugin, max_steps=4, accumulate_grad_batches=2)
         assert trainer.global_step == 4
-        if plugin.scaler is not None:
-            assert plugin.scaler.update_count == 4
+        assert plugin.scaler.update_count == (4 if precision == "fp16" else 0)  # fp32: a disabled scaler
         results[precision] = [p.detach().float() for p in model.parameters()]
     for a, b in zip(results["fp32"], results["fp16"]):
         torch.testing.assert_close(a, b, atol=4e-3, rtol=0)

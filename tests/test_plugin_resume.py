@@ -26,7 +26,7 @@ def final_state(trainer, model, plugin):
         "params": [p.detach().clone() for p in model.parameters()],
         "masters": [m.detach().clone() for m in masters],
         "opt": opt.state_dict(),
-        "scaler": plugin.scaler.state_dict() if plugin.scaler is not None else {},
+        "scaler": plugin.scaler.state_dict(),
         "lr": opt.param_groups[0]["lr"],
     }
 

@@ -56,7 +56,8 @@ class RunRecorder(Callback):
 
     @staticmethod
     def _scaler(trainer: pl.Trainer) -> Any:
-        return getattr(trainer.precision_plugin, "scaler", None)
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        return scaler if scaler is not None and scaler.is_enabled() else None
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -113,8 +114,8 @@ def describe(plugin: Any, scaler: str) -> str:
         text = f"FP32 weights, {dtype} compute under autocast"
     else:
         text = f"pure {dtype}, no FP32 master weights"
-    s = getattr(plugin, "scaler", None)
-    if s is None:
+    s = plugin.scaler
+    if not s.is_enabled():
         text += ", no loss scaling"
     elif scaler == "static":
         text += f", static loss scale {s.get_scale():g}"
@@ -140,7 +141,7 @@ def mark_failed(output_dir: Path, err: BaseException) -> None:
 def summarize(cfg: DictConfig, trainer: pl.Trainer, parts: dict[str, Any], recorder: RunRecorder,
                output_dir: Path, wall: float, metrics: Mapping[str, Any]) -> dict[str, Any]:
     plugin = parts["plugin"]
-    scaler = getattr(plugin, "scaler", None)
+    scaler = plugin.scaler if plugin.scaler.is_enabled() else None
     history = recorder.history()
     scales = [recorder.start_scale] + [row.get("loss_scale") for row in history]
     scales = [s for s in scales if s is not None and not math.isnan(s)]

@@ -9,17 +9,15 @@ One optimizer step, in this order (written once, here)::
     -> scale update (once per iteration, also with several optimizers)
     -> masters copied back into the half-precision model (only after a real step)
 
-A skipped step does not advance "step"-interval LR schedulers (``skip_lr_on_overflow``).
-``trainer.global_step`` counts optimizer steps *attempted*, skipped ones included, so
-``max_steps`` bounds the iterations; the scheduler has then stepped
-``global_step - scaler.skipped_steps`` times.
+A skipped step does not advance "step"-interval LR schedulers (``skip_lr_on_overflow``,
+:mod:`amp_plugin.lightning.lr_hold`). ``trainer.global_step`` counts optimizer steps
+*attempted*, skipped ones included, so ``max_steps`` bounds the iterations; the scheduler has
+then stepped ``global_step - scaler.skipped_steps`` times.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
-import warnings
 from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING, Any
 
@@ -28,102 +26,123 @@ from torch import Tensor
 from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
-from amp_plugin.lightning._namespace import LIGHTNING_MODULES, Precision, rank_zero_info, trainer_calls
-from amp_plugin._checks import check_choice
-from amp_plugin.dynamic_scaler import DynamicLossScaler, LossScaleCollapseError
+from amp_plugin.dynamic_scaler import LossScaleCollapseError
 from amp_plugin.emulation import CpuHalfEmulation, should_emulate
 from amp_plugin.half_module import cast_floating, cast_module
+from amp_plugin.lightning import checkpoint_state
+from amp_plugin.lightning._namespace import LIGHTNING_MODULES, Precision, rank_zero_info, trainer_calls
+from amp_plugin.lightning.checkpoint_state import CHECKPOINT_KEY
+from amp_plugin.lightning.lr_hold import LRHold
+from amp_plugin.lightning.recovery import save_last_good
 from amp_plugin.master_weights import MasterWeightOptimizer
 from amp_plugin.scaler import LossScaler
+from amp_plugin.settings import PrecisionSettings
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
     from lightning.fabric.utilities.types import Optimizable
 
-__all__ = ["MixedPrecisionPlugin", "CHECKPOINT_KEY"]
-
-CHECKPOINT_KEY = "amp_plugin"
-"""Where the plugin's state lives in a Lightning checkpoint (stable across class renames)."""
-
-_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
-_EMULATE = ("auto", "on", "off")
-
-
-class _Default:
-    def __repr__(self) -> str:
-        return "<default>"
-
-
-DEFAULT = _Default()
+__all__ = ["CHECKPOINT_KEY", "MixedPrecisionPlugin"]
 
 
 class MixedPrecisionPlugin(Precision):
     """Mixed precision for the Lightning ``Trainer``: ``Trainer(plugins=[MixedPrecisionPlugin()])``.
 
+    Works with ``lightning.pytorch`` and ``pytorch_lightning`` alike.
+
     Args:
-        precision: ``"fp16"``, ``"bf16"`` or ``"fp32"``. FP16 really is FP16, on CPU too.
+        precision: a preset name: ``"fp16"`` (default), ``"bf16"``, ``"fp32"``,
+            ``"fp16_autocast"``, ``"bf16_autocast"``, ``"fp16_pure"``, ``"bf16_pure"`` (the
+            same names as the app's ``precision=``; see :mod:`amp_plugin.settings`). FP16
+            really is FP16, on CPU too.
         master_weights: keep the model's parameters in the half dtype (normalisation layers
             stay FP32) and let the optimizer update FP32 master copies
-            (:class:`~amp_plugin.MasterWeightOptimizer`).
+            (:class:`~amp_plugin.MasterWeightOptimizer`). ``None`` (default): the preset's.
         autocast: run forward under ``torch.autocast`` with FP32 parameters (the FP32
-            parameters are the master copy), like Lightning's ``16-mixed``.
+            parameters are the master copy), like Lightning's ``16-mixed``. ``None``
+            (default): the preset's; ``precision="fp16", autocast=True`` is ``"fp16_autocast"``.
             ``master_weights=False, autocast=False`` is pure half precision (``16-true``).
             With ``precision="fp32"`` both are ignored.
-        scaler: a :class:`~amp_plugin.LossScaler`, or ``None`` for no loss scaling. The
-            default is ``DynamicLossScaler()`` for fp16 and none for bf16/fp32.
-        emulate: ``"auto"`` computes half-precision matmuls on CPU in FP32 and rounds the
-            result (:class:`~amp_plugin.CpuHalfEmulation`, GPU Tensor Core numerics at FP32
-            speed); ``"on"`` forces it; ``"off"`` uses the native (slow) CPU kernels.
+        scaler: ``"auto"`` (default: ``DynamicLossScaler()`` for FP16, none for BF16/FP32),
+            ``None`` for no loss scaling, or a :class:`~amp_plugin.LossScaler`.
+        emulate: ``"auto"`` picks, per CPU and dtype, the faithful path that is fastest
+            (:class:`~amp_plugin.CpuHalfEmulation` computes half-precision matmuls in FP32 and
+            rounds the result once, GPU Tensor Core numerics); ``"on"`` forces emulation;
+            ``"off"`` uses the native CPU kernels.
         skip_lr_on_overflow: a skipped step does not advance "step"-interval LR schedulers.
+
+    Attributes:
+        settings: the validated :class:`~amp_plugin.settings.PrecisionSettings`.
+        scaler: the loss scaler in use; without loss scaling, a disabled one
+            (``scaler.is_enabled()`` is False, the scale reads 1.0, nothing is skipped).
+        last_nonfinite_params: on a skipped step, ``(name, count)`` of the parameters whose
+            gradients were inf/NaN (the top few).
+        emulating: whether CPU half emulation is on for this run (known once fitting starts).
     """
 
     def __init__(
         self,
         precision: str = "fp16",
-        master_weights: bool = True,
-        autocast: bool = False,
-        scaler: LossScaler | None | _Default = DEFAULT,
+        master_weights: bool | None = None,
+        autocast: bool | None = None,
+        scaler: LossScaler | str | None = "auto",
         emulate: str = "auto",
         skip_lr_on_overflow: bool = True,
     ) -> None:
-        self.amp_precision = check_choice("precision", precision, _DTYPES)
-        self.compute_dtype = _DTYPES[precision]
-        self.emulate = check_choice("emulate", emulate, _EMULATE)
-        for name, value in (("master_weights", master_weights), ("autocast", autocast),
-                            ("skip_lr_on_overflow", skip_lr_on_overflow)):
-            if not isinstance(value, bool):
-                raise TypeError(f"{name}={value!r} is not allowed: {name} must be True or False.")
-        half = precision != "fp32"
-        if half and master_weights and autocast:
-            raise ValueError(
-                "master_weights=True and autocast=True cannot be combined: autocast keeps FP32 "
-                "parameters, which already are the master copy. Choose one (or neither for pure half)."
-            )
-        self.master_weights = half and master_weights
-        self.autocast = half and autocast
-        if scaler is DEFAULT:
-            scaler = DynamicLossScaler() if precision == "fp16" else None
-        if scaler is not None and not isinstance(scaler, LossScaler):
-            raise TypeError(
-                f"scaler={scaler!r} is not allowed: scaler must be an amp_plugin LossScaler "
-                "(DynamicLossScaler, StaticLossScaler) or None."
-            )
-        if scaler is not None and precision == "fp32":
-            raise ValueError(
-                f"scaler={scaler!r} is not allowed with precision='fp32': FP32 gradients do not "
-                "underflow, so there is nothing to scale. Use scaler=None."
-            )
-        self.scaler: LossScaler | None = scaler
-        self._scaler: LossScaler = scaler if scaler is not None else DynamicLossScaler(enabled=False)
-        self.skip_lr_on_overflow = skip_lr_on_overflow
-        self.precision = self._lightning_precision()
+        self.settings = PrecisionSettings.build(
+            precision, master_weights, autocast, scaler, emulate, skip_lr_on_overflow  # type: ignore[arg-type]
+        )
+        self.precision = self.settings.lightning_precision  # what Lightning's `trainer.precision` reports
         self.last_nonfinite_params: list[tuple[str, int]] = []
         self.emulating = False
         self._device_type = "cpu"
-        self._module: pl.LightningModule | None = None
+        self._module: Any = None
         self._pending_update = False
         self._emulation_hold: Any = None
         self._described = False
+        self._lr_hold = LRHold(lambda: self.settings.skip_lr_on_overflow and self.scaler.last_step_skipped)
+
+    @classmethod
+    def from_settings(cls, settings: PrecisionSettings) -> MixedPrecisionPlugin:
+        """A plugin for already validated settings (what the app builds before importing Lightning)."""
+        plugin = cls(settings.precision, settings.master_weights, settings.autocast, settings.scaler,
+                     settings.emulate, settings.skip_lr_on_overflow)
+        return plugin
+
+    # ------------------------------------------------------------------ settings
+    @property
+    def scaler(self) -> LossScaler:
+        return self.settings.scaler
+
+    @scaler.setter
+    def scaler(self, scaler: LossScaler | None) -> None:
+        # One scaler for unscale, step and update: replacing it replaces it everywhere.
+        self.settings = self.settings.with_scaler(scaler)
+
+    @property
+    def amp_precision(self) -> str:
+        """``"fp16"``, ``"bf16"`` or ``"fp32"``."""
+        return self.settings.precision
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.settings.compute_dtype
+
+    @property
+    def master_weights(self) -> bool:
+        return self.settings.master_weights
+
+    @property
+    def autocast(self) -> bool:
+        return self.settings.autocast
+
+    @property
+    def emulate(self) -> str:
+        return self.settings.emulate
+
+    @property
+    def skip_lr_on_overflow(self) -> bool:
+        return self.settings.skip_lr_on_overflow
 
     # ------------------------------------------------------------------ setup
     @override
@@ -148,9 +167,8 @@ class MixedPrecisionPlugin(Precision):
             self._emulation_hold = CpuHalfEmulation.keep_installed()
             self._emulation_hold.__enter__()
         module = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
-        if isinstance(module, LIGHTNING_MODULES):
-            self._module = module
-            self._hold_schedulers_on_skip(module, lr_schedulers)
+        self._module = module if isinstance(module, LIGHTNING_MODULES) else None
+        self._lr_hold.attach(lr_schedulers)
         if not self._described:  # once per plugin, not once per fit/validate stage
             self._described = True
             rank_zero_info(f"amp_plugin: {self.describe()}")
@@ -158,23 +176,22 @@ class MixedPrecisionPlugin(Precision):
 
     @override
     def teardown(self) -> None:
+        self._lr_hold.detach()
+        self._module = None
         if self._emulation_hold is not None:
             self._emulation_hold.__exit__(None, None, None)
             self._emulation_hold = None
 
     def describe(self) -> str:
         """One line saying what this plugin does on this run."""
-        if self.amp_precision == "fp32":
-            return "precision=fp32 (no loss scaling, no master weights)"
-        where = (
-            "FP32 master weights, half-precision model" if self.master_weights
-            else "autocast over FP32 parameters" if self.autocast else "pure half precision, no master weights"
-        )
         emulation = (
             "CPU half-precision emulation on (FP32 matmul, one rounding)" if self.emulating
             else "native half-precision kernels"
         )
-        return f"precision={self.amp_precision}, {where}, loss scaler={self.scaler!r}, {emulation}"
+        scaler = repr(self.scaler) if self.scaler.is_enabled() else "none"
+        if self.amp_precision == "fp32":
+            return "precision=fp32 (no loss scaling, no master weights)"
+        return f"precision={self.settings.preset}: {self.settings.describe()}; loss scaler={scaler}; {emulation}"
 
     # ------------------------------------------------------------------ forward / backward
     @override
@@ -200,12 +217,10 @@ class MixedPrecisionPlugin(Precision):
 
     @override
     def pre_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:  # type: ignore[override]
-        if self.scaler is not None:
-            # The scaled loss is FP32 (the scale is an FP32 tensor). A loss computed in half
-            # precision still receives a gradient of S in its own dtype, which overflows FP16
-            # at S = 2**16: compute losses in FP32 (PreflightChecks warns otherwise).
-            tensor = self.scaler.scale(tensor)
-        return super().pre_backward(tensor, module)
+        # The scaled loss is FP32 (the scale is an FP32 tensor). A loss computed in half
+        # precision still receives a gradient of S in its own dtype, which overflows FP16
+        # at S = 2**16: compute losses in FP32 (PreflightChecks warns otherwise).
+        return super().pre_backward(self.scaler.scale(tensor), module)
 
     @override
     def backward(self, tensor: Tensor, model: pl.LightningModule, optimizer: Any, *args: Any, **kwargs: Any) -> None:
@@ -224,13 +239,14 @@ class MixedPrecisionPlugin(Precision):
         closure_result = closure()
         if closure_result is None and model.automatic_optimization:
             return None  # training_step returned None: no backward ran, nothing to step
-        if self.scaler is not None:
-            self.scaler.unscale_(optimizer)  # type: ignore[arg-type]
+        scaler = self.scaler
+        if scaler.is_enabled():
+            scaler.unscale_(optimizer)  # type: ignore[arg-type]
         elif isinstance(optimizer, MasterWeightOptimizer):
             optimizer.sync_grads()
         self._after_closure(model, optimizer)
-        result = self._scaler.step(optimizer, **kwargs)  # type: ignore[arg-type]
-        self.last_nonfinite_params = self._nonfinite_params(model) if self._scaler.last_step_skipped else []
+        result = scaler.step(optimizer, **kwargs)  # type: ignore[arg-type]
+        self.last_nonfinite_params = self._nonfinite_params(model) if scaler.last_step_skipped else []
         if model.automatic_optimization:
             self._update(model.trainer)
         else:
@@ -253,21 +269,12 @@ class MixedPrecisionPlugin(Precision):
     def _update(self, trainer: pl.Trainer | None) -> None:
         """``scaler.update()``; if the scale collapses, save the last good state first."""
         try:
-            self._scaler.update()
+            self.scaler.update()
         except LossScaleCollapseError as err:
             if trainer is None:
                 raise
-            path = self._save_last_good(trainer)
+            path = save_last_good(trainer)
             raise LossScaleCollapseError(err.scale, err.iteration, err.consecutive_skips, path) from None
-
-    @staticmethod
-    def _save_last_good(trainer: pl.Trainer) -> str:
-        """Skipped steps change nothing, so the current state is the last good one."""
-        callback = trainer.checkpoint_callback
-        directory = getattr(callback, "dirpath", None) or os.path.join(trainer.default_root_dir, "checkpoints")
-        path = os.path.join(directory, "last-good.ckpt")
-        trainer.save_checkpoint(path)
-        return path
 
     def _nonfinite_params(self, model: torch.nn.Module, top: int = 5) -> list[tuple[str, int]]:
         """Names and counts of parameters with inf/NaN gradients (only run on skipped steps)."""
@@ -278,29 +285,6 @@ class MixedPrecisionPlugin(Precision):
         counts = sorted(((name, n) for (name, _), n in zip(named, bad) if n), key=lambda item: -item[1])
         return counts[:top]
 
-    def _hold_schedulers_on_skip(self, module: pl.LightningModule, configs: list[Any]) -> None:
-        """Wrap the module's ``lr_scheduler_step`` so step-interval schedulers hold on a skip.
-
-        The wrapper is installed once per module and reads the current plugin's scaler and
-        schedulers from the module at call time, so fitting the same module again with
-        another plugin holds with the new one.
-        """
-        hold = self.skip_lr_on_overflow and self.scaler is not None
-        step_interval = {id(c.scheduler) for c in configs if getattr(c, "interval", None) == "step"}
-        module._amp_plugin_lr_hold = (self._scaler, step_interval) if hold else None
-        if getattr(module, "_amp_plugin_lr_wrapped", False):
-            return
-        original = module.lr_scheduler_step
-
-        def lr_scheduler_step(scheduler: Any, metric: Any = None) -> None:
-            current = module._amp_plugin_lr_hold
-            if current is not None and id(scheduler) in current[1] and current[0].last_step_skipped:
-                return  # the optimizer did not step: neither does its schedule
-            original(scheduler, metric)
-
-        module.lr_scheduler_step = lr_scheduler_step  # type: ignore[method-assign]
-        module._amp_plugin_lr_wrapped = True
-
     # ------------------------------------------------------------------ checkpoints
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -308,64 +292,15 @@ class MixedPrecisionPlugin(Precision):
 
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        checkpoint[CHECKPOINT_KEY] = {
-            "version": 1,
-            "precision": self.amp_precision,
-            "master_weights": self.master_weights,
-            "autocast": self.autocast,
-            "scaler_type": type(self.scaler).__name__ if self.scaler is not None else None,
-            "scaler": self.scaler.state_dict() if self.scaler is not None else {},
-            # The FP32 masters are part of each optimizer's state dict ("master_params").
-            "master_params_in": "optimizer_states[i]['master_params']" if self.master_weights else None,
-        }
+        checkpoint[CHECKPOINT_KEY] = checkpoint_state.section(self.settings)
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         saved = checkpoint.get(CHECKPOINT_KEY)
-        if saved is None:
-            return
-        ours = {
-            "precision": self.amp_precision,
-            "master_weights": self.master_weights,
-            "autocast": self.autocast,
-            "scaler_type": type(self.scaler).__name__ if self.scaler is not None else None,
-        }
-        differs = {k: (saved.get(k), v) for k, v in ours.items() if saved.get(k) != v}
-        if differs:
-            detail = ", ".join(f"{k}: checkpoint {a!r}, now {b!r}" for k, (a, b) in differs.items())
-            warnings.warn(
-                f"Resuming with a different mixed-precision setup ({detail}). The model weights and "
-                "optimizer state are reused; the checkpoint's loss-scaler state is "
-                + ("not restored (different scaler type)." if "scaler_type" in differs else "restored."),
-                stacklevel=2,
-            )
-        if self.scaler is not None and "scaler_type" not in differs and saved.get("scaler"):
-            self._restore_scaler(saved["scaler"])
-
-    def _restore_scaler(self, saved: dict[str, Any]) -> None:
-        """Continue the checkpoint's scale and trackers under the settings configured now."""
-        configured = self.scaler.state_dict()
-        state, changed = dict(saved), []
-        for key in ("growth_factor", "backoff_factor", "growth_interval", "hysteresis", "hysteresis_reset",
-                    "min_scale", "max_scale", "on_min_scale"):
-            if key in state and state[key] != configured[key]:
-                changed.append(f"{key}: {state[key]!r} -> {configured[key]!r}")
-                state[key] = configured[key]
-        self.scaler.load_state_dict(state)
-        if changed:
-            warnings.warn(
-                "Loss-scaler settings changed since the checkpoint (" + ", ".join(changed) + "); the scale "
-                "and its trackers continue from the checkpoint under the new settings.",
-                stacklevel=2,
-            )
+        if saved is not None:
+            checkpoint_state.restore(self.settings, saved)
 
     # ------------------------------------------------------------------ internals
-    def _lightning_precision(self) -> str:
-        if self.amp_precision == "fp32":
-            return "32-true"
-        prefix = "16" if self.amp_precision == "fp16" else "bf16"
-        return f"{prefix}-mixed" if self.autocast else f"{prefix}-true"
-
     def _emulation(self) -> contextlib.AbstractContextManager:
         return CpuHalfEmulation() if self.emulating else contextlib.nullcontext()
 
@@ -376,7 +311,6 @@ class MixedPrecisionPlugin(Precision):
 
     def __repr__(self) -> str:
         return (
-            f"MixedPrecisionPlugin(precision={self.amp_precision!r}, master_weights={self.master_weights}, "
-            f"autocast={self.autocast}, scaler={self.scaler!r}, emulate={self.emulate!r}, "
-            f"skip_lr_on_overflow={self.skip_lr_on_overflow})"
+            f"MixedPrecisionPlugin(precision={self.settings.preset!r}, scaler={self.scaler!r}, "
+            f"emulate={self.emulate!r}, skip_lr_on_overflow={self.skip_lr_on_overflow})"
         )

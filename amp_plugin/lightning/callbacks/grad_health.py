@@ -171,8 +171,7 @@ class GradientHealthMonitor(Callback):
         if step % self.every_n_steps or step == self._measured_step:
             return
         self._measured_step = step
-        scaler = self._plugin.scaler if self._plugin is not None else None
-        scale = scaler.get_scale() if scaler is not None else 1.0
+        scale = self._plugin.scaler.get_scale() if self._plugin is not None else 1.0
         names, grads = _named_grads(pl_module, getattr(optimizer, "_optimizer", optimizer))
         stats = [
             ParamGradHealth(step, name, g.numel(), zeros / g.numel(), u1 / g.numel(), uc / g.numel(),

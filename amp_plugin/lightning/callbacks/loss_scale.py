@@ -15,11 +15,14 @@ from amp_plugin.lightning.callbacks._common import CsvLog, find_plugin
 from amp_plugin.dynamic_scaler import LossScaleCollapseError
 from amp_plugin.lightning.plugin import MixedPrecisionPlugin
 from amp_plugin.scaler import LossScaler, ScaleUpdate
+from amp_plugin.settings import no_loss_scaling
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 __all__ = ["LossScaleMonitor", "ScaleEvent"]
+
+_NO_SCALING = no_loss_scaling()
 
 HEADER = ("step", "old_scale", "new_scale", "reason", "nonfinite_params")
 
@@ -111,18 +114,16 @@ class LossScaleMonitor(Callback):
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._plugin = find_plugin(trainer, self, "It logs nothing.")
-        if self._plugin is not None and self._plugin.scaler is None:
+        if self._plugin is not None and not self._plugin.scaler.is_enabled():
             rank_zero_info(
                 f"LossScaleMonitor: no loss scaler in use ({self._plugin.amp_precision}), nothing to monitor."
             )
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        scaler = self._scaler()
-        if scaler is None:
-            if self._plugin is not None:
-                self._csv.start(trainer, rows=[])  # header only: every run dir has the file
+        if self._plugin is None:
             return
+        scaler = self._scaler()
         # Events past the resume point (same instance reused) will happen again.
         self.events = [e for e in self.events if e.step < trainer.global_step]
         self._csv.start(trainer, rows=[e.row() for e in self.events])
@@ -140,8 +141,8 @@ class LossScaleMonitor(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         scaler = self._scaler()
-        if scaler is None or scaler.update_count == self._seen_updates:
-            return  # no optimizer step in this batch (gradient accumulation)
+        if scaler.update_count == self._seen_updates:
+            return  # no optimizer step in this batch (gradient accumulation), or no loss scaling
         update = self._record_update()
         if update is None:
             return
@@ -153,9 +154,8 @@ class LossScaleMonitor(Callback):
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         # The update that raised LossScaleCollapseError is complete; the batch-end hook never ran.
         scaler = self._scaler()
-        if isinstance(exception, LossScaleCollapseError) and scaler is not None:
-            if scaler.update_count != self._seen_updates:
-                self._record_update()
+        if isinstance(exception, LossScaleCollapseError) and scaler.update_count != self._seen_updates:
+            self._record_update()
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -178,8 +178,9 @@ class LossScaleMonitor(Callback):
         ]
 
     # ------------------------------------------------------------------ internals
-    def _scaler(self) -> LossScaler | None:
-        return self._plugin.scaler if self._plugin is not None else None
+    def _scaler(self) -> LossScaler:
+        # Without the plugin, a disabled scaler: it never updates, so nothing is logged.
+        return self._plugin.scaler if self._plugin is not None else _NO_SCALING
 
     def _record_update(self) -> ScaleUpdate | None:
         """Read the scaler's last update; record and announce it if it was an event."""

@@ -121,7 +121,7 @@ class PreflightChecks(Callback):
         if "half_loss" in self.skip or any(p.check == "half_loss" for p in self.problems):
             return
         scaler = getattr(trainer.precision_plugin, "scaler", None)
-        scale = scaler.get_scale() if isinstance(scaler, LossScaler) else None
+        scale = scaler.get_scale() if isinstance(scaler, LossScaler) and scaler.is_enabled() else None
         self._report(check_loss_dtype(loss, scale))
 
     def _report(self, problems: list[PreflightProblem]) -> None:

@@ -1,0 +1,256 @@
+"""What a mixed-precision run does, decided once: dtype, master weights, autocast, loss scaler.
+
+:class:`PrecisionSettings` owns every rule about these arguments and the scaler default. The
+Lightning plugin and the Hydra app both build one, so a preset means the same thing in
+``MixedPrecisionPlugin("fp16_autocast")`` as in ``python train.py precision=fp16_autocast``,
+and a bad combination gets the same message in both. No Lightning import.
+
+The presets (:data:`PRESETS`):
+
+============== ======== ============== ======== ============== ==========================
+preset         dtype    master weights autocast default scaler like Lightning's
+============== ======== ============== ======== ============== ==========================
+``fp32``       FP32     -              -        none           ``32-true``
+``fp16``       FP16     yes            no       dynamic        (no equivalent)
+``bf16``       BF16     yes            no       none           (no equivalent)
+``fp16_autocast`` FP16  no             yes      dynamic        ``16-mixed``
+``bf16_autocast`` BF16  no             yes      none           ``bf16-mixed``
+``fp16_pure``  FP16     no             no       dynamic        ``16-true``
+``bf16_pure``  BF16     no             no       none           ``bf16-true``
+============== ======== ============== ======== ============== ==========================
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from enum import Enum
+from typing import Any, Literal
+
+import torch
+
+from amp_plugin._checks import check_choice
+from amp_plugin.dynamic_scaler import DynamicLossScaler
+from amp_plugin.scaler import LossScaler, StaticLossScaler
+
+__all__ = ["Emulate", "PRESETS", "Preset", "PrecisionSettings", "no_loss_scaling", "preset_name"]
+
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+class Emulate(str, Enum):
+    """``emulate=``: CPU half-precision matmuls computed in FP32 and rounded once."""
+
+    auto = "auto"  # where the CPU has no faithful native kernel that is faster
+    on = "on"
+    off = "off"
+
+
+@dataclass(frozen=True)
+class Preset:
+    """One named setup: the dtype, whether the optimizer keeps FP32 masters, whether the
+    forward runs under ``torch.autocast``."""
+
+    precision: Literal["fp16", "bf16", "fp32"]
+    master_weights: bool
+    autocast: bool
+
+    def describe(self, short: bool = False) -> str:
+        """The preset in words; ``short`` for a summary line."""
+        dtype = self.precision.upper()
+        if self.precision == "fp32":
+            text, detail = "FP32 weights and compute", "plain FP32 training"
+        elif self.master_weights:
+            text = f"{dtype} weights and compute, FP32 master weights"
+            detail = text + " in the optimizer"
+        elif self.autocast:
+            text = detail = f"FP32 weights, {dtype} compute under autocast"
+        else:
+            text = f"pure {dtype}, no FP32 master weights"
+            detail = f"pure {dtype}: weights, gradients and updates all in {dtype}, no FP32 copy"
+        return text if short else detail
+
+
+PRESETS: dict[str, Preset] = {
+    "fp32": Preset("fp32", False, False),
+    "fp16": Preset("fp16", True, False),
+    "bf16": Preset("bf16", True, False),
+    "fp16_autocast": Preset("fp16", False, True),
+    "bf16_autocast": Preset("bf16", False, True),
+    "fp16_pure": Preset("fp16", False, False),
+    "bf16_pure": Preset("bf16", False, False),
+}
+"""Every preset by name (the ``precision=`` values of the app and of the plugin)."""
+
+
+def no_loss_scaling() -> LossScaler:
+    """The scaler of a run without loss scaling: a pass-through with the scaler interface
+    (``scale`` returns its input, ``step`` steps, the scale reads 1.0, nothing is skipped)."""
+    return LossScaler(1.0, enabled=False)
+
+
+def _value(x: Any) -> Any:
+    return x.value if isinstance(x, Enum) else x
+
+
+def _bool_or_none(name: str, value: Any) -> bool | None:
+    if value is not None and not isinstance(value, bool):
+        raise TypeError(f"{name}={value!r} is not allowed: {name} must be True, False or None (the preset's value).")
+    return value
+
+
+@dataclass(frozen=True)
+class PrecisionSettings:
+    """A validated mixed-precision setup. Build it with :meth:`build`.
+
+    Attributes:
+        precision: ``"fp16"``, ``"bf16"`` or ``"fp32"``: the compute dtype.
+        master_weights: half-precision model parameters, FP32 masters in the optimizer.
+        autocast: FP32 parameters, forward under ``torch.autocast``.
+        scaler: the loss scaler; a disabled one (:func:`no_loss_scaling`) means no scaling.
+        emulate: ``"auto"``, ``"on"`` or ``"off"`` (see :class:`Emulate`).
+        skip_lr_on_overflow: skipped steps do not advance step-interval LR schedulers.
+    """
+
+    precision: str
+    master_weights: bool
+    autocast: bool
+    scaler: LossScaler
+    emulate: str = "auto"
+    skip_lr_on_overflow: bool = True
+
+    @classmethod
+    def build(
+        cls,
+        precision: str = "fp16",
+        master_weights: bool | None = None,
+        autocast: bool | None = None,
+        scaler: LossScaler | Literal["auto"] | None = "auto",
+        emulate: str = "auto",
+        skip_lr_on_overflow: bool = True,
+    ) -> PrecisionSettings:
+        """Check the arguments and fill in the defaults.
+
+        Args:
+            precision: a preset name (:data:`PRESETS`: ``"fp16"``, ``"bf16_autocast"``, ...).
+                ``"fp16"``/``"bf16"`` with ``autocast=True`` mean the autocast preset, with
+                ``master_weights=False`` the pure one.
+            master_weights: ``None`` takes the preset's value; a value that contradicts a
+                preset with "autocast" or "pure" in its name is an error naming the preset
+                that fits.
+            autocast: ``None`` takes the preset's value (see ``master_weights``).
+            scaler: ``"auto"`` (dynamic for FP16, none for BF16/FP32), ``None`` for no loss
+                scaling, or a :class:`~amp_plugin.LossScaler`.
+            emulate: ``"auto"``, ``"on"`` or ``"off"``.
+            skip_lr_on_overflow: whether skipped steps hold step-interval LR schedulers.
+
+        Raises:
+            ValueError: an unknown preset, a contradiction, a scaler with FP32.
+            TypeError: a value of the wrong type.
+        """
+        name = check_choice("precision", _value(precision), PRESETS)
+        master_weights = _bool_or_none("master_weights", master_weights)
+        autocast = _bool_or_none("autocast", autocast)
+        if not isinstance(skip_lr_on_overflow, bool):
+            raise TypeError(f"skip_lr_on_overflow={skip_lr_on_overflow!r} is not allowed: it must be True or False.")
+        emulate = check_choice("emulate", _value(emulate), [e.value for e in Emulate])
+        preset = PRESETS[name]
+        if preset.precision == "fp32":
+            resolved = preset  # nothing to keep in FP32 or to autocast: both flags are ignored
+        elif name in ("fp16", "bf16") and autocast and master_weights is None:
+            resolved = PRESETS[f"{name}_autocast"]  # asked for autocast: the FP32 weights are the masters
+        else:
+            resolved = Preset(
+                preset.precision,
+                preset.master_weights if master_weights is None else master_weights,
+                preset.autocast if autocast is None else autocast,
+            )
+        if resolved.master_weights and resolved.autocast:
+            raise ValueError(
+                "master_weights=True and autocast=True cannot be combined: autocast keeps FP32 parameters, "
+                f"which already are the master copy. Use precision={preset.precision!r} (half weights, FP32 masters) "
+                f"or precision='{preset.precision}_autocast' (FP32 weights under autocast)."
+            )
+        if name not in ("fp16", "bf16", "fp32") and resolved != preset:
+            key = "master_weights" if resolved.master_weights != preset.master_weights else "autocast"
+            fitting = preset_name(resolved)
+            raise ValueError(
+                f"{key}={getattr(resolved, key)!r} contradicts precision={name!r}, which means "
+                f"{key}={getattr(preset, key)!r} ({preset.describe()}). For that combination use "
+                f"precision={fitting!r}."
+            )
+        return cls(
+            precision=resolved.precision,
+            master_weights=resolved.master_weights,
+            autocast=resolved.autocast,
+            scaler=_resolve_scaler(scaler, resolved.precision),
+            emulate=emulate,
+            skip_lr_on_overflow=skip_lr_on_overflow,
+        )
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def preset(self) -> str:
+        """The preset name these settings amount to."""
+        return preset_name(Preset(self.precision, self.master_weights, self.autocast))  # type: ignore[arg-type]
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return DTYPES[self.precision]
+
+    @property
+    def scaling(self) -> str:
+        """``"dynamic"``, ``"static"``, ``"none"`` or the scaler's class name."""
+        if not self.scaler.is_enabled():
+            return "none"
+        if isinstance(self.scaler, DynamicLossScaler):
+            return "dynamic"
+        if isinstance(self.scaler, StaticLossScaler):
+            return "static"
+        return type(self.scaler).__name__
+
+    @property
+    def lightning_precision(self) -> str:
+        """The Lightning ``precision=`` string with the same dtype layout."""
+        if self.precision == "fp32":
+            return "32-true"
+        prefix = "16" if self.precision == "fp16" else "bf16"
+        return f"{prefix}-mixed" if self.autocast else f"{prefix}-true"
+
+    def with_scaler(self, scaler: LossScaler | None) -> PrecisionSettings:
+        """The same settings with another scaler (``None``: no loss scaling), checked as in :meth:`build`."""
+        return replace(self, scaler=_resolve_scaler(scaler, self.precision))
+
+    def describe(self, emulating: bool = False) -> str:
+        """What a run with these settings does, in a few words."""
+        text = Preset(self.precision, self.master_weights, self.autocast).describe(short=True)  # type: ignore[arg-type]
+        scaling = self.scaling
+        if scaling == "none":
+            text += ", no loss scaling"
+        elif scaling == "static":
+            text += f", static loss scale {self.scaler.get_scale():g}"
+        else:
+            text += f", {scaling} loss scaling"
+        return text + (", CPU half-precision emulation" if emulating else "")
+
+
+def preset_name(preset: Preset) -> str:
+    """The name of the preset equal to ``preset``."""
+    return next(name for name, value in PRESETS.items() if value == preset)
+
+
+def _resolve_scaler(scaler: Any, precision: str) -> LossScaler:
+    if isinstance(scaler, str) and scaler == "auto":
+        return DynamicLossScaler() if precision == "fp16" else no_loss_scaling()
+    if scaler is None:
+        return no_loss_scaling()
+    if not isinstance(scaler, LossScaler):
+        raise TypeError(
+            f"scaler={scaler!r} is not allowed: scaler must be 'auto', None (no loss scaling) or an amp_plugin "
+            "LossScaler (DynamicLossScaler, StaticLossScaler)."
+        )
+    if precision == "fp32" and scaler.is_enabled():
+        raise ValueError(
+            f"scaler={scaler!r} is not allowed with precision='fp32': FP32 gradients do not underflow, so there "
+            "is nothing to scale. Use scaler=None."
+        )
+    return scaler
