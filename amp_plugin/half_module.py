@@ -7,6 +7,10 @@ instance norms, and any module type passed in ``keep_fp32``) in FP32: their inpu
 on the way in and their outputs cast back to the half dtype on the way out, so the rest of the
 model sees half-precision activations only.
 
+Modules that manage their own dtypes through an ``_apply`` of their own without the
+``recurse`` argument of ``nn.Module._apply`` (torchmetrics' ``Metric``, whose states stay as
+``Metric.set_dtype`` leaves them) are left untouched, with everything inside them.
+
 The casts live in the kept module's own ``forward`` (an instance attribute wrapping the class's
 ``forward``), not in forward hooks: a module with hooks takes ``nn.Module``'s slow call path,
 which on a host-bound GPU step costs more than the casts themselves.
@@ -14,6 +18,7 @@ which on a host-bound GPU step costs more than the casts themselves.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -64,6 +69,11 @@ def cast_module(
         keep = ()
     kept: set[int] = set()
     for sub in module.modules():
+        if id(sub) in kept:
+            continue
+        if _manages_own_dtypes(sub):
+            kept.update(id(m) for m in sub.modules())
+            continue
         wrapper = sub.__dict__.get("forward")
         if isinstance(wrapper, KeepFP32Forward):
             wrapper.out_dtype = dtype  # cast again: outputs follow the new dtype
@@ -76,6 +86,18 @@ def cast_module(
             # Only this module's own tensors: kept modules are never rounded through half.
             sub._apply(lambda t: t.to(dtype) if t.is_floating_point() else t, recurse=False)
     return module
+
+
+def _manages_own_dtypes(module: nn.Module) -> bool:
+    """An ``_apply`` override that cannot take ``recurse`` (torchmetrics' ``Metric``)."""
+    apply = type(module)._apply
+    if apply is nn.Module._apply:
+        return False
+    try:
+        params = inspect.signature(apply).parameters
+    except (TypeError, ValueError):
+        return True
+    return "recurse" not in params and not any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
 class KeepFP32Forward:

@@ -19,6 +19,7 @@ __all__ = [
     "PreflightError",
     "PreflightProblem",
     "PreflightWarning",
+    "check_anomaly_detection",
     "check_grad_scaler",
     "check_half_params_under_autocast",
     "check_loss_dtype",
@@ -27,7 +28,8 @@ __all__ = [
     "find_grad_scalers",
 ]
 
-CHECKS = ("weight_range", "optimizer_eps", "half_params_autocast", "grad_scaler_half_grads", "half_loss")
+CHECKS = ("weight_range", "optimizer_eps", "half_params_autocast", "grad_scaler_half_grads", "half_loss",
+          "anomaly_detection")
 """The check names, as used in :class:`PreflightProblem` and ``PreflightChecks(skip=...)``."""
 
 _FP16_MAX = 65504.0
@@ -216,4 +218,29 @@ def check_loss_dtype(loss: torch.Tensor, scale: float | None = None) -> list[Pre
     return [PreflightProblem("half_loss", (
         f"the training loss is {loss.dtype}: {why}. Fix: compute the loss in FP32, e.g. "
         "F.cross_entropy(logits.float(), targets)."
+    ))]
+
+
+def check_anomaly_detection(dynamic_scaling: bool, enabled: bool | None = None) -> list[PreflightProblem]:
+    """Autograd anomaly detection together with dynamic loss scaling.
+
+    A dynamic scaler finds its scale by overflowing now and then (at the start, after every
+    growth): those steps are meant to be skipped. Anomaly detection raises inside ``backward``
+    as soon as a gradient turns NaN, so the first such overflow (inf - inf in a matmul's
+    backward, say) stops the run instead of being skipped.
+
+    Args:
+        dynamic_scaling: whether a scaler that backs off on overflow is in use.
+        enabled: whether anomaly detection is on (default: ``torch.is_anomaly_enabled()``).
+    """
+    enabled = torch.is_anomaly_enabled() if enabled is None else enabled
+    if not (enabled and dynamic_scaling):
+        return []
+    return [PreflightProblem("anomaly_detection", (
+        "autograd anomaly detection is on (torch.autograd.set_detect_anomaly(True) or "
+        "Trainer(detect_anomaly=True)) together with dynamic loss scaling: the overflows the scaler "
+        "expects and skips (the first steps, and after each growth) become NaN gradients, and anomaly "
+        "detection raises on them inside backward. Fix: turn anomaly detection off while training with a "
+        "loss scaler, or debug with precision='bf16' (no loss scaling), or a StaticLossScaler small enough "
+        "never to overflow."
     ))]

@@ -56,13 +56,13 @@ class Net:
                           batch_size=4)
 
 
-def run(pl, model, plugin, checks=None, max_steps=2, tmp_path=None):
+def run(pl, model, plugin, checks=None, max_steps=2, tmp_path=None, **trainer_kwargs):
     """Fit and return the preflight messages that were warned."""
     checks = checks or PreflightChecks()
     trainer = pl.Trainer(
         max_steps=max_steps, plugins=[plugin] if plugin is not None else None, callbacks=[checks], logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        default_root_dir=tmp_path,
+        default_root_dir=tmp_path, **trainer_kwargs,
     )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -189,3 +189,40 @@ def test_arguments_are_checked():
         PreflightChecks(on_problem="ignore")
     with pytest.raises(ValueError, match="skip"):
         PreflightChecks(skip=["eps"])
+
+
+@pytest.mark.parametrize("how", ["trainer_flag", "torch_context"])
+def test_anomaly_detection_with_dynamic_scaling_is_reported(pl, tmp_path, how):
+    model = as_lightning(pl, Net)(optimizer="adam")
+    if how == "trainer_flag":
+        messages = run(pl, model, MixedPrecisionPlugin("fp16"), tmp_path=tmp_path, detect_anomaly=True)
+    else:
+        with torch.autograd.set_detect_anomaly(True):
+            messages = run(pl, model, MixedPrecisionPlugin("fp16"), tmp_path=tmp_path)
+    assert [m for m in messages if "[anomaly_detection]" in m and "Fix: turn anomaly detection off" in m]
+
+
+def test_anomaly_detection_without_dynamic_scaling_is_fine(pl, tmp_path):
+    model = as_lightning(pl, Net)(optimizer="adam")
+    assert run(pl, model, MixedPrecisionPlugin("bf16"), tmp_path=tmp_path, detect_anomaly=True) == []
+
+
+def test_why_anomaly_detection_and_dynamic_scaling_do_not_mix():
+    """An overflow the scaler would skip raises inside backward under anomaly detection."""
+    from amp_plugin import DynamicLossScaler, MasterWeightOptimizer
+
+    def overflowing_step(model, opt, scaler):
+        opt.zero_grad()
+        loss = (model(torch.full((2, 4), 30.0, dtype=torch.float16)).float() * 1000).sum()
+        scaler.scale(loss).backward()  # the gradient times 2**16 overflows FP16; LayerNorm's backward makes NaN
+        return scaler.step(opt)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.Linear(4, 4)).half()
+    opt = MasterWeightOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    scaler = DynamicLossScaler()
+    assert overflowing_step(model, opt, scaler) is None  # skipped, as it should be
+    scaler.update()
+    with torch.autograd.set_detect_anomaly(True), pytest.warns(UserWarning, match="Error detected"):
+        with pytest.raises(RuntimeError, match="returned nan values"):
+            overflowing_step(model, opt, scaler)

@@ -10,11 +10,13 @@ from typing_extensions import override
 
 from amp_plugin.lightning._namespace import LIGHTNING_AUTOCAST_PLUGINS, Callback, rank_zero_warn
 from amp_plugin._checks import check_choice, check_number
+from amp_plugin.dynamic_scaler import DynamicLossScaler
 from amp_plugin.half_module import NORM_TYPES
 from amp_plugin.lightning.plugin import MixedPrecisionPlugin
 from amp_plugin.scaler import LossScaler
 from amp_plugin.preflight import (
     CHECKS,
+    check_anomaly_detection,
     PreflightError,
     PreflightProblem,
     PreflightWarning,
@@ -45,7 +47,10 @@ class PreflightChecks(Callback):
       ``optimizer_eps`` (an ``eps`` that is 0 in the optimizer state's dtype),
       ``half_params_autocast`` (half-precision parameters under autocast),
       ``grad_scaler_half_grads`` (a ``torch.amp.GradScaler`` attribute of the module, or
-      Lightning's ``16-mixed`` scaler, with FP16 parameters).
+      Lightning's ``16-mixed`` scaler, with FP16 parameters),
+      ``anomaly_detection`` (``torch.autograd.set_detect_anomaly(True)`` or
+      ``Trainer(detect_anomaly=True)`` with a dynamic loss scaler: the overflows it expects
+      raise inside ``backward`` instead of being skipped).
     - the first training batch: ``half_loss`` (the loss the training step returned is
       FP16/BF16; read in ``on_before_backward`` and, because a loss scaler hands that hook
       the scaled FP32 loss, again from the batch outputs in ``on_train_batch_end``).
@@ -101,6 +106,11 @@ class PreflightChecks(Callback):
             if isinstance(scaler, torch.amp.GradScaler) and scaler.is_enabled():
                 where.append(f"the {type(plugin).__name__} precision plugin ({plugin.precision!r})")
             self._report(check_grad_scaler(where, params))
+        if "anomaly_detection" not in self.skip:
+            scaler = getattr(plugin, "scaler", None)
+            dynamic = isinstance(scaler, (DynamicLossScaler, torch.amp.GradScaler)) and scaler.is_enabled()
+            enabled = torch.is_anomaly_enabled() or bool(getattr(trainer, "_detect_anomaly", False))
+            self._report(check_anomaly_detection(dynamic, enabled))
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
