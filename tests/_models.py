@@ -18,6 +18,8 @@ import torch.nn.functional as F
 @functools.cache
 def as_lightning(pl: ModuleType, body: type) -> type:
     """``body`` as a ``pl.LightningModule`` subclass (cached, so each pair is one class)."""
+    if body is PicklableClassifier:
+        return _PICKLABLE[pl]
     return type(body.__name__, (body, pl.LightningModule), {"__module__": body.__module__})
 
 
@@ -109,3 +111,22 @@ def quiet_trainer(pl: ModuleType, **kwargs):
     )
     defaults.update(kwargs)
     return pl.Trainer(**defaults)
+
+
+class PicklableClassifier(TinyClassifier):
+    """``TinyClassifier`` for tests that pickle the module: its Lightning classes are module-level
+    names (``PicklableClassifier_<namespace>``), which ``as_lightning`` returns for it."""
+
+
+def _register_picklable() -> None:
+    from amp_plugin.lightning import NAMESPACES
+
+    for ns in NAMESPACES:
+        name = f"PicklableClassifier_{ns.__name__.replace('.', '_')}"
+        cls = type(name, (PicklableClassifier, ns.LightningModule), {"__module__": __name__, "__qualname__": name})
+        globals()[name] = cls
+        _PICKLABLE[ns] = cls
+
+
+_PICKLABLE: dict = {}
+_register_picklable()

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 
 import pytest
 import torch
 import torch.nn.functional as F
-from _models import TinyClassifier, as_lightning, quiet_trainer, tiny_data
+from _models import PicklableClassifier, TinyClassifier, as_lightning, quiet_trainer, tiny_data
 
 from amp_plugin import (
     DynamicLossScaler,
@@ -331,3 +332,80 @@ def test_refitting_a_module_holds_the_schedule_with_the_new_plugin(pl):
     trainer = fit(pl, model, plugin, max_steps=4)  # fresh optimizer and scheduler, 4 steps, 2 skipped
     assert plugin.scaler.skipped_steps == 2
     assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**2, rel=1e-12)
+
+
+def test_after_fit_the_module_pickles_deep_copies_and_its_copy_still_holds_the_schedule(pl, tmp_path):
+    model = as_lightning(pl, PicklableClassifier)(overflow_at=(1,), scheduler_gamma=0.5, lr=0.1)
+    fit(pl, model, MixedPrecisionPlugin("fp16"), max_steps=3)
+    assert "lr_scheduler_step" not in vars(model)  # nothing of the plugin's is left on the module
+    torch.save(model, tmp_path / "model.pt")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    assert all(torch.equal(a, b) for a, b in zip(loaded.parameters(), model.parameters()))
+    twin = copy.deepcopy(model)
+    twin.overflow_at = {0, 2}
+    plugin = MixedPrecisionPlugin("fp16")
+    trainer = fit(pl, twin, plugin, max_steps=4)
+    assert plugin.scaler.skipped_steps == 2
+    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**2, rel=1e-12)
+    scheduler = trainer.lr_scheduler_configs[0].scheduler
+    assert type(scheduler) is torch.optim.lr_scheduler.StepLR  # the held class is gone after fit
+    assert "step" not in vars(scheduler) and "step" not in scheduler.state_dict()
+
+
+def test_a_user_lr_scheduler_step_is_held_too(pl):
+    class OwnSchedulerStep(TinyClassifier):
+        def lr_scheduler_step(self, scheduler, metric):
+            scheduler.step()
+
+    model = as_lightning(pl, OwnSchedulerStep)(overflow_at=(1, 4), scheduler_gamma=0.5, lr=0.1)
+    trainer = fit(pl, model, MixedPrecisionPlugin("fp16"), max_steps=6)
+    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**4, rel=1e-12)
+
+
+def test_assigning_another_scaler_replaces_it_everywhere(pl):
+    model = as_lightning(pl, TinyClassifier)(overflow_at=(2,))
+    plugin = MixedPrecisionPlugin("fp16")
+    replacement = DynamicLossScaler(init_scale=2.0**6)
+    plugin.scaler = replacement
+    fit(pl, model, plugin, max_steps=4)
+    assert plugin.scaler is replacement
+    assert replacement.update_count == 4 and replacement.skipped_steps == 1 and replacement.get_scale() == 2.0**5
+    with pytest.raises(ValueError, match="nothing to scale"):
+        MixedPrecisionPlugin("fp32").scaler = DynamicLossScaler()
+    plugin.scaler = None
+    assert not plugin.scaler.is_enabled()
+
+
+@pytest.mark.parametrize("preset", ["fp32", "fp16", "bf16", "fp16_autocast", "bf16_autocast", "fp16_pure", "bf16_pure"])
+def test_a_module_with_torchmetrics_trains_under_every_preset(pl, preset):
+    torchmetrics = pytest.importorskip("torchmetrics")
+
+    class WithMetrics(TinyClassifier):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.acc = torchmetrics.Accuracy(task="multiclass", num_classes=2)
+            self.mean_loss = torchmetrics.MeanMetric()
+
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            self.acc(self(batch[0].to(self.net[0].weight.dtype)).argmax(-1), batch[1])
+            self.mean_loss(loss)
+            return loss
+
+    model = as_lightning(pl, WithMetrics)(optimizer="sgd")
+    fit(pl, model, MixedPrecisionPlugin(preset), max_steps=4)
+    assert model.mean_loss.mean_value.dtype == torch.float32  # metric states stay as torchmetrics keeps them
+    assert 0.0 <= float(model.acc.compute()) <= 1.0
+    assert torch.isfinite(model.mean_loss.compute())
+
+
+@pytest.mark.parametrize("preset", ["fp16", "bf16_autocast", "fp16_pure"])
+def test_lbfgs_is_refused_before_training_with_the_plugins_message(pl, preset):
+    class WithLBFGS(TinyClassifier):
+        def configure_optimizers(self):
+            return torch.optim.LBFGS(self.parameters(), lr=0.1)
+
+    model = as_lightning(pl, WithLBFGS)()
+    with pytest.raises(ValueError, match=r"LBFGS .* precision='fp32'"):
+        fit(pl, model, MixedPrecisionPlugin(preset), max_steps=2)
+    assert model.global_step == 0

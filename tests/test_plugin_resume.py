@@ -106,3 +106,22 @@ def test_changed_scaler_settings_warn_and_win(pl, tmp_path):
         trainer.fit(model, ckpt_path=tmp_path / "c.ckpt")
     assert plugin.scaler.growth_interval == 50
     assert plugin.scaler.get_scale() == scale
+
+
+def test_resuming_with_another_hysteresis_uses_it_from_the_first_overflow(pl, tmp_path):
+    """Saved mid-hysteresis (one of two overflows absorbed), resumed with hysteresis=3: the next
+    two overflows are absorbed too, the third backs off."""
+    model = as_lightning(pl, TinyClassifier)(overflow_at=(1,), n=32)
+    plugin = MixedPrecisionPlugin("fp16", scaler=DynamicLossScaler(init_scale=2.0**10, hysteresis=2))
+    trainer = quiet_trainer(pl, plugins=[plugin], max_steps=3)
+    trainer.fit(model)
+    assert plugin.scaler.state_dict()["_hysteresis_tracker"] == 1
+    trainer.save_checkpoint(tmp_path / "c.ckpt")
+
+    model = as_lightning(pl, TinyClassifier)(overflow_at=(3, 4, 5), n=32)
+    plugin = MixedPrecisionPlugin("fp16", scaler=DynamicLossScaler(init_scale=2.0**10, hysteresis=3))
+    trainer = quiet_trainer(pl, plugins=[plugin], max_steps=6)
+    with pytest.warns(UserWarning, match=r"hysteresis: 2 -> 3"):
+        trainer.fit(model, ckpt_path=tmp_path / "c.ckpt")
+    assert plugin.scaler.skipped_steps == 4  # one before the checkpoint, three after
+    assert plugin.scaler.get_scale() == 2.0**9  # two overflows absorbed, the third backed off

@@ -155,6 +155,12 @@ class MixedPrecisionPlugin(Precision):
     def connect(
         self, model: torch.nn.Module, optimizers: list[Optimizer], lr_schedulers: list[Any]
     ) -> tuple[torch.nn.Module, list[Optimizer], list[Any]]:
+        if self.amp_precision != "fp32" and any(isinstance(getattr(o, "optimizer", o), LBFGS) for o in optimizers):
+            raise ValueError(
+                f"LBFGS cannot be used with precision={self.settings.preset!r}: it re-evaluates the closure "
+                "several times inside one step(), so a loss-scale skip or an FP32 master copy cannot be "
+                "applied per step. Train with precision='fp32', or use another optimizer."
+            )
         if self.master_weights:
             optimizers = [o if isinstance(o, MasterWeightOptimizer) else MasterWeightOptimizer(o) for o in optimizers]
         param = next(model.parameters(), None)
@@ -234,8 +240,6 @@ class MixedPrecisionPlugin(Precision):
     ) -> Any:
         if self.amp_precision == "fp32":
             return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
-        if isinstance(optimizer, LBFGS):
-            raise TypeError("LBFGS re-evaluates the closure inside step() and cannot be used with mixed precision.")
         closure_result = closure()
         if closure_result is None and model.automatic_optimization:
             return None  # training_step returned None: no backward ran, nothing to step
