@@ -41,9 +41,24 @@ rounding), not the bits of one particular GPU: the order in which an FP32 GEMM
 sums its products differs between any two GEMM implementations, Tensor Cores
 included.
 
+Native or emulated: ``emulate="auto"``
+--------------------------------------
+Where the CPU has half-precision units and PyTorch hands the dtype's GEMMs to oneDNN, the
+native kernels are faithful too (oneDNN accumulates in FP32 and rounds once) and faster than
+the emulation: a BF16 GEMM on ``avx512_bf16``/AMX-BF16 takes about half the FP32 time, while
+the emulation runs at FP32 speed. :func:`cpu_half_path` decides per dtype, once per process,
+from what the CPU reports (:func:`cpu_features`): BF16 runs natively with ``avx512_bf16`` or
+AMX-BF16, FP16 natively with ``avx512_fp16`` or AMX-FP16 (without them native FP16 measured
+6-30x the FP32 time even on ``avx512_bf16`` CPUs), everything else is emulated.
+:func:`should_emulate` (what ``emulate="auto"`` asks) follows it, and
+``CpuHalfEmulation(dtypes="auto")`` emulates exactly the dtypes it does not run natively;
+``CpuHalfEmulation(dtypes=torch.float16)`` emulates FP16 and lets BF16 ops run natively in the
+same context. The native paths are checked against the one-rounding bound by
+``tests/test_cpu_paths.py`` on the CPUs that take them.
+
 What is covered
 ---------------
-Inside the context, when the operands are CPU tensors of one half dtype:
+Inside the context, when the operands are CPU tensors of one emulated half dtype:
 
 * ``mm``, ``addmm``, ``bmm``, ``baddbmm``, ``mv``, ``addmv``, ``dot``,
   ``_addmm_activation``; the ``out=`` forms of ``mm``, ``bmm``, ``addmm``,
@@ -81,8 +96,8 @@ What is not covered
 * Everything else runs untouched in its native half kernel: elementwise ops,
   reductions (``sum``, ``mean``), ``softmax``, ``layer_norm``, losses, optimizer
   updates. (Many of these already accumulate in FP32 internally on CPU.)
-* FP32/FP64/integer tensors and non-CPU tensors are never touched; neither are
-  ops with mixed operand dtypes (the native kernel raises as usual).
+* FP32/FP64/integer tensors, non-CPU tensors and the half dtypes not being emulated are
+  never touched; neither are ops with mixed operand dtypes (the native kernel raises as usual).
 * ``mm.dtype``/``bmm.dtype``/``addmm.dtype``/``baddbmm.dtype`` (explicit output
   dtype), ``addbmm``, ``vdot``, ``addr`` (an outer product has nothing to
   accumulate), the ``out=`` forms not listed above, sparse, quantized and nested
@@ -132,6 +147,17 @@ operands stays allocated (one buffer per operand position).
 """
 
 from amp_plugin.emulation._context import CpuHalfEmulation, should_emulate
-from amp_plugin.emulation._ops import EMULATED_OPS, HALF_DTYPES
+from amp_plugin.emulation._cpu import CpuFeatures, CpuPath, cpu_features, cpu_half_path
+from amp_plugin.emulation._common import HALF_DTYPES
+from amp_plugin.emulation._ops import EMULATED_OPS
 
-__all__ = ["CpuHalfEmulation", "should_emulate", "EMULATED_OPS", "HALF_DTYPES"]
+__all__ = [
+    "CpuHalfEmulation",
+    "should_emulate",
+    "cpu_half_path",
+    "CpuPath",
+    "cpu_features",
+    "CpuFeatures",
+    "EMULATED_OPS",
+    "HALF_DTYPES",
+]

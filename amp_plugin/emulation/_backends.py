@@ -18,7 +18,8 @@ from typing import Any, Dict, Optional
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
-from amp_plugin.emulation._ops import _OPS, _PASS, _Op, _count, _state, _transparent
+from amp_plugin.emulation._common import _PASS, _count, _state
+from amp_plugin.emulation._ops import _OPS, _Op, _transparent
 
 
 # ----------------------------------------------------------------------------
@@ -127,13 +128,14 @@ def _native_ops() -> Any:
     return ops if ops is not None and hasattr(ops, "emulation_sync") else None
 
 
-def native_sync(active: Optional[bool] = None) -> None:
+def native_sync(mask: Optional[int] = None) -> None:
     """Add the C++ kernels' call counts in this thread to ``_state.counts`` (and reset them);
-    ``active`` switches their emulation on or off in this thread. A no-op without them."""
+    ``mask`` sets the dtypes they emulate in this thread (``_state.native_mask()``: 1 FP16,
+    2 BF16, 0 none: off). A no-op without them."""
     ops = _KernelOverrides.native
     if ops is None:
         return
-    counts = ops.emulation_sync(active)[: len(_NATIVE_NAMES)]  # then the number of buffers held
+    counts = ops.emulation_sync(mask)[: len(_NATIVE_NAMES)]  # then the number of buffers held
     if any(counts):
         into = _state.counts
         for name, n in zip(_NATIVE_NAMES, counts):
