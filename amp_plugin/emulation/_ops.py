@@ -6,6 +6,7 @@ from typing import Any, Dict, Tuple
 
 import torch
 
+from amp_plugin.emulation._attention import sdpa_backward, sdpa_forward
 from amp_plugin.emulation._common import (  # noqa: F401  (re-exported for the backends and tests)
     _CPU_KEYSET,
     _HALF,
@@ -54,13 +55,12 @@ def _ternary(call, args, kwargs):
     return _PASS
 
 
-def _generic(operands: Tuple[int, ...], optional_kw: Tuple[str, ...], round_outputs) -> Handler:
-    """Handler for ops with more arguments (convolution, SDPA).
+def _generic(operands: Tuple[int, ...], round_outputs: Tuple[int, ...]) -> Handler:
+    """Handler for ops with more arguments (convolution_backward, the oneDNN RNN layer).
 
-    ``operands``: positional indices that must all have the half dtype (or be None).
-    ``optional_kw``: keyword tensors upcast when they have the half dtype.
-    ``round_outputs``: None for a single tensor result, else the indices of the
-    result tuple to round (other entries are returned as the kernel gave them).
+    ``operands``: positional indices that must all have the half dtype (or be None; the
+    first must be a tensor). ``round_outputs``: the indices of the result tuple to round
+    (other entries are returned as the kernel gave them).
     """
     first = operands[0]
 
@@ -79,24 +79,34 @@ def _generic(operands: Tuple[int, ...], optional_kw: Tuple[str, ...], round_outp
             for i in operands:
                 if args[i] is not None:
                     new_args[i] = _upcast(args[i], i, scratch)
-            if optional_kw and kwargs:
-                kwargs = dict(kwargs)
-                for j, k in enumerate(optional_kw):
-                    t = kwargs.get(k)
-                    if t is not None and t.dtype is dt:
-                        kwargs[k] = _upcast(t, 100 + j, scratch)
-            out = call(*new_args, **kwargs)
+            out = list(call(*new_args, **kwargs))
         finally:
             _give_scratch(scratch)
-        if round_outputs is None:
-            return out.to(dt)
-        out = list(out)
         for i in round_outputs:
             if out[i] is not None:
                 out[i] = out[i].to(dt)
         return tuple(out)
 
     return handler
+
+
+def _convolution(call, args, kwargs):
+    """convolution ``(input, weight, bias, stride, padding, dilation, transposed,
+    output_padding, groups)``: as cuDNN does it, the convolution is computed in FP32 and
+    rounded to the half dtype, then the bias is added in the half dtype (an elementwise
+    add of two half tensors, correctly rounded, as the GPU's ``output.add_(bias)``)."""
+    x, w, b = args[0], args[1], args[2]
+    dt = x.dtype
+    if dt not in _state.emulated or not x.is_cpu or w.dtype is not dt or (b is not None and b.dtype is not dt):
+        return _PASS
+    scratch = _take_scratch()
+    try:
+        out = call(_upcast(x, 0, scratch), _upcast(w, 1, scratch), None, *args[3:], **kwargs).to(dt)
+    finally:
+        _give_scratch(scratch)
+    if b is not None:
+        out.add_(b.reshape((1, -1) + (1,) * (out.dim() - 2)))
+    return out
 
 
 def _out_variant(base_handler: Handler) -> Handler:
@@ -190,18 +200,15 @@ def _build_ops() -> Dict[Any, _Op]:
         add(name, _ternary, inplace=True)
     add("addmv", _ternary, out=False, inplace=True)
     add("_addmm_activation", _ternary, out=False)
-    add("convolution", _generic((0, 1, 2), (), None), out=False)
-    add("convolution_backward", _generic((0, 1, 2), (), (0, 1, 2)), out=False)
-    add(
-        "_scaled_dot_product_flash_attention_for_cpu",
-        _generic((0, 1, 2), ("attn_mask",), (0,)),
-        out=False,
-    )
-    add(
-        "_scaled_dot_product_flash_attention_for_cpu_backward",
-        _generic((0, 1, 2, 3, 4), ("attn_mask",), (0, 1, 2)),
-        out=False,
-    )
+    add("convolution", _convolution, out=False)
+    add("convolution_backward", _generic((0, 1, 2), (0, 1, 2)), out=False)
+    add("_scaled_dot_product_flash_attention_for_cpu", sdpa_forward, out=False)
+    add("_scaled_dot_product_flash_attention_for_cpu_backward", sdpa_backward, out=False)
+    # nn.LSTM/GRU/RNN where torch hands them to oneDNN (FP32 always; BF16 on CPUs with
+    # AVX512-BW/VL/DQ or AVX-NE-CONVERT; FP16 without grad on CPUs with oneDNN FP16): the
+    # whole layer runs in FP32 and its outputs (and, in backward, its gradients) are rounded.
+    add("mkldnn_rnn_layer", _generic(tuple(range(7)), (0, 1, 2)), out=False)
+    add("mkldnn_rnn_layer_backward", _generic(tuple(range(13)), tuple(range(7))), out=False)
     # The kernel backend sees the matmuls inside these directly (they go through the
     # dispatcher to the CPU kernels); the mode backend has to re-dispatch them.
     for name in ("_transformer_encoder_layer_fwd", "_native_multi_head_attention", "_trilinear"):
