@@ -4,8 +4,8 @@ The "kernel" backend registers Python kernels, except for ``mm``, ``addmm``, ``b
 ``baddbmm`` (the ops ``F.linear``, ``torch.matmul`` and their backward reach), which get the
 C++ kernels of ``amp_plugin/fused/emulate.cpp`` when :mod:`amp_plugin.fused` is built: the same
 computation without entering Python on every call (a 64x64 by 64x128 ``F.linear`` costs about
-30 us emulated instead of 95, against 25 in FP32). Each thread's on/off switch and call
-counts then live in C++ too; :func:`native_sync` brings them in line with ``_state``.
+30 us emulated instead of 95, against 25 in FP32). Each thread's emulated dtypes (a mask) and
+call counts then live in C++ too; :func:`native_sync` brings them in line with ``_state``.
 """
 
 from __future__ import annotations

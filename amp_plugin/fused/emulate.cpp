@@ -2,7 +2,7 @@
 //
 // While installed, these replace the CPU kernels of aten::mm, addmm, bmm and baddbmm (the
 // default overloads: what F.linear, torch.matmul and their backward reach). A call with
-// FP16/BF16 operands, in a thread where emulation is switched on for that dtype, upcasts the operands to
+// FP16/BF16 operands, in a thread where that dtype is emulated, upcasts the operands to
 // FP32, runs the FP32 CPU kernel and rounds the result to the input dtype once: the same
 // computation as the Python handlers in amp_plugin/emulation/_ops.py, bit for bit, without
 // a trip into Python. Every other call goes straight to the FP32/native CPU kernel
@@ -35,7 +35,7 @@ namespace {
 enum Op { kMm = 0, kAddmm, kBmm, kBaddbmm, kNumOps };
 
 // Operands at least this large (elements) are upcast into per-thread FP32 buffers reused
-// while emulation stays on (see _SCRATCH_MIN_NUMEL in _ops.py), and so is the FP32 result
+// while emulation stays on (see _SCRATCH_MIN_NUMEL in _common.py), and so is the FP32 result
 // before it is rounded: a fresh allocation this large costs more than the conversion (the
 // memory comes back from the OS zeroed, page by page).
 constexpr int64_t kScratchMinNumel = 32768;
