@@ -14,7 +14,14 @@ of the two on a shared machine), with ratios against FP32:
     emulated and native;
 (c) the per-op cost of the interception, for an op it does not cover (``view``)
     and for a covered one (a tiny ``mm``), and the cost of entering and leaving
-    the outermost context, per backend.
+    the outermost context, per backend;
+(d) per dtype, the path ``emulate="auto"`` picks on this CPU (``cpu_half_path``: native
+    oneDNN kernels on CPUs with avx512_bf16/AMX-BF16 for BF16, avx512_fp16/AMX-FP16 for FP16,
+    emulation elsewhere) and its time against FP32 in (a) and (b), next to native against
+    emulated. The CPU model and its half-precision units are printed at the top.
+
+A short run: ``--repeats 3 --native-rounds 1`` (or ``--skip-native-training`` to leave the
+slow native half training steps out altogether).
 """
 
 from __future__ import annotations
@@ -37,7 +44,7 @@ try:
 except ImportError:  # running from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from amp_plugin.emulation import CpuHalfEmulation, _backends
+from amp_plugin.emulation import CpuHalfEmulation, _backends, cpu_features, cpu_half_path
 
 try:
     from amp_plugin.master_weights import MasterWeightOptimizer
@@ -262,6 +269,54 @@ def bench_overhead(n: int = 20000) -> dict:
     return out
 
 
+# ----------------------------------------------------------------------------- (d)
+
+
+def cpu_line() -> str:
+    f = cpu_features()
+    yes = {True: "yes", False: "no"}
+    return (
+        f"CPU: {f.model}; torch CPU capability {f.capability}; half-precision units: {f.flags()}; "
+        f"torch sends BF16 / FP16 GEMMs to oneDNN: {yes[f.onednn_bf16]} / {yes[f.onednn_fp16]}"
+    )
+
+
+def auto_summary(mm: dict, steps: dict, matmul_n: int) -> tuple[str, list[str]]:
+    """Table (d) and the goal lines: the path auto picks per dtype, against FP32 (wall / CPU
+    time ratios of the medians in (a) and (b))."""
+
+    def ratio(results: dict, name: str, base: str) -> str:
+        if name not in results or base not in results:
+            return "-"
+        (w, c, _), (bw, bc, _) = results[name], results[base]
+        return f"{w / bw:.2f}x / {c / bc:.2f}x"
+
+    lines = [
+        '### (d) what `emulate="auto"` picks on this CPU',
+        "",
+        f"| dtype | auto path | {matmul_n}x{matmul_n} matmul vs FP32 (wall / CPU) | training step vs FP32 (wall / CPU) "
+        "| native vs emulated: matmul | native vs emulated: step |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    goals = []
+    for label, dt, goal in (("FP16", torch.float16, 1.0), ("BF16", torch.bfloat16, 0.65)):
+        path = cpu_half_path(dt)
+        chosen = f"{label} {'native' if path.native else 'emulated'}"
+        native, emulated = f"{label} native", f"{label} emulated"
+        lines.append(
+            f"| {label} | {path.reason} | {ratio(mm, chosen, 'FP32')} | {ratio(steps, chosen, 'FP32')} "
+            f"| {ratio(mm, native, emulated)} | {ratio(steps, native, emulated)} |"
+        )
+        if path.native and chosen in steps:
+            step = steps[chosen][0] / steps["FP32"][0]
+            goals.append(f"{label} training step on its native path: {step:.2f}x FP32 wall time "
+                         f"(goal <= {goal}x on avx512_bf16 CPUs: {'met' if step <= goal else 'missed'})")
+        else:
+            goals.append(f"{label} goal for CPUs with native {label} units (<= {goal}x FP32): not measurable "
+                         f"here, auto runs {label} {path.reason}")
+    return "\n".join(lines), goals
+
+
 # -----------------------------------------------------------------------------
 
 
@@ -284,6 +339,8 @@ def main(argv=None) -> None:
     print("```")
     print("python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *(argv if argv is not None else sys.argv[1:])]))
     print("```")
+    print(cpu_line())
+    print()
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), "
         f"emulation backend {CpuHalfEmulation().backend!r}, "
@@ -331,6 +388,12 @@ def main(argv=None) -> None:
                 f"| {label} | {v:.1f} ({v - base[0]:+.1f}) | {m32:.1f} ({m32 - base[1]:+.1f}) "
                 f"| {m16:.1f} | {ee:.0f} |"
             )
+    print()
+    table_d, goals = auto_summary(mm, results, args.matmul)
+    print(table_d)
+    print()
+    for line in goals:
+        print(f"- {line}")
     print()
     print(f"total benchmark time: {time.perf_counter() - t0:.0f} s")
 

@@ -12,6 +12,8 @@ dimension is summed away) that op runs natively in half, and the oracle mirrors 
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -257,13 +259,45 @@ CONV_PARAMS = [("kernel", case) for case in CONV_CASES] + [
 
 @pytest.mark.parametrize("backend,case", CONV_PARAMS)
 def test_convolution(dtype, backend, case):
+    """The convolution in FP32, rounded once; then, as cuDNN does, the bias added in the half
+    dtype (a second rounding). Gradients: FP32 kernels rounded once (the bias gradient is an
+    FP32 sum rounded once, as the GPU's reduction over a half gradient)."""
     fn, xs, ws, kw, bias = CONV_CASES[case]
     out_ch = ws[1] * kw.get("groups", 1) if fn is F.conv_transpose2d else ws[0]
     inputs = [rnd(*xs, dtype=dtype, seed=40), rnd(*ws, dtype=dtype, seed=41)]
     if bias:
         inputs.append(rnd(out_ch, dtype=dtype, seed=42))
-    emu = check_against_fp32(lambda x, w, *b: fn(x, w, *b, **kw), inputs, dtype, backend)
+    half, full = leaves(inputs)
+    g = rnd(*fn(*full[:2], **kw).shape, dtype=dtype, seed=43)
+    with CpuHalfEmulation(backend=backend) as emu:
+        out = fn(*half, **kw)
+        out.backward(g)
+    expected = fn(*full[:2], **kw).to(dtype)
+    if bias:
+        expected = expected + inputs[2].view(1, -1, *([1] * (expected.dim() - 2)))  # a half add
+    assert_bitwise(out, expected, "forward")
+    ref = fn(*full, **kw)
+    ref.backward(g.float())
+    for i, (h, f) in enumerate(zip(half, full)):
+        assert_bitwise(h.grad, f.grad.to(dtype), f"grad of input {i}")
     assert emu.emulated_calls == {"aten.convolution.default": 1, "aten.convolution_backward.default": 1}
+
+
+@pytest.mark.parametrize("dtype_case", ["fp16", "bf16"])
+def test_conv_bias_is_added_after_rounding_as_on_the_gpu(dtype_case, backend):
+    # conv = 1 + u/2 (u: the half ulp at 1) is a tie and rounds to 1; adding the bias u/4
+    # to the rounded 1 gives 1 again (cuDNN: round, then add in half), while one rounding
+    # of 1 + u/2 + u/4 would give 1 + u.
+    dt = {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype_case]
+    u = torch.finfo(dt).eps
+    x = torch.tensor([[[1.0], [u / 2]]], dtype=dt)  # (batch 1, 2 channels, length 1)
+    w = torch.ones(1, 2, 1, dtype=dt)
+    b = torch.tensor([u / 4], dtype=dt)
+    assert F.conv1d(x.float(), w.float()).item() == 1 + u / 2  # exact in FP32
+    with CpuHalfEmulation(backend=backend):
+        out = F.conv1d(x, w, b)
+    assert out.item() == 1.0
+    assert F.conv1d(x.float(), w.float(), b.float()).to(dt).item() == 1 + u  # what one rounding gives
 
 
 # ------------------------------------------------------------------ attention
@@ -272,30 +306,127 @@ SDPA = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 SDPA_BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
 
 
+def flash_reference(q, k, v, mask=None, causal=False, scale=None):
+    """A GPU flash-attention kernel's numerics, written out: FP32 scores, the unnormalised
+    probabilities exp(S - rowmax) rounded to the half dtype for the P @ V product, the
+    FP32 result divided by the FP32 row sum and rounded once; logsumexp in FP32."""
+    dt = q.dtype
+    scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
+    s = q.float() @ k.float().transpose(-2, -1) * scale
+    if mask is not None:
+        s = s + (torch.zeros(mask.shape).masked_fill(~mask, -math.inf) if mask.dtype is torch.bool else mask.float())
+    if causal:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), -math.inf)
+    row_max = s.amax(-1, keepdim=True)
+    e = torch.exp(s - row_max)
+    row_sum = e.sum(-1, keepdim=True)
+    out = (e.to(dt).float() @ v.float()) / row_sum
+    return out.to(dt), (row_max + row_sum.log()).squeeze(-1)
+
+
+def flash_backward_reference(g, q, k, v, out, lse, mask=None, causal=False, scale=None):
+    """FlashAttention-2's backward numerics: P = exp(S - lse) rounded to half for dV = P^T dO,
+    dS = P * (dP - rowsum(dO * O)) rounded to half for dQ = scale dS K and dK = scale dS^T Q;
+    every GEMM accumulates in FP32 and each gradient is rounded once."""
+    dt = q.dtype
+    scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
+    q32, k32, v32, g32 = q.float(), k.float(), v.float(), g.float()
+    s = q32 @ k32.transpose(-2, -1) * scale
+    if mask is not None:
+        s = s + mask.float()
+    if causal:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), -math.inf)
+    p = torch.exp(s - lse.unsqueeze(-1))
+    grad_v = p.to(dt).float().transpose(-2, -1) @ g32
+    d = (g32 * out.float()).sum(-1, keepdim=True)
+    ds = p * (g32 @ v32.transpose(-2, -1) - d)
+    ds_half = ds.to(dt).float()
+    grad_q = ds_half @ k32 * scale
+    grad_k = ds_half.transpose(-2, -1) @ q32 * scale
+    return grad_q.to(dt), grad_k.to(dt), grad_v.to(dt)
+
+
 @pytest.mark.parametrize(
     "backend,variant",
-    [("kernel", "plain"), ("kernel", "causal"), ("kernel", "float_mask"), ("mode", "float_mask")],
+    [("kernel", "plain"), ("kernel", "causal"), ("kernel", "float_mask"), ("kernel", "bool_mask"),
+     ("kernel", "scale"), ("mode", "float_mask")],
 )
 def test_sdpa(dtype, backend, variant):
     q, k, v = (rnd(2, 2, 5, 8, dtype=dtype, seed=50 + i) for i in range(3))
     mask = rnd(5, 5, dtype=dtype, seed=53) if variant == "float_mask" else None
+    if variant == "bool_mask":
+        mask = torch.rand(5, 5, generator=torch.Generator().manual_seed(53)) > 0.3
+        mask[:, 0] = True  # no fully masked row (see test_sdpa_fully_masked_rows)
     causal = variant == "causal"
+    scale = 0.3 if variant == "scale" else None
     g = rnd(2, 2, 5, 8, dtype=dtype, seed=54)
     (qh, kh, vh), _ = leaves([q, k, v])
     with CpuHalfEmulation(backend=backend) as emu:
-        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=causal)
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=causal, scale=scale)
         out.backward(g)
     assert emu.emulated_calls == {str(SDPA): 1, str(SDPA_BWD): 1}
-    q32, k32, v32 = q.float(), k.float(), v.float()
-    m32 = mask.float() if mask is not None else None
-    ref = F.scaled_dot_product_attention(q32, k32, v32, attn_mask=m32, is_causal=causal)
-    assert_bitwise(out, ref.to(dtype), "forward")
-    # backward: the FP32 kernel on the upcast saved tensors (the half output included,
-    # as a GPU flash-attention backward reads the stored half output), rounded once
-    _, lse = SDPA(q32, k32, v32, 0.0, causal, attn_mask=m32)
-    grads = SDPA_BWD(g.float(), q32, k32, v32, out.detach().float(), lse, 0.0, causal, attn_mask=m32)
+    ref, lse = flash_reference(q, k, v, mask, causal, scale)
+    assert_bitwise(out, ref, "forward")
+    add_mask = None  # F.scaled_dot_product_attention makes a boolean mask additive before the kernel
+    if mask is not None:
+        add_mask = torch.zeros(mask.shape).masked_fill(~mask, -math.inf).to(dtype) if mask.dtype is torch.bool else mask
+    with CpuHalfEmulation(backend=backend):
+        _, emulated_lse = SDPA(q, k, v, 0.0, causal, attn_mask=add_mask, scale=scale)
+    assert_bitwise(emulated_lse, lse, "logsumexp")
+    grads = flash_backward_reference(g, q, k, v, out.detach(), lse, add_mask, causal, scale)
     for name, h, r in zip("qkv", (qh, kh, vh), grads):
-        assert_bitwise(h.grad, r.to(dtype), f"grad_{name}")
+        assert_bitwise(h.grad, r, f"grad_{name}")
+
+
+def test_sdpa_rounds_the_probabilities_before_the_value_product(dtype, backend):
+    # One query, two keys with scores 0 and -1 (scale 1): the unnormalised probabilities are
+    # 1 and e = exp(-1). With v = (-8 * round(e), 8) the value product cancels exactly when e
+    # is first rounded to the half dtype, as on the GPU: the output is exactly 0. Without
+    # that rounding it is (8 * (e - round(e))) / (1 + e), hundreds of half ulps away from 0.
+    e_half = torch.tensor(math.exp(-1.0)).to(dtype).item()
+    q = torch.ones(1, 1, 1, 1, dtype=dtype)
+    k = torch.tensor([0.0, -1.0], dtype=dtype).view(1, 1, 2, 1)
+    v = torch.tensor([-8 * e_half, 8.0], dtype=dtype).view(1, 1, 2, 1)  # exact: 8 times a half value
+    with CpuHalfEmulation(backend=backend):
+        out = F.scaled_dot_product_attention(q, k, v, scale=1.0)
+    assert out.item() == 0.0
+    unrounded = 8 * (math.exp(-1.0) - e_half) / (1 + math.exp(-1.0))
+    assert abs(unrounded) > 1e-4  # some 400 (FP16) or 8000 (BF16) half ulps at this size
+    fp32_kernel = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), scale=1.0).item()
+    assert fp32_kernel == pytest.approx(unrounded, rel=1e-3)  # what the FP32 kernel, rounded once, is near
+
+
+def test_sdpa_fully_masked_rows(dtype, backend):
+    # as the native CPU kernel: a row with every key masked gives output 0 and logsumexp 0
+    q, k, v = (rnd(1, 2, 3, 4, dtype=dtype, seed=56 + i) for i in range(3))
+    mask = torch.zeros(3, 3)
+    mask[1] = -math.inf
+    with CpuHalfEmulation(backend=backend):
+        out, lse = SDPA(q, k, v, 0.0, False, attn_mask=mask.to(dtype))
+    native32, native_lse = SDPA(q.float(), k.float(), v.float(), 0.0, False, attn_mask=mask)
+    assert torch.equal(out[:, :, 1], torch.zeros_like(out[:, :, 1])) and torch.equal(lse[:, :, 1], native_lse[:, :, 1])
+    assert not out.isnan().any()
+
+
+def test_sdpa_blocks_of_query_rows_agree(dtype, monkeypatch):
+    # long sequences are processed a block of query rows at a time: the same roundings
+    from amp_plugin.emulation import _attention
+
+    q, k, v = (rnd(1, 2, 9, 8, dtype=dtype, seed=60 + i) for i in range(3))
+    g = rnd(1, 2, 9, 8, dtype=dtype, seed=63)
+
+    def run():
+        (qh, kh, vh), _ = leaves([q, k, v])
+        with CpuHalfEmulation():
+            out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True)
+            out.backward(g)
+        return [out.detach(), qh.grad, kh.grad, vh.grad]
+
+    whole = run()
+    monkeypatch.setattr(_attention, "_BLOCK_ELEMENTS", 2 * 9 * 2)  # two query rows per block
+    blocks = run()
+    for a, b in zip(whole, blocks):
+        assert (a.float() - b.float()).abs().max() <= 2 * torch.finfo(dtype).eps * b.float().abs().max()
 
 
 def test_sdpa_dropout_math_path_is_left_alone(backend):
@@ -305,6 +436,59 @@ def test_sdpa_dropout_math_path_is_left_alone(backend):
         out = F.scaled_dot_product_attention(q, q, q, dropout_p=0.5)
     assert out.dtype == torch.float16
     assert emu.emulated_calls == {}
+
+
+# ------------------------------------------------------------------ recurrent layers
+
+RNN_LAYER = torch.ops.aten.mkldnn_rnn_layer.default
+RNN_LAYER_BWD = torch.ops.aten.mkldnn_rnn_layer_backward.default
+
+
+@pytest.mark.parametrize("cls", [torch.nn.LSTM, torch.nn.GRU, torch.nn.RNN])
+def test_rnn_modules_reach_covered_ops(dtype, backend, cls):
+    """nn.LSTM/GRU/RNN in half: where torch does not hand them to oneDNN they are built from
+    addmm/mm (emulated) and elementwise gate ops (native half); where it does (LSTM in BF16 on
+    CPUs with oneDNN BF16), the oneDNN layer is emulated as a whole."""
+    torch.manual_seed(0)
+    rnn = cls(6, 5, batch_first=True).to(dtype)
+    x = rnd(2, 4, 6, dtype=dtype, seed=90).requires_grad_()
+    with CpuHalfEmulation(backend=backend) as emu:
+        out = rnn(x)[0]
+        out.backward(rnd(2, 4, 5, dtype=dtype, seed=91))
+    calls = set(emu.emulated_calls)
+    onednn = cls is torch.nn.LSTM and dtype is torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    if onednn:
+        assert calls == {str(RNN_LAYER), str(RNN_LAYER_BWD)}
+    else:
+        assert calls and calls <= {"aten.addmm.default", "aten.mm.default"}, calls
+    assert x.grad is not None and x.grad.dtype is dtype
+
+
+def test_onednn_lstm_layer_runs_in_fp32_and_rounds_once(dtype, backend):
+    """mkldnn_rnn_layer (what nn.LSTM calls where torch routes half LSTMs to oneDNN), called
+    directly: the FP32 layer on the upcast operands, outputs rounded once; the same for its
+    backward, gradients rounded once."""
+    seq, batch, inp, hid = 5, 2, 3, 4
+    tensors = [rnd(seq, batch, inp, dtype=dtype, seed=92), rnd(4 * hid, inp, dtype=dtype, seed=93),
+               rnd(4 * hid, hid, dtype=dtype, seed=94), rnd(4 * hid, dtype=dtype, seed=95),
+               rnd(4 * hid, dtype=dtype, seed=96), rnd(batch, hid, dtype=dtype, seed=97),
+               rnd(batch, hid, dtype=dtype, seed=98)]
+    flags = (False, [], 2, hid, 1, True, False, False, True)  # reverse, batch_sizes, mode=LSTM, ..., train
+    with CpuHalfEmulation(backend=backend) as emu:
+        out, hy, cy, workspace = RNN_LAYER(*tensors, *flags)
+    ref = RNN_LAYER(*[t.float() for t in tensors], *flags)
+    for name, got, want in zip(("output", "hy", "cy"), (out, hy, cy), ref[:3]):
+        assert_bitwise(got, want.to(dtype), name)
+    grads_out = [rnd(seq, batch, hid, dtype=dtype, seed=99), rnd(batch, hid, dtype=dtype, seed=100), None]
+    bwd_flags = (False, 2, hid, 1, True, True, False, [], False)
+    saved = [*tensors, out, hy, cy]
+    with CpuHalfEmulation(backend=backend):
+        grads = RNN_LAYER_BWD(*saved, *grads_out, *bwd_flags, workspace)
+    ref_grads = RNN_LAYER_BWD(*[t.float() for t in saved], *[g if g is None else g.float() for g in grads_out],
+                              *bwd_flags, ref[3])
+    for i, (got, want) in enumerate(zip(grads, ref_grads)):
+        assert_bitwise(got, want.to(dtype), f"gradient {i}")
+    assert emu.emulated_calls == {str(RNN_LAYER): 1}
 
 
 # ------------------------------------------------------------------ overflow and dtypes

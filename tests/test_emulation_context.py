@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from _emulation_helpers import BACKENDS, assert_bitwise, rnd
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
-from amp_plugin.emulation import EMULATED_OPS, HALF_DTYPES, CpuHalfEmulation, should_emulate
+from amp_plugin.emulation import EMULATED_OPS, HALF_DTYPES, CpuHalfEmulation, cpu_half_path, should_emulate
 
 
 # ------------------------------------------------------------------ routing and lifetime
@@ -221,6 +221,87 @@ def test_other_threads_unaffected(backend):
     assert emu.emulated_calls == {"aten.mm.default": 1}
 
 
+# ------------------------------------------------------------------ one dtype emulated, the other native
+
+
+def _other(dtype):
+    return torch.bfloat16 if dtype is torch.float16 else torch.float16
+
+
+def test_one_dtype_emulated_the_other_native(dtype, backend):
+    """``dtypes=``: only that dtype is emulated; ops in the other half dtype reach the native
+    kernel untouched (no casts around them), in the Python and in the C++ kernels alike."""
+    other = _other(dtype)
+    x, w = rnd(3, 4, dtype=dtype, seed=80), rnd(2, 4, dtype=dtype, seed=81)
+    xo, wo = x.to(other), w.to(other)
+    f32 = torch.float32
+    with _Spy() as spy, CpuHalfEmulation(backend=backend, dtypes=dtype) as emu:
+        assert emu.dtypes == {dtype}
+        emulated = F.linear(x, w, x[0, :2])
+        native = xo @ wo.t()
+    assert emu.emulated_calls == {"aten.addmm.default": 1}
+    assert_bitwise(emulated, F.linear(x.float(), w.float(), x[0, :2].float()).to(dtype), "emulated dtype")
+    # the other dtype's mm went to the native kernel with no upcast
+    assert ("cast", (other, f32)) not in spy.seen and ("cast", (f32, other)) not in spy.seen
+    assert ("aten.mm.default", (other, other)) in spy.seen
+    assert native.dtype is other
+
+
+def test_nested_contexts_add_their_dtypes(backend):
+    a16, ab = rnd(4, 4, dtype=torch.float16, seed=82), rnd(4, 4, dtype=torch.bfloat16, seed=83)
+    outer = CpuHalfEmulation(backend=backend, dtypes="fp16")
+    inner = CpuHalfEmulation(backend=backend, dtypes=["bf16"])
+    with outer:
+        ab @ ab  # native
+        with inner:
+            a16 @ a16, ab @ ab  # both emulated
+        ab @ ab  # native again
+        a16 @ a16
+    assert outer.emulated_calls == {"aten.mm.default": 3}
+    assert inner.emulated_calls == {"aten.mm.default": 2}
+    assert not CpuHalfEmulation.is_active()
+    with CpuHalfEmulation(backend=backend, dtypes=[]) as nothing:  # an empty set: a context that emulates nothing
+        a16 @ a16
+    assert nothing.emulated_calls == {}
+
+
+def test_dtypes_argument():
+    assert CpuHalfEmulation().dtypes == HALF_DTYPES
+    assert CpuHalfEmulation(dtypes=[torch.bfloat16, "fp16"]).dtypes == HALF_DTYPES
+    assert CpuHalfEmulation(dtypes="bf16-true").dtypes == {torch.bfloat16}
+    auto = {dt for dt in HALF_DTYPES if not cpu_half_path(dt).native}
+    assert CpuHalfEmulation(dtypes="auto").dtypes == auto
+    with pytest.raises(ValueError, match=r"dtypes=torch.float32 is not allowed: expected torch.float16 or torch.bfloat16"):
+        CpuHalfEmulation(dtypes=[torch.float16, torch.float32])
+    with pytest.raises(ValueError, match=r"dtypes='int8' is not allowed"):
+        CpuHalfEmulation(dtypes="int8")
+    with pytest.raises(TypeError, match=r"dtypes=3 is not allowed"):
+        CpuHalfEmulation(dtypes=3)
+    assert "dtypes=['bfloat16']" in repr(CpuHalfEmulation(dtypes="bf16"))
+
+
+def test_cpp_kernels_follow_the_dtypes(monkeypatch):
+    """The C++ kernels of mm/addmm/bmm/baddbmm get the thread's dtype mask."""
+    from amp_plugin import fused
+
+    ops = fused.kernels()
+    if ops is None:
+        pytest.skip(f"the fused kernels are not built here: {fused.unavailable_reason()}")
+    a16, ab = rnd(3, 3, dtype=torch.float16, seed=84), rnd(3, 3, dtype=torch.bfloat16, seed=85)
+    with CpuHalfEmulation(backend="kernel", dtypes=torch.bfloat16) as emu:
+        assert ops.emulation_sync(None)[:4] == [0, 0, 0, 0]
+        a16 @ a16
+        assert ops.emulation_sync(None)[:4] == [0, 0, 0, 0]  # FP16: native, nothing counted
+        ab @ ab
+        assert ops.emulation_sync(None)[:4] == [1, 0, 0, 0]
+        with CpuHalfEmulation(backend="kernel", dtypes=torch.float16) as inner:
+            a16 @ a16
+        a16 @ a16  # FP16 native again
+        assert ops.emulation_sync(None)[:4] == [0, 0, 0, 0]
+    assert inner.emulated_calls == {"aten.mm.default": 1}
+    assert emu.emulated_calls == {"aten.mm.default": 1}  # the nested call; the BF16 one was taken out above
+
+
 # ------------------------------------------------------------------ autocast and modules
 
 
@@ -289,10 +370,10 @@ def test_training_step_small_model(dtype, backend):
 @pytest.mark.parametrize(
     "device,dt,expected",
     [
-        ("cpu", torch.float16, True),
-        ("cpu", torch.bfloat16, True),
-        (torch.device("cpu"), "fp16", True),
-        ("cpu", "bf16-mixed", True),
+        ("cpu", torch.float16, "path"),  # "path": emulated unless cpu_half_path picks the native kernels
+        ("cpu", torch.bfloat16, "path"),
+        (torch.device("cpu"), "fp16", "path"),
+        ("cpu", "bf16-mixed", "path"),
         ("cpu", torch.float32, False),
         ("cpu", "fp32", False),
         ("cuda", torch.float16, False),
@@ -302,6 +383,8 @@ def test_training_step_small_model(dtype, backend):
     ],
 )
 def test_should_emulate(device, dt, expected):
+    if expected == "path":
+        expected = not cpu_half_path(dt).native
     assert should_emulate(device, dt) is expected
 
 

@@ -32,7 +32,9 @@ The numerics
 * **Accumulation is FP32.** The products are summed in FP32, as in a Tensor
   Core's FP32 accumulator. Partial sums may exceed 65504 without harm.
 * **One rounding.** Only the final result is rounded (round-to-nearest-even) to
-  FP16/BF16, which is what the GPU's output conversion does. A result outside
+  FP16/BF16, which is what the GPU's output conversion does. (Where a GPU kernel rounds
+  an intermediate to half, the emulation does too: the attention probabilities before
+  ``P V``, a convolution's output before its bias; see below.) A result outside
   FP16's range becomes ``inf`` (a product above 65504 gives ``inf`` in FP16),
   exactly where a GPU run would overflow.
 
@@ -41,28 +43,57 @@ rounding), not the bits of one particular GPU: the order in which an FP32 GEMM
 sums its products differs between any two GEMM implementations, Tensor Cores
 included.
 
+Native or emulated: ``emulate="auto"``
+--------------------------------------
+Where the CPU has half-precision units and PyTorch hands the dtype's GEMMs to oneDNN, the
+native kernels are faithful too (oneDNN accumulates in FP32 and rounds once) and faster than
+the emulation: a BF16 GEMM on ``avx512_bf16``/AMX-BF16 takes about half the FP32 time, while
+the emulation runs at FP32 speed. :func:`cpu_half_path` decides per dtype, once per process,
+from what the CPU reports (:func:`cpu_features`): BF16 runs natively with ``avx512_bf16`` or
+AMX-BF16, FP16 natively with ``avx512_fp16`` or AMX-FP16 (without them native FP16 measured
+6-30x the FP32 time even on ``avx512_bf16`` CPUs), everything else is emulated.
+:func:`should_emulate` (what ``emulate="auto"`` asks) follows it, and
+``CpuHalfEmulation(dtypes="auto")`` emulates exactly the dtypes it does not run natively;
+``CpuHalfEmulation(dtypes=torch.float16)`` emulates FP16 and lets BF16 ops run natively in the
+same context. The native paths are checked against the one-rounding bound by
+``tests/test_cpu_paths.py`` on the CPUs that take them.
+
 What is covered
 ---------------
-Inside the context, when the operands are CPU tensors of one half dtype:
+Inside the context, when the operands are CPU tensors of one emulated half dtype:
 
 * ``mm``, ``addmm``, ``bmm``, ``baddbmm``, ``mv``, ``addmv``, ``dot``,
   ``_addmm_activation``; the ``out=`` forms of ``mm``, ``bmm``, ``addmm``,
-  ``baddbmm`` and the in-place ``addmm_``, ``baddbmm_``, ``addmv_``.
-  ``torch.matmul``, ``F.linear``, ``einsum``, ``tensordot``, ``nn.MultiheadAttention``
-  (``need_weights=True`` path) and the RNN cells reach the dispatcher as these ops,
-  so they are covered too.
-* ``convolution`` and ``convolution_backward`` (all of ``F.conv1d/2d/3d`` and
-  ``conv_transpose*``, any stride, padding, dilation, groups; bias gradients are
-  computed inside ``convolution_backward`` in FP32 and rounded once).
+  ``baddbmm`` and the in-place ``addmm_``, ``baddbmm_``, ``addmv_``: the FP32 kernel on the
+  upcast operands (bias and activation included), rounded once. ``torch.matmul``,
+  ``F.linear``, ``einsum``, ``tensordot``, ``nn.MultiheadAttention`` (``need_weights=True``
+  path) reach the dispatcher as these ops, so they are covered too.
+* ``convolution`` (all of ``F.conv1d/2d/3d`` and ``conv_transpose*``, any stride, padding,
+  dilation, groups): the FP32 convolution without bias, rounded once, then, as cuDNN does
+  it (``output.add_(bias)`` after the convolution), the bias added in the half dtype: a
+  second, correctly rounded, half addition. ``convolution_backward``: the FP32 kernel, each
+  of the three gradients rounded once (the bias gradient is an FP32 sum, as the GPU's
+  reduction of a half gradient with an FP32 accumulator).
 * Scaled-dot-product attention: on CPU, ``F.scaled_dot_product_attention`` without
   dropout runs ``_scaled_dot_product_flash_attention_for_cpu`` and, in backward,
-  ``..._backward``. Both are emulated: query/key/value (and a floating
-  ``attn_mask``) are upcast, the FP32 flash kernel runs, and ``output`` (and the
-  three input gradients) are rounded once; ``logsumexp`` stays FP32, as the native
-  kernel returns it. The backward kernel receives the stored half ``output``
-  upcast, as a GPU flash-attention backward reads the stored half output. With
-  ``dropout_p > 0`` PyTorch uses the math path, which on CPU already upcasts half
-  inputs to FP32 itself, so nothing is intercepted there.
+  ``..._backward``. Both are computed as a GPU flash-attention kernel does: scores in FP32,
+  the unnormalised probabilities ``exp(S - rowmax)`` rounded to the half dtype for the
+  ``P V`` product (FP32 accumulation), the result divided by the FP32 row sum and rounded
+  once; ``logsumexp`` stays FP32. Backward: ``P`` rounded to half for ``dV = P^T dO``, the
+  score gradients ``dS = P (dP - rowsum(dO O))`` rounded to half for ``dQ`` and ``dK``, each
+  gradient accumulated in FP32 and rounded once, ``O`` being the stored half output. Exact
+  for rows of up to one GPU key block (64-128 keys); beyond that a GPU rounds each
+  probability relative to a running maximum: the same error per element, other bits. See
+  ``_attention.py``. With ``dropout_p > 0`` PyTorch uses the math path, which on CPU
+  already upcasts half inputs to FP32 itself, so nothing is intercepted there.
+* Recurrent layers: ``nn.LSTM``, ``nn.GRU``, ``nn.RNN`` (and the cells) in half are built
+  from ``addmm``/``mm`` (emulated) and elementwise gate ops (``sigmoid``, ``tanh``, ``mul``,
+  ``add``: native half, each result rounded), except where PyTorch hands ``nn.LSTM`` to
+  oneDNN: BF16 on CPUs with AVX-512 BW/VL/DQ or AVX-NE-CONVERT, FP16 without grad on CPUs
+  with oneDNN FP16. That path, ``mkldnn_rnn_layer`` and ``mkldnn_rnn_layer_backward``, runs
+  the whole layer in FP32 (gates and states included) and rounds its outputs and gradients
+  once. Neither is bit for bit what cuDNN's fused RNN kernels do; the matmuls' error model
+  (FP32 sums, one rounding) is kept in both.
 * Autograd: the backward of every covered op is built from covered ops (the
   backward of ``mm`` is two ``mm`` calls on half tensors, that of ``convolution``
   is ``convolution_backward``), so gradients get the same treatment. The backward
@@ -76,13 +107,23 @@ Inside the context, when the operands are CPU tensors of one half dtype:
   ``_native_multi_head_attention``, ``_trilinear``): the ``addmm``/``bmm`` calls
   inside them are emulated, everything else in them runs natively.
 
+In short, for CPU tensors of an emulated half dtype:
+
+* FP32 kernel, rounded once: the matmul family above, ``convolution`` (then its bias, as a
+  half add), ``convolution_backward``.
+* FP32 with a GPU flash kernel's intermediate roundings: the SDPA flash forward/backward.
+* FP32 throughout, outputs rounded once: ``mkldnn_rnn_layer(_backward)`` (oneDNN's LSTM);
+  SDPA with dropout (PyTorch's math path upcasts by itself).
+* Native half kernels: elementwise ops, reductions, softmax, norms, losses, the RNN gate
+  arithmetic, optimizer updates.
+
 What is not covered
 -------------------
 * Everything else runs untouched in its native half kernel: elementwise ops,
   reductions (``sum``, ``mean``), ``softmax``, ``layer_norm``, losses, optimizer
   updates. (Many of these already accumulate in FP32 internally on CPU.)
-* FP32/FP64/integer tensors and non-CPU tensors are never touched; neither are
-  ops with mixed operand dtypes (the native kernel raises as usual).
+* FP32/FP64/integer tensors, non-CPU tensors and the half dtypes not being emulated are
+  never touched; neither are ops with mixed operand dtypes (the native kernel raises as usual).
 * ``mm.dtype``/``bmm.dtype``/``addmm.dtype``/``baddbmm.dtype`` (explicit output
   dtype), ``addbmm``, ``vdot``, ``addr`` (an outer product has nothing to
   accumulate), the ``out=`` forms not listed above, sparse, quantized and nested
@@ -132,6 +173,17 @@ operands stays allocated (one buffer per operand position).
 """
 
 from amp_plugin.emulation._context import CpuHalfEmulation, should_emulate
-from amp_plugin.emulation._ops import EMULATED_OPS, HALF_DTYPES
+from amp_plugin.emulation._cpu import CpuFeatures, CpuPath, cpu_features, cpu_half_path
+from amp_plugin.emulation._common import HALF_DTYPES
+from amp_plugin.emulation._ops import EMULATED_OPS
 
-__all__ = ["CpuHalfEmulation", "should_emulate", "EMULATED_OPS", "HALF_DTYPES"]
+__all__ = [
+    "CpuHalfEmulation",
+    "should_emulate",
+    "cpu_half_path",
+    "CpuPath",
+    "cpu_features",
+    "CpuFeatures",
+    "EMULATED_OPS",
+    "HALF_DTYPES",
+]

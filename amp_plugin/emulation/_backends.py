@@ -4,8 +4,8 @@ The "kernel" backend registers Python kernels, except for ``mm``, ``addmm``, ``b
 ``baddbmm`` (the ops ``F.linear``, ``torch.matmul`` and their backward reach), which get the
 C++ kernels of ``amp_plugin/fused/emulate.cpp`` when :mod:`amp_plugin.fused` is built: the same
 computation without entering Python on every call (a 64x64 by 64x128 ``F.linear`` costs about
-30 us emulated instead of 95, against 25 in FP32). Each thread's on/off switch and call
-counts then live in C++ too; :func:`native_sync` brings them in line with ``_state``.
+30 us emulated instead of 95, against 25 in FP32). Each thread's emulated dtypes (a mask) and
+call counts then live in C++ too; :func:`native_sync` brings them in line with ``_state``.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from typing import Any, Dict, Optional
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
-from amp_plugin.emulation._ops import _OPS, _PASS, _Op, _count, _state, _transparent
+from amp_plugin.emulation._common import _PASS, _count, _state
+from amp_plugin.emulation._ops import _OPS, _Op, _transparent
 
 
 # ----------------------------------------------------------------------------
@@ -127,13 +128,14 @@ def _native_ops() -> Any:
     return ops if ops is not None and hasattr(ops, "emulation_sync") else None
 
 
-def native_sync(active: Optional[bool] = None) -> None:
+def native_sync(mask: Optional[int] = None) -> None:
     """Add the C++ kernels' call counts in this thread to ``_state.counts`` (and reset them);
-    ``active`` switches their emulation on or off in this thread. A no-op without them."""
+    ``mask`` sets the dtypes they emulate in this thread (``_state.native_mask()``: 1 FP16,
+    2 BF16, 0 none: off). A no-op without them."""
     ops = _KernelOverrides.native
     if ops is None:
         return
-    counts = ops.emulation_sync(active)[: len(_NATIVE_NAMES)]  # then the number of buffers held
+    counts = ops.emulation_sync(mask)[: len(_NATIVE_NAMES)]  # then the number of buffers held
     if any(counts):
         into = _state.counts
         for name, n in zip(_NATIVE_NAMES, counts):

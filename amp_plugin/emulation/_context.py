@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Dict, Union
+from typing import Dict, Iterable, Union
 
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
@@ -15,7 +15,10 @@ from amp_plugin.emulation._backends import (
     _KernelOverrides,
     native_sync,
 )
-from amp_plugin.emulation._ops import _HALF, _state
+from amp_plugin.emulation._common import _DTYPE_ALIASES, _HALF, _state
+from amp_plugin.emulation._cpu import _as_half_dtype, cpu_half_path
+
+__all__ = ["CpuHalfEmulation", "should_emulate"]
 
 
 # ----------------------------------------------------------------------------
@@ -38,6 +41,10 @@ class CpuHalfEmulation:
     Args:
         enabled: ``False`` makes the context a no-op, convenient as
             ``CpuHalfEmulation(enabled=should_emulate(device, dtype))``.
+        dtypes: the half dtypes to emulate: both (the default), one of them
+            (``torch.float16``/``"fp16"``, ``torch.bfloat16``/``"bf16"``, or a list), or ``"auto"``:
+            those for which :func:`~amp_plugin.emulation.cpu_half_path` does not pick the native
+            kernels on this CPU. Ops on the other half dtype run natively inside the context.
         backend: ``"kernel"`` (CPU kernels overridden while in use; no cost for ops
             that are not covered), ``"mode"`` (a ``TorchDispatchMode``; a few
             microseconds on every op), or ``"auto"`` (``"kernel"`` where the
@@ -45,14 +52,20 @@ class CpuHalfEmulation:
 
     * Re-entrant and nestable: nested contexts (the same instance or new ones)
       share the thread's interception, so nesting costs nothing per op; emulation
-      stays on until the outermost context exits, exceptions included.
+      stays on until the outermost context exits, exceptions included. A dtype is
+      emulated while any active context of the thread emulates it.
     * Harmless where there is nothing to emulate: FP32 and non-CPU tensors pass
       through untouched.
     * :attr:`emulated_calls` counts, per aten overload, the ops this instance
       emulated in its thread while it was active (nested contexts included).
     """
 
-    def __init__(self, enabled: bool = True, backend: str = "auto") -> None:
+    def __init__(
+        self,
+        enabled: bool = True,
+        backend: str = "auto",
+        dtypes: Union[str, torch.dtype, Iterable[Union[str, torch.dtype]], None] = None,
+    ) -> None:
         if backend not in _BACKENDS:
             raise ValueError(f"backend={backend!r} is not allowed; expected one of {list(_BACKENDS)}")
         if backend == "auto":
@@ -64,6 +77,7 @@ class CpuHalfEmulation:
             )
         self.enabled = bool(enabled)
         self.backend = backend
+        self.dtypes: frozenset = _parse_dtypes(dtypes)
         # one entry per __enter__ still open: (kind, pushed mode or None, counts snapshot or None)
         self._frames: list = []
         self._calls: Dict[str, int] = {}
@@ -78,13 +92,15 @@ class CpuHalfEmulation:
             native_sync()
         # the first active frame of this instance takes the counts snapshot
         snapshot = None if self.active else dict(state.counts)
+        state.add_dtypes(self.dtypes, +1)
         if self.backend == "kernel":
             if state.kernel_depth == 0:
                 _KernelOverrides.acquire()
-                native_sync(True)
             state.kernel_depth += 1
+            native_sync(state.native_mask())
             self._frames.append(("kernel", None, snapshot))
             return self
+        native_sync(state.native_mask())
         pushed = None
         if _active_mode() is None:
             pushed = _EmulationMode()
@@ -100,11 +116,14 @@ class CpuHalfEmulation:
             return None
         state = _state
         if state.kernel_depth:
-            native_sync(False if kind == "kernel" and state.kernel_depth == 1 else None)
+            native_sync()
         if snapshot is not None:
             self._accumulate(state.counts, snapshot, self._calls)
+        state.add_dtypes(self.dtypes, -1)
         if kind == "kernel":
             state.kernel_depth -= 1
+        native_sync(state.native_mask())  # off in this thread once the last kernel context exits
+        if kind == "kernel":
             if state.kernel_depth == 0:
                 _KernelOverrides.release()
         elif pushed is not None:
@@ -187,47 +206,36 @@ class CpuHalfEmulation:
         ]
 
     def __repr__(self) -> str:
-        return f"CpuHalfEmulation(enabled={self.enabled}, backend={self.backend!r}, active={self.active})"
+        names = sorted(str(dt).removeprefix("torch.") for dt in self.dtypes)
+        return (
+            f"CpuHalfEmulation(enabled={self.enabled}, backend={self.backend!r}, dtypes={names}, "
+            f"active={self.active})"
+        )
 
 
 # ----------------------------------------------------------------------------
 # helpers
 # ----------------------------------------------------------------------------
 
-_DTYPE_ALIASES = {
-    "fp16": torch.float16,
-    "float16": torch.float16,
-    "half": torch.float16,
-    "16": torch.float16,
-    "16-true": torch.float16,
-    "16-mixed": torch.float16,
-    "bf16": torch.bfloat16,
-    "bfloat16": torch.bfloat16,
-    "bf16-true": torch.bfloat16,
-    "bf16-mixed": torch.bfloat16,
-    "fp32": torch.float32,
-    "float32": torch.float32,
-    "float": torch.float32,
-    "32": torch.float32,
-    "32-true": torch.float32,
-    "fp64": torch.float64,
-    "float64": torch.float64,
-    "double": torch.float64,
-    "64": torch.float64,
-    "64-true": torch.float64,
-}
+
+def _parse_dtypes(dtypes) -> frozenset:
+    if dtypes is None:
+        return _HALF
+    if isinstance(dtypes, str) and dtypes.strip().lower() == "auto":
+        return frozenset(dt for dt in _HALF if not cpu_half_path(dt).native)
+    if isinstance(dtypes, (str, torch.dtype)):
+        dtypes = (dtypes,)
+    try:
+        items = list(dtypes)
+    except TypeError:
+        raise TypeError(
+            f"dtypes={dtypes!r} is not allowed: expected torch.float16 and/or torch.bfloat16 "
+            "(a dtype, a precision string, a list of them) or 'auto'"
+        ) from None
+    return frozenset(_as_half_dtype(d, "dtypes") for d in items)
 
 
-def should_emulate(
-    device: Union[torch.device, str, int, None], dtype: Union[torch.dtype, str]
-) -> bool:
-    """True when :class:`CpuHalfEmulation` applies: a CPU device and FP16/BF16.
-
-    ``device``: a ``torch.device``, a string (``"cpu"``, ``"cuda:0"``), an int
-    (a CUDA ordinal) or None (the current default device). ``dtype``: a
-    ``torch.dtype`` or a precision string (``"fp16"``, ``"bf16"``, ``"16-mixed"``,
-    ``"bf16-true"``, ``"fp32"``, ...). This is what ``emulate="auto"`` decides on.
-    """
+def _resolve_precision(dtype: Union[torch.dtype, str]) -> torch.dtype:
     if isinstance(dtype, str):
         key = dtype.strip().lower()
         if key not in _DTYPE_ALIASES:
@@ -235,13 +243,31 @@ def should_emulate(
                 f"unknown precision {dtype!r}; expected a torch.dtype or one of "
                 f"{sorted(_DTYPE_ALIASES)}"
             )
-        dtype = _DTYPE_ALIASES[key]
-    elif not isinstance(dtype, torch.dtype):
+        return _DTYPE_ALIASES[key]
+    if not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype or a string, got {type(dtype).__name__}")
+    return dtype
+
+
+def should_emulate(
+    device: Union[torch.device, str, int, None], dtype: Union[torch.dtype, str]
+) -> bool:
+    """True when :class:`CpuHalfEmulation` is the faithful and fastest path: a CPU device,
+    FP16/BF16, and a CPU whose native kernels for that dtype are not both faithful and fast
+    (:func:`~amp_plugin.emulation.cpu_half_path`; e.g. False for BF16 on CPUs with
+    ``avx512_bf16`` or AMX-BF16, whose oneDNN BF16 GEMMs accumulate in FP32 at about half the
+    FP32 time).
+
+    ``device``: a ``torch.device``, a string (``"cpu"``, ``"cuda:0"``), an int
+    (a CUDA ordinal) or None (the current default device). ``dtype``: a
+    ``torch.dtype`` or a precision string (``"fp16"``, ``"bf16"``, ``"16-mixed"``,
+    ``"bf16-true"``, ``"fp32"``, ...). This is what ``emulate="auto"`` decides on.
+    """
+    dtype = _resolve_precision(dtype)
     if device is None:
         device = torch.get_default_device()
     elif isinstance(device, int):
         device = torch.device("cuda", device)
     else:
         device = torch.device(device)
-    return device.type == "cpu" and dtype in _HALF
+    return device.type == "cpu" and dtype in _HALF and not cpu_half_path(dtype).native

@@ -12,7 +12,15 @@ the trip into Python on every call.
 
 The kernels are built with ``torch.utils.cpp_extension.load`` the first time they are needed
 (about 25 s with two cores; cached under ``TORCH_EXTENSIONS_DIR``, by default
-``~/.cache/torch_extensions``, after that). Without a C++ compiler, or with
+``~/.cache/torch_extensions``, after that). One build is compiled per CPU variant:
+``avx512`` (AVX-512 F/BW/VL/DQ, 512-bit loops) where ``torch.backends.cpu.get_cpu_capability()``
+is ``"AVX512"``, ``avx2`` (AVX2, FMA, F16C) where it is ``"AVX2"``, ``generic`` elsewhere; all
+three are written to compute the same bits (``tests/test_fused.py`` checks the variant of the
+CPU it runs on against the stock ops). The cache entry is named by a hash of the sources, the compiler
+flags, the torch and Python versions and the variant (:func:`build_name`), so checkouts with
+different sources, or environments with different torch builds, sharing one cache never
+rebuild each other's entry; the sources are copied into the entry first, so identical
+sources from different checkouts share one build. Without a C++ compiler, or with
 ``AMP_PLUGIN_FUSED=0`` in the environment, :func:`kernels` returns ``None`` and
 ``MasterWeightOptimizer`` uses stock torch ops (the same update, about 1.4x slower on CPU)
 and ``CpuHalfEmulation`` its Python kernels (the same results, some 50 us more per matmul).
@@ -20,8 +28,11 @@ and ``CpuHalfEmulation`` its Python kernels (the same results, some 50 us more p
 
 from __future__ import annotations
 
+import hashlib
 import os
+import platform
 import shutil
+import sys
 import threading
 import warnings
 from pathlib import Path
@@ -29,26 +40,68 @@ from typing import Any
 
 import torch
 
-__all__ = ["kernels", "unavailable_reason", "ENV_SWITCH"]
+__all__ = ["kernels", "unavailable_reason", "build_name", "variant", "ENV_SWITCH"]
 
 ENV_SWITCH = "AMP_PLUGIN_FUSED"
-_SOURCES = [str(Path(__file__).with_name(name)) for name in ("master_step.cpp", "emulate.cpp")]
-_VERSION = 11  # bump when a source changes: the build cache is keyed by name
+_SOURCES = [Path(__file__).with_name(name) for name in ("master_step.cpp", "emulate.cpp")]
+# -fopenmp: at::parallel_for is inline, and without it runs on one thread.
+_BASE_FLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-fopenmp")
+_LDFLAGS = ("-fopenmp",)
+_VARIANT_FLAGS = {
+    # the AVX2 intrinsics stay in use for what has no 512-bit loop; 512-bit auto-vectorisation
+    "avx512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c",
+               "-mprefer-vector-width=512"),
+    "avx2": ("-mavx2", "-mfma", "-mf16c"),  # torch's "AVX2" capability implies FMA; F16C comes with them
+    "generic": (),
+}
 _lock = threading.Lock()
 _state: dict[str, Any] = {"tried": False, "ops": None, "error": None}
 
 
+def variant(capability: str | None = None) -> str:
+    """The build variant for a torch CPU capability (default: this CPU's,
+    ``torch.backends.cpu.get_cpu_capability()``): ``"avx512"``, ``"avx2"`` or ``"generic"``."""
+    capability = torch.backends.cpu.get_cpu_capability() if capability is None else capability
+    return {"AVX512": "avx512", "AVX2": "avx2"}.get(capability, "generic")
+
+
+def build_name(sources: list[bytes], flags: list[str], variant_name: str, ldflags: tuple = _LDFLAGS) -> str:
+    """The cache entry's name: the variant and a hash of the source texts, the flags, the torch
+    and Python versions, the machine and ``$CXX``. Equal only when all of them are equal."""
+    digest = hashlib.sha256()
+    for part in (
+        *sources, "--flags", *flags, "--ldflags", *ldflags, "--environment", torch.__version__,
+        str(torch.version.git_version), f"{sys.version_info[0]}.{sys.version_info[1]}{getattr(sys, 'abiflags', '')}",
+        platform.machine(), os.environ.get("CXX", ""),
+    ):
+        data = part if isinstance(part, bytes) else part.encode()
+        digest.update(len(data).to_bytes(8, "little"))  # length-prefixed: no two part lists collide
+        digest.update(data)
+    return f"amp_plugin_fused_{variant_name}_{digest.hexdigest()[:16]}"
+
+
 def _flags() -> tuple[str, list[str]]:
-    """Compiler flags for this CPU, and a name that keeps each variant's build apart."""
-    # -fopenmp: at::parallel_for is inline, and without it runs on one thread.
-    flags = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-fopenmp"]
-    capability = torch.backends.cpu.get_cpu_capability()  # "AVX2" needs AVX2 and FMA; F16C comes with them
-    if capability in ("AVX2", "AVX512"):
-        flags += ["-mavx2", "-mfma", "-mf16c"]
-        variant = "avx2"
-    else:
-        variant = "generic"
-    return f"amp_plugin_fused_v{_VERSION}_{variant}", flags
+    """This CPU's build: its cache entry's name and its compiler flags."""
+    name = variant()
+    flags = [*_BASE_FLAGS, *_VARIANT_FLAGS[name]]
+    return build_name([path.read_bytes() for path in _SOURCES], flags, name), flags
+
+
+def _staged_sources(build_directory: str) -> list[str]:
+    """Copy the sources into ``build_directory/src`` (once; the directory's name is their hash)
+    and return the copies' paths: the build then never depends on where the checkout is."""
+    target = Path(build_directory) / "src"
+    target.mkdir(parents=True, exist_ok=True)
+    staged = []
+    for path in _SOURCES:
+        dest = target / path.name
+        data = path.read_bytes()
+        if not dest.exists() or dest.read_bytes() != data:
+            tmp = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
+            tmp.write_bytes(data)
+            os.replace(tmp, dest)  # atomic: a concurrent build reads the old or the new copy, whole
+        staged.append(str(dest))
+    return staged
 
 
 def unavailable_reason() -> str | None:
@@ -79,15 +132,18 @@ def _build() -> Any | None:
     name, flags = _flags()
     try:
         if not hasattr(torch.ops.amp_plugin, "emulation_sync"):
-            from torch.utils.cpp_extension import load
+            from torch.utils.cpp_extension import _get_build_directory, load
 
             if shutil.which("ninja") is None:  # the ninja wheel's binary, when its bin/ is not on PATH
                 import ninja
 
                 os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
-            load(name=name, sources=_SOURCES, extra_cflags=flags, extra_ldflags=["-fopenmp"],
-                 is_python_module=False, verbose=False)
+            build_directory = _get_build_directory(name, False)
+            # copies of the flag lists: load() appends to the lists it is given
+            load(name=name, sources=_staged_sources(build_directory), extra_cflags=list(flags),
+                 extra_ldflags=list(_LDFLAGS), build_directory=build_directory, is_python_module=False,
+                 verbose=False)
         return torch.ops.amp_plugin
     except Exception as err:  # no compiler, no ninja, a read-only cache: stock ops still work
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else ""

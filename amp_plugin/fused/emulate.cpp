@@ -2,7 +2,7 @@
 //
 // While installed, these replace the CPU kernels of aten::mm, addmm, bmm and baddbmm (the
 // default overloads: what F.linear, torch.matmul and their backward reach). A call with
-// FP16/BF16 operands, in a thread where emulation is switched on, upcasts the operands to
+// FP16/BF16 operands, in a thread where that dtype is emulated, upcasts the operands to
 // FP32, runs the FP32 CPU kernel and rounds the result to the input dtype once: the same
 // computation as the Python handlers in amp_plugin/emulation/_ops.py, bit for bit, without
 // a trip into Python. Every other call goes straight to the FP32/native CPU kernel
@@ -10,9 +10,10 @@
 //
 //   emulation_install() / emulation_uninstall(): register / remove the kernels (the
 //     dispatcher's previous CPU kernels take over again).
-//   emulation_sync(bool? active): switch emulation on or off in the calling thread (None
-//     leaves it as is); returns this thread's per-op counts of emulated calls (mm, addmm,
-//     bmm, baddbmm), resetting them, followed by the number of FP32 buffers it holds.
+//   emulation_sync(int? mask): set the dtypes emulated in the calling thread (bit 1: FP16,
+//     bit 2: BF16, 0: off; None leaves it as is); returns this thread's per-op counts of
+//     emulated calls (mm, addmm, bmm, baddbmm), resetting them, followed by the number of
+//     FP32 buffers it holds. Calls in other dtypes go to the native kernel.
 
 #include <ATen/ATen.h>
 #include <ATen/ops/addmm_cpu_dispatch.h>
@@ -34,19 +35,25 @@ namespace {
 enum Op { kMm = 0, kAddmm, kBmm, kBaddbmm, kNumOps };
 
 // Operands at least this large (elements) are upcast into per-thread FP32 buffers reused
-// while emulation stays on (see _SCRATCH_MIN_NUMEL in _ops.py), and so is the FP32 result
+// while emulation stays on (see _SCRATCH_MIN_NUMEL in _common.py), and so is the FP32 result
 // before it is rounded: a fresh allocation this large costs more than the conversion (the
 // memory comes back from the OS zeroed, page by page).
 constexpr int64_t kScratchMinNumel = 32768;
 constexpr int kResultSlot = 3;  // slots 0-2: operands
 
-thread_local bool tl_active = false;
+constexpr int64_t kHalfBit = 1;      // _DTYPE_BITS in amp_plugin/emulation/_common.py
+constexpr int64_t kBFloat16Bit = 2;
+
+thread_local int64_t tl_mask = 0;  // the dtypes emulated in this thread
 thread_local std::array<int64_t, kNumOps> tl_counts{};
 thread_local std::array<at::Tensor, 4> tl_scratch;
 
 inline bool emulated(const at::Tensor& a) {
+  if (tl_mask == 0) {
+    return false;
+  }
   const auto dt = a.scalar_type();
-  return tl_active && (dt == at::kHalf || dt == at::kBFloat16);
+  return (dt == at::kHalf && (tl_mask & kHalfBit)) || (dt == at::kBFloat16 && (tl_mask & kBFloat16Bit));
 }
 
 // t.float(), keeping t's strides; large dense operands go into the thread's buffer `slot`.
@@ -165,12 +172,12 @@ void emulation_uninstall() {
   g_library.reset();  // deregisters: the previous CPU kernels are computed again
 }
 
-std::vector<int64_t> emulation_sync(std::optional<bool> active) {
+std::vector<int64_t> emulation_sync(std::optional<int64_t> mask) {
   std::vector<int64_t> result(tl_counts.begin(), tl_counts.end());
   tl_counts = {};
-  if (active.has_value()) {
-    tl_active = *active;
-    if (!tl_active) {
+  if (mask.has_value()) {
+    tl_mask = *mask;
+    if (tl_mask == 0) {
       tl_scratch = {};  // the FP32 buffers live only while emulation is on
     }
   }
@@ -183,5 +190,5 @@ std::vector<int64_t> emulation_sync(std::optional<bool> active) {
 TORCH_LIBRARY_FRAGMENT(amp_plugin, m) {
   m.def("emulation_install() -> ()", &emulation_install);
   m.def("emulation_uninstall() -> ()", &emulation_uninstall);
-  m.def("emulation_sync(bool? active) -> int[]", &emulation_sync);
+  m.def("emulation_sync(int? mask) -> int[]", &emulation_sync);
 }
