@@ -54,3 +54,14 @@ def check_against_fp32(fn, inputs, dtype, backend, grad=True, seed=0):
                 continue
             assert_bitwise(h.grad, f.grad.to(dtype), f"grad of input {i}")
     return emu
+
+
+def simulated_cpu(**flags):
+    """CPU features to pretend to have (an AVX512 CPU without half-precision units, plus ``flags``);
+    pass them to the ``simulate`` fixture of ``conftest.py``."""
+    from amp_plugin.emulation import _cpu
+
+    base = dict(model="simulated", capability="AVX512", avx512_bf16=False, amx_bf16=False, avx512_fp16=False,
+                amx_fp16=False, onednn_bf16=True, onednn_fp16=False)
+    base.update(flags)
+    return _cpu.CpuFeatures(**base)

@@ -41,3 +41,17 @@ def pl(request) -> ModuleType:
     """Each installed Lightning namespace in turn (``lightning.pytorch``, ``pytorch_lightning``):
     the plugin and callback suites run against both from one set of tests."""
     return request.param
+
+
+@pytest.fixture
+def simulate(monkeypatch):
+    """Pretend to run on another CPU: ``simulate(simulated_cpu(...))``; the real probe comes back after."""
+    from amp_plugin.emulation import _cpu
+
+    def apply(features):
+        monkeypatch.setattr(_cpu, "_detect", lambda: features)
+        _cpu._clear_cache()
+
+    yield apply
+    monkeypatch.undo()
+    _cpu._clear_cache()

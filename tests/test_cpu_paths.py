@@ -22,6 +22,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from _emulation_helpers import DTYPES, ids, rnd
+from _emulation_helpers import simulated_cpu as _features
 
 from amp_plugin.emulation import CpuHalfEmulation, CpuPath, cpu_features, cpu_half_path, should_emulate
 from amp_plugin.emulation import _cpu
@@ -203,26 +204,6 @@ def test_native_conv2d_is_faithful(dtype):
 
 
 # ------------------------------------------------------------------ what auto picks
-
-
-def _features(**flags) -> _cpu.CpuFeatures:
-    base = dict(model="simulated", capability="AVX512", avx512_bf16=False, amx_bf16=False, avx512_fp16=False,
-                amx_fp16=False, onednn_bf16=True, onednn_fp16=False)
-    base.update(flags)
-    return _cpu.CpuFeatures(**base)
-
-
-@pytest.fixture
-def simulate(monkeypatch):
-    """Pretend to run on another CPU: ``simulate(features)``; the real probe comes back after."""
-
-    def apply(features):
-        monkeypatch.setattr(_cpu, "_detect", lambda: features)
-        _cpu._clear_cache()
-
-    yield apply
-    monkeypatch.undo()
-    _cpu._clear_cache()
 
 
 F16, BF16 = torch.float16, torch.bfloat16

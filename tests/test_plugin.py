@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from _emulation_helpers import simulated_cpu
 from _models import PicklableClassifier, TinyClassifier, as_lightning, quiet_trainer, tiny_data
 
 from amp_plugin import (
@@ -259,23 +260,32 @@ def test_nan_loss_is_skipped(pl):
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
+AVX2_ONLY = simulated_cpu(capability="AVX2", onednn_bf16=False)
+AVX512_BF16 = simulated_cpu(avx512_bf16=True)
+
+
 @pytest.mark.parametrize(
-    "kwargs, emulating",
+    "cpu, kwargs, emulating, path",
     [
-        (dict(precision="fp16"), True),
-        (dict(precision="bf16", master_weights=False, autocast=True), True),
-        (dict(precision="fp16", emulate="off"), False),
-        (dict(precision="fp32", emulate="on"), False),
+        (AVX2_ONLY, dict(precision="fp16"), True, "fp16: emulated (no native FP16 GEMM"),
+        (AVX2_ONLY, dict(precision="bf16_autocast"), True, "bf16: emulated (no native BF16 GEMM"),
+        (AVX512_BF16, dict(precision="bf16_autocast"), False, "bf16: native (avx512_bf16)"),
+        (AVX512_BF16, dict(precision="fp16"), True, "fp16: emulated (no native FP16 GEMM"),
+        (AVX2_ONLY, dict(precision="fp16", emulate="off"), False, "fp16: native CPU kernels, forced by emulate='off'"),
+        (AVX512_BF16, dict(precision="bf16", emulate="on"), True, "bf16: emulated (FP32 matmuls rounded once), "
+                                                                  "forced by emulate='on' (auto: native (avx512_bf16))"),
+        (AVX2_ONLY, dict(precision="fp32", emulate="on"), False, "fp32"),
     ],
 )
-def test_emulation_auto_choice_is_logged_once(pl, kwargs, emulating, caplog):
+def test_the_cpu_path_is_chosen_per_dtype_and_logged_once(pl, simulate, cpu, kwargs, emulating, path, caplog):
+    simulate(cpu)
     plugin = MixedPrecisionPlugin(**kwargs)
     with caplog.at_level(logging.INFO):
         fit(pl, as_lightning(pl, TinyClassifier)(), plugin, max_steps=2)
     assert plugin.emulating == emulating
+    assert plugin.compute_path.startswith(path)
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("amp_plugin:")]
-    assert len(lines) == 1
-    assert ("emulation on" in lines[0]) == emulating
+    assert len(lines) == 1 and plugin.compute_path in lines[0]
 
 
 def test_norm_layers_are_never_rounded_through_half():

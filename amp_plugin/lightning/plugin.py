@@ -27,7 +27,7 @@ from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
 from amp_plugin.dynamic_scaler import LossScaleCollapseError
-from amp_plugin.emulation import CpuHalfEmulation, should_emulate
+from amp_plugin.emulation import CpuHalfEmulation, cpu_half_path, should_emulate
 from amp_plugin.half_module import cast_floating, cast_module
 from amp_plugin.lightning import checkpoint_state
 from amp_plugin.lightning._namespace import LIGHTNING_MODULES, Precision, rank_zero_info, trainer_calls
@@ -65,10 +65,12 @@ class MixedPrecisionPlugin(Precision):
             With ``precision="fp32"`` both are ignored.
         scaler: ``"auto"`` (default: ``DynamicLossScaler()`` for FP16, none for BF16/FP32),
             ``None`` for no loss scaling, or a :class:`~amp_plugin.LossScaler`.
-        emulate: ``"auto"`` picks, per CPU and dtype, the faithful path that is fastest
-            (:class:`~amp_plugin.CpuHalfEmulation` computes half-precision matmuls in FP32 and
-            rounds the result once, GPU Tensor Core numerics); ``"on"`` forces emulation;
-            ``"off"`` uses the native CPU kernels.
+        emulate: ``"auto"`` picks, per dtype and CPU, the path that is faithful (products
+            summed in FP32, rounded once, as on GPU Tensor Cores) and fastest
+            (:func:`~amp_plugin.emulation.cpu_half_path`): native oneDNN BF16 on
+            ``avx512_bf16``/AMX-BF16, native FP16 on ``avx512_fp16``/AMX-FP16, otherwise
+            :class:`~amp_plugin.CpuHalfEmulation` (FP32 matmuls rounded once). ``"on"`` forces
+            the emulation, ``"off"`` the native CPU kernels.
         skip_lr_on_overflow: a skipped step does not advance "step"-interval LR schedulers.
 
     Attributes:
@@ -78,6 +80,8 @@ class MixedPrecisionPlugin(Precision):
         last_nonfinite_params: on a skipped step, ``(name, count)`` of the parameters whose
             gradients were inf/NaN (the top few).
         emulating: whether CPU half emulation is on for this run (known once fitting starts).
+        compute_path: how this run's half-precision matmuls run and why, e.g.
+            ``"bf16: native (avx512_bf16)"`` (known once fitting starts).
     """
 
     def __init__(
@@ -95,6 +99,7 @@ class MixedPrecisionPlugin(Precision):
         self.precision = self.settings.lightning_precision  # what Lightning's `trainer.precision` reports
         self.last_nonfinite_params: list[tuple[str, int]] = []
         self.emulating = False
+        self.compute_path = ""
         self._device_type = "cpu"
         self._module: Any = None
         self._pending_update = False
@@ -167,6 +172,7 @@ class MixedPrecisionPlugin(Precision):
         self._device_type = param.device.type if param is not None else "cpu"
         if self.emulate == "on" or (self.emulate == "auto" and should_emulate(self._device_type, self.compute_dtype)):
             self.emulating = self.amp_precision != "fp32"
+        self.compute_path = self._compute_path()
         if self.emulating and self._emulation_hold is None:
             # Keep the emulation kernels registered for the whole run: each forward/backward
             # context then costs a counter update instead of a kernel registration.
@@ -190,14 +196,22 @@ class MixedPrecisionPlugin(Precision):
 
     def describe(self) -> str:
         """One line saying what this plugin does on this run."""
-        emulation = (
-            "CPU half-precision emulation on (FP32 matmul, one rounding)" if self.emulating
-            else "native half-precision kernels"
-        )
-        scaler = repr(self.scaler) if self.scaler.is_enabled() else "none"
         if self.amp_precision == "fp32":
             return "precision=fp32 (no loss scaling, no master weights)"
-        return f"precision={self.settings.preset}: {self.settings.describe()}; loss scaler={scaler}; {emulation}"
+        scaler = repr(self.scaler) if self.scaler.is_enabled() else "none"
+        return f"precision={self.settings.preset}: {self.settings.describe()}; loss scaler={scaler}; {self.compute_path}"
+
+    def _compute_path(self) -> str:
+        """``"<dtype>: native|emulated (why)"`` for this run's device and settings."""
+        dtype = self.amp_precision
+        if dtype == "fp32":
+            return "fp32"
+        if self._device_type != "cpu":
+            return f"{dtype}: native ({self._device_type})"
+        if self.emulate != "auto":
+            how = "emulated (FP32 matmuls rounded once)" if self.emulating else "native CPU kernels"
+            return f"{dtype}: {how}, forced by emulate={self.emulate!r} (auto: {cpu_half_path(self.compute_dtype).reason})"
+        return f"{dtype}: {cpu_half_path(self.compute_dtype).reason}"
 
     # ------------------------------------------------------------------ forward / backward
     @override
@@ -306,7 +320,7 @@ class MixedPrecisionPlugin(Precision):
 
     # ------------------------------------------------------------------ internals
     def _emulation(self) -> contextlib.AbstractContextManager:
-        return CpuHalfEmulation() if self.emulating else contextlib.nullcontext()
+        return CpuHalfEmulation(dtypes=(self.compute_dtype,)) if self.emulating else contextlib.nullcontext()
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         if not self.autocast:
