@@ -1,0 +1,440 @@
+"""FSDP2 under Lightning's ModelParallelStrategy on CPU (gloo, 2 processes) with
+:class:`amp_plugin.fsdp_prototype.FSDP2MixedPrecisionPlugin`.
+
+The multi-process tests run this file as a script (``python test_fsdp_prototype.py OUT_DIR
+SCENARIO PRECISION``; Lightning launches the second rank with the same command). Each
+scenario writes ``OUT_DIR/<name>_rank<r>.pt`` per rank:
+
+- ``single``: one process, no FSDP, the plain ``MixedPrecisionPlugin`` (the reference);
+- ``fsdp``: ``fully_shard_mixed`` with the plugin's policy, gradient clipping by norm;
+- ``plain``: the user's ``fully_shard`` without ``mp_policy`` (the plugin sets it);
+- ``presets``: every preset of ``configs/precision`` for 3 steps;
+- ``overflow``: an inf injected into rank 1's gradient shard at step 2 only;
+- ``resume``: an uninterrupted run against one stopped at step 4 and resumed, with full and
+  with distributed checkpoints;
+- ``bad_policy``: a policy that contradicts the preset (the error message is saved).
+
+Every run sees the same global batch at the same step: batch ``k`` comes from a generator
+seeded with ``k`` and each rank takes the rows ``rank::world_size``, so a resumed run reads
+what an uninterrupted one does, and two ranks together read what one process reads.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import pytorch_lightning as pl
+import torch
+import torch.nn.functional as F
+from pytorch_lightning.strategies import ModelParallelStrategy
+from torch import nn
+
+from amp_plugin import DynamicLossScaler, MixedPrecisionPlugin
+from amp_plugin.app.schema import PRESETS
+from amp_plugin.fsdp_prototype import (
+    FSDP2MixedPrecisionPlugin,
+    fully_shard_mixed,
+    local_grad,
+    mp_policy_for,
+    sharded_grad_stats,
+    unscale_local_shards,
+)
+from amp_plugin.plugin import CHECKPOINT_KEY
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# ---------------------------------------------------------------------------------- the worker
+WIDTH, BATCH = 32, 16
+CLIP = 0.05  # small enough that norm clipping acts at every step
+
+
+class Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + F.gelu(self.fc(self.norm(x)))
+
+
+class Net(pl.LightningModule):
+    def __init__(self, shard: str | None, overflow_at: tuple[int, ...] = (), lr: float = 1e-2) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, WIDTH), Block(WIDTH), Block(WIDTH), nn.Linear(WIDTH, 2))
+        self.shard = shard
+        self.overflow_at = set(overflow_at)
+        self.lr = lr
+        self.record: dict[str, list] = {"lr": [], "local": [], "fc_dtype": [], "norm_out": [], "nonfinite": [],
+                                         "grad_norm": []}
+        self.full_params: list[torch.Tensor] = []
+        self.init_params: list[torch.Tensor] = []
+
+    def configure_model(self) -> None:
+        if self.shard is None:
+            return
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mesh = self.device_mesh["data_parallel"]
+        if self.shard == "helper":
+            fully_shard_mixed(self.net, mesh, self.trainer.precision_plugin, units=(Block,))
+        elif self.shard == "plain":
+            for block in self.net[1:3]:
+                fully_shard(block, mesh=mesh)
+            fully_shard(self.net, mesh=mesh)
+        elif self.shard == "bad":
+            fully_shard(self.net, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        g = torch.Generator().manual_seed(self.global_step)
+        x = torch.randn(BATCH, 8, generator=g)
+        y = (x[:, 0] + 0.5 * x[:, 1] > 0).long()
+        x, y = x[self.global_rank :: self.trainer.world_size], y[self.global_rank :: self.trainer.world_size]
+        if self.shard is None:  # FSDP2 casts the root's inputs itself (MixedPrecisionPolicy.cast_forward_inputs)
+            x = x.to(self.net[0].weight.dtype)
+        return F.cross_entropy(self(x).float(), y)
+
+    def on_fit_start(self) -> None:
+        # the dtype the blocks' matmuls compute in, and what the norm layers hand on
+        self.net[1].fc.register_forward_hook(lambda m, i, o: self.record["fc_dtype"].append(str(o.dtype)))
+        self.net[1].norm.register_forward_hook(lambda m, i, o: self.record["norm_out"].append(str(o.dtype)))
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        if self.shard is None:
+            return
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        full = [g.full_tensor() for g in grads]  # a collective, on every rank
+        self.record["grad_norm"].append(float(torch.linalg.vector_norm(torch.stack([f.norm() for f in full]))))
+        if self.global_step == 1:  # GradientHealthMonitor's statistics over whole tensors, from the shards
+            from amp_plugin.callbacks.grad_health import measure
+
+            self.record["stats_sharded"] = sharded_grad_stats(grads, 1024.0)
+            self.record["stats_full"] = measure(full, 1024.0)
+
+    def on_after_backward(self) -> None:
+        if self.global_step in self.overflow_at and self.global_rank == 1:
+            local_grad(self.net[0].weight.grad)[0, 0] = math.inf  # only this rank's shard
+
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+        plugin = self.trainer.precision_plugin
+        self.record["lr"].append(self.trainer.optimizers[0].param_groups[0]["lr"])
+        self.record["local"].append([local_grad(p.detach()).clone() for p in self.parameters()])
+        self.record["nonfinite"].append(list(getattr(plugin, "last_nonfinite_params", [])))
+
+    def on_train_start(self) -> None:
+        self.init_params = self.masters()
+
+    def on_train_end(self) -> None:
+        self.full_params = self.masters()
+
+    def masters(self) -> list[torch.Tensor]:
+        """The FP32 master weights: gathered from the shards (a collective, on every rank), or
+        MasterWeightOptimizer's in one process."""
+        optimizer = self.trainer.optimizers[0]
+        params = optimizer.master_params() if hasattr(optimizer, "master_params") else self.parameters()
+        return [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float().clone() for p in params]
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=self.lr)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(list(range(10_000)), batch_size=1)
+
+
+def scaler() -> DynamicLossScaler:
+    return DynamicLossScaler(init_scale=2.0**10, growth_interval=3, hysteresis=2)
+
+
+def trainer(devices: int, plugin, max_steps: int, distributed_checkpoint: bool = True, **kwargs) -> pl.Trainer:
+    strategy = (
+        ModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1,
+                              save_distributed_checkpoint=distributed_checkpoint)
+        if devices > 1 else "auto"
+    )
+    return pl.Trainer(
+        accelerator="cpu", devices=devices, strategy=strategy, plugins=[plugin], max_steps=max_steps,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        use_distributed_sampler=False, **kwargs,
+    )
+
+
+def result(trainer: pl.Trainer, model: Net, plugin) -> dict:
+    return {
+        "global_step": trainer.global_step,
+        "scaler": plugin.scaler.state_dict() if plugin.scaler is not None else {},
+        "skipped": plugin.scaler.skipped_steps if plugin.scaler is not None else 0,
+        "full_params": model.full_params,
+        "init_params": model.init_params,
+        "record": model.record,
+        "param_types": [type(p).__name__ for p in model.parameters()],
+        "param_dtypes": [str(p.dtype) for p in model.parameters()],
+        "optimizer": type(trainer.optimizers[0]).__name__,
+        "describe": plugin.describe(),
+        "sharded": getattr(plugin, "sharded", None),
+    }
+
+
+def fit(devices: int, plugin, shard, steps: int, overflow_at=(), ckpt_path=None, **kwargs):
+    torch.manual_seed(0)
+    model = Net(shard, overflow_at=overflow_at)
+    t = trainer(devices, plugin, steps, **kwargs)
+    t.fit(model, ckpt_path=ckpt_path)
+    return t, model
+
+
+def worker(out_dir: str, scenario: str, precision: str) -> None:
+    def save(name: str, t: pl.Trainer, data: dict) -> None:
+        torch.save(data, f"{out_dir}/{name}_rank{t.global_rank}.pt")
+
+    if scenario == "single":
+        plugin = MixedPrecisionPlugin(precision, scaler=scaler() if precision == "fp16" else None)
+        t, m = fit(1, plugin, None, 6, gradient_clip_val=CLIP)
+        save("single", t, result(t, m, plugin))
+    elif scenario in ("fsdp", "plain"):
+        plugin = FSDP2MixedPrecisionPlugin(precision, scaler=scaler() if precision == "fp16" else None)
+        t, m = fit(2, plugin, "helper" if scenario == "fsdp" else "plain", 6, gradient_clip_val=CLIP)
+        save(scenario, t, result(t, m, plugin))
+    elif scenario == "presets":
+        for name, (prec, master, autocast) in PRESETS.items():
+            kwargs = {"scaler": DynamicLossScaler(init_scale=2.0**10)} if prec == "fp16" else {}
+            plugin = FSDP2MixedPrecisionPlugin(prec, master_weights=master, autocast=autocast, **kwargs)
+            t, m = fit(2, plugin, "helper", 3)
+            save(f"preset_{name}", t, result(t, m, plugin))
+    elif scenario == "overflow":
+        plugin = FSDP2MixedPrecisionPlugin(precision, scaler=DynamicLossScaler(init_scale=2.0**10, growth_interval=3))
+        t, m = fit(2, plugin, "helper", 5, overflow_at=(2,))
+        save("overflow", t, result(t, m, plugin))
+    elif scenario == "resume":
+        for kind in ("distributed", "full"):
+            dist_ckpt = kind == "distributed"
+            plugin = FSDP2MixedPrecisionPlugin(precision, scaler=scaler())
+            t, m = fit(2, plugin, "helper", 8, overflow_at=(2, 5), distributed_checkpoint=dist_ckpt)
+            save(f"resume_{kind}_whole", t, result(t, m, plugin))
+
+            plugin = FSDP2MixedPrecisionPlugin(precision, scaler=scaler())
+            t, m = fit(2, plugin, "helper", 4, overflow_at=(2, 5), distributed_checkpoint=dist_ckpt)
+            path = f"{out_dir}/{kind}.ckpt"
+            t.save_checkpoint(path)
+            saved_state = plugin.scaler.state_dict()
+            meta = Path(path, "meta.pt") if dist_ckpt else Path(path)
+            in_checkpoint = torch.load(meta, weights_only=False)[CHECKPOINT_KEY]
+
+            plugin = FSDP2MixedPrecisionPlugin(precision, scaler=scaler())
+            t, m = fit(2, plugin, "helper", 8, overflow_at=(2, 5), distributed_checkpoint=dist_ckpt,
+                       ckpt_path=path)
+            save(f"resume_{kind}_resumed", t, {**result(t, m, plugin), "saved_scaler": saved_state,
+                                                          "in_checkpoint": in_checkpoint})
+    elif scenario == "bad_policy":
+        plugin = FSDP2MixedPrecisionPlugin(precision, scaler=scaler() if precision == "fp16" else None)
+        t = trainer(2, plugin, 2)
+        try:
+            t.fit(Net("bad"))
+            message = None
+        except ValueError as err:
+            message = str(err)
+        save("bad_policy", t, {"message": message})
+    else:
+        raise SystemExit(f"unknown scenario {scenario!r}")
+
+
+# ---------------------------------------------------------------------------------- the tests
+_RUNS: dict[tuple[str, str], Path] = {}
+
+
+def run(tmp_path_factory, scenario: str, precision: str) -> Path:
+    """Run a scenario once per session; return its output directory."""
+    key = (scenario, precision)
+    if key not in _RUNS:
+        out = tmp_path_factory.mktemp(f"{scenario}_{precision}")
+        # The checkout under test first: the installed amp_plugin may be another tree.
+        path = os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])
+        env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
+        proc = subprocess.run(
+            [sys.executable, __file__, str(out), scenario, precision],
+            cwd=out, env=env, capture_output=True, text=True, timeout=400, check=False,
+        )
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+        _RUNS[key] = out
+    return _RUNS[key]
+
+
+def load(out: Path, name: str, ranks=(0, 1)) -> list[dict]:
+    return [torch.load(out / f"{name}_rank{r}.pt", weights_only=False) for r in ranks]
+
+
+HALF = {"fp16": "torch.float16", "bf16": "torch.bfloat16"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+@pytest.mark.parametrize("scenario", ["fsdp", "plain"])
+def test_fsdp2_training_matches_one_process(tmp_path_factory, scenario, precision):
+    """Two FSDP2 ranks train like one process on the whole batch: FP32 shards as masters,
+    half-precision compute, gradients clipped by norm, within half-precision tolerance."""
+    (single,) = load(run(tmp_path_factory, "single", precision), "single", ranks=(0,))
+    ranks = load(run(tmp_path_factory, scenario, precision), scenario)
+    assert single["optimizer"] == "MasterWeightOptimizer"
+    for r in ranks:
+        assert r["sharded"] and r["optimizer"] == "AdamW"  # no MasterWeightOptimizer: the shards are the masters
+        assert set(r["param_types"]) == {"DTensor"} and set(r["param_dtypes"]) == {"torch.float32"}
+        assert set(r["record"]["fc_dtype"]) == {HALF[precision]}  # compute in half precision
+        assert set(r["record"]["norm_out"]) == {HALF[precision]}
+        assert min(r["record"]["grad_norm"]) > CLIP  # clipping acted at every step
+        assert r["global_step"] == single["global_step"] == 6
+        assert r["scaler"] == single["scaler"]  # same scale trajectory (fp16), {} for bf16
+        assert r["record"]["lr"] == single["record"]["lr"]
+        assert "FP32 sharded parameters are the master weights" in r["describe"]
+    for a, b in zip(ranks[0]["full_params"], ranks[1]["full_params"]):
+        assert torch.equal(a, b)
+    # What training did: each run's update of its master weights (one process starts from
+    # FP16/BF16-rounded masters, FSDP2 from the exact FP32 initialization).
+    ours = [p - p0 for p, p0 in zip(ranks[0]["full_params"], ranks[0]["init_params"])]
+    ref = [q - q0 for q, q0 in zip(single["full_params"], single["init_params"])]
+    diff = torch.stack([(a - b).norm() for a, b in zip(ours, ref)]).norm() / torch.stack([b.norm() for b in ref]).norm()
+    assert diff < (5e-3 if precision == "fp16" else 5e-2), diff  # measured: 7e-4 and 2e-2
+    tol = 2e-3 if precision == "fp16" else 2e-2
+    for a, b in zip(ranks[0]["full_params"], single["full_params"]):
+        torch.testing.assert_close(a, b, atol=tol, rtol=tol)
+
+
+@pytest.mark.slow
+def test_sharded_gradient_statistics_equal_whole_tensor_statistics(tmp_path_factory):
+    """What GradientHealthMonitor needs under FSDP2: per-parameter counts and amax over the
+    whole tensor, computed on the shards and reduced, the same on every rank."""
+    ranks = load(run(tmp_path_factory, "fsdp", "fp16"), "fsdp")
+    for r in ranks:
+        assert r["record"]["stats_sharded"] == r["record"]["stats_full"]
+    assert ranks[0]["record"]["stats_sharded"] == ranks[1]["record"]["stats_sharded"]
+
+
+@pytest.mark.slow
+def test_fsdp2_every_preset_trains(tmp_path_factory):
+    out = run(tmp_path_factory, "presets", "fp16")
+    for name, (precision, master, autocast) in PRESETS.items():
+        for r in load(out, f"preset_{name}"):
+            assert r["global_step"] == 3 and r["optimizer"] == "AdamW", name
+            compute = "torch.float32" if precision == "fp32" else HALF[precision]
+            assert set(r["record"]["fc_dtype"]) == {compute}, name
+            pure = precision != "fp32" and not master and not autocast
+            assert set(r["param_dtypes"]) == {compute if pure else "torch.float32"}, name
+
+
+@pytest.mark.slow
+def test_fsdp2_overflow_on_one_rank_is_skipped_by_both(tmp_path_factory):
+    ranks = load(run(tmp_path_factory, "overflow", "fp16"), "overflow")
+    for r in ranks:
+        assert r["skipped"] == 1 and r["scaler"]["scale"] == 512.0  # 1024 backed off once
+        local = r["record"]["local"]  # this rank's shards after each step
+        changed = [any(not torch.equal(a, b) for a, b in zip(local[i - 1], local[i])) for i in range(1, len(local))]
+        assert changed == [True, False, True, True]  # step 2 changed nothing, on rank 0 too
+        lr = r["record"]["lr"]
+        assert lr[2] == lr[1] and lr[-1] == pytest.approx(1e-2 * 0.9**4)  # the schedule held once
+        # the whole tensor's count, the same on both ranks
+        assert r["record"]["nonfinite"] == [[], [], [("net.0.weight", 1)], [], []]
+    assert ranks[0]["scaler"] == ranks[1]["scaler"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["distributed", "full"])
+def test_fsdp2_resume_continues_exactly(tmp_path_factory, kind):
+    out = run(tmp_path_factory, "resume", "fp16")
+    for whole, resumed in zip(load(out, f"resume_{kind}_whole"), load(out, f"resume_{kind}_resumed")):
+        saved = resumed["saved_scaler"]
+        assert saved["_growth_tracker"] == 1 and saved["_hysteresis_tracker"] == 1  # mid-run trackers
+        assert resumed["in_checkpoint"]["scaler"] == saved
+        assert resumed["in_checkpoint"]["master_params_in"].startswith("state_dict (FSDP2")
+        assert resumed["scaler"] == whole["scaler"] and whole["scaler"]["skipped_steps"] == 2
+        assert resumed["global_step"] == whole["global_step"] == 8
+        assert resumed["record"]["lr"][-1] == whole["record"]["lr"][-1]
+        for a, b in zip(resumed["full_params"], whole["full_params"]):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.slow
+def test_fsdp2_policy_that_contradicts_the_preset_is_explained(tmp_path_factory):
+    (r,) = load(run(tmp_path_factory, "bad_policy", "fp16"), "bad_policy", ranks=(0,))
+    message = r["message"]
+    assert message is not None
+    assert "'net' has param_dtype=torch.bfloat16" in message
+    assert "precision='fp16' with master weights computes in torch.float16" in message
+    assert "mp_policy=plugin.mp_policy" in message and "fully_shard_mixed" in message
+
+
+# ---------------------------------------------------------------------------------- in-process
+def test_policy_of_each_preset():
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    expected = {
+        "fp32": MixedPrecisionPolicy(),
+        "fp16": MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32),
+        "bf16": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+        "fp16_autocast": MixedPrecisionPolicy(),
+        "bf16_autocast": MixedPrecisionPolicy(),
+        "fp16_pure": MixedPrecisionPolicy(param_dtype=torch.float16),
+        "bf16_pure": MixedPrecisionPolicy(param_dtype=torch.bfloat16),
+    }
+    for name, (precision, master, autocast) in PRESETS.items():
+        assert mp_policy_for(precision, master, autocast) == expected[name], name
+        plugin = FSDP2MixedPrecisionPlugin(precision, master_weights=master, autocast=autocast, scaler=None)
+        assert plugin.mp_policy == expected[name]
+
+
+def test_fully_shard_mixed_rejects_other_policies():
+    with pytest.raises(TypeError, match="FSDP2MixedPrecisionPlugin or a MixedPrecisionPolicy"):
+        fully_shard_mixed(nn.Linear(2, 2), None, "fp16")
+
+
+def test_local_shard_unscale_on_plain_tensors_matches_the_scaler():
+    """Without DTensors the local-shard unscale is the scaler's own in-place unscale."""
+    from amp_plugin.scaler import _unscale_in_place
+
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(5)) for _ in range(3)]
+    grads = [torch.randn(5) * 1024 for _ in params]
+    grads[1][2] = math.inf
+    opt_a, opt_b = torch.optim.SGD(params, lr=0.1), torch.optim.SGD(params, lr=0.1)
+    results = []
+    for unscale in (unscale_local_shards, _unscale_in_place):
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        found = unscale(opt_a if unscale is unscale_local_shards else opt_b,
+                        lambda d: torch.full((), 1 / 1024.0, device=d))
+        results.append(([p.grad.clone() for p in params], {k: v.item() for k, v in found.items()}))
+    assert results[0][1] == results[1][1] == {torch.device("cpu"): 1.0}
+    for a, b in zip(results[0][0], results[1][0]):
+        torch.testing.assert_close(a, b, equal_nan=True)
+
+
+def test_without_fsdp_the_plugin_is_the_base_plugin():
+    from _models import TinyClassifier, quiet_trainer
+
+    plugin = FSDP2MixedPrecisionPlugin("fp16")
+    trainer = quiet_trainer(plugins=[plugin], max_steps=2)
+    trainer.fit(TinyClassifier())
+    assert plugin.sharded is False
+    assert type(trainer.optimizers[0]).__name__ == "MasterWeightOptimizer"
+    assert "FP32 master weights, half-precision model" in plugin.describe()
+
+
+def test_fsdp1_strategy_refuses_the_plugin():
+    """Lightning's FSDPStrategy (FSDP1) only takes FSDPPrecision; ModelParallelStrategy is the way."""
+    from pytorch_lightning.strategies import FSDPStrategy
+
+    with pytest.raises(TypeError, match="can only work with the `FSDPPrecision` plugin, found MixedPrecisionPlugin"):
+        FSDPStrategy(precision_plugin=MixedPrecisionPlugin("fp16"))
+    with pytest.raises(ValueError, match="requires a GPU accelerator"):  # on CPU this comes first
+        pl.Trainer(accelerator="cpu", devices=2, strategy="fsdp", plugins=[MixedPrecisionPlugin("fp16")])
+
+
+if __name__ == "__main__":
+    worker(*sys.argv[1:4])
