@@ -33,7 +33,7 @@ __all__ = ["kernels", "unavailable_reason", "ENV_SWITCH"]
 
 ENV_SWITCH = "AMP_PLUGIN_FUSED"
 _SOURCES = [str(Path(__file__).with_name(name)) for name in ("master_step.cpp", "emulate.cpp")]
-_VERSION = 11  # bump when a source changes: the build cache is keyed by name
+_VERSION = 12  # bump when a source changes: the build cache is keyed by name
 _lock = threading.Lock()
 _state: dict[str, Any] = {"tried": False, "ops": None, "error": None}
 
