@@ -8,7 +8,7 @@ from amp_plugin.dynamic_scaler import DynamicLossScaler, LossScaleCollapseError
 from amp_plugin.emulation import CpuHalfEmulation, should_emulate
 from amp_plugin.half_module import cast_module
 from amp_plugin.master_weights import MasterWeightOptimizer
-from amp_plugin.scaler import LossScaler, ScaleUpdate, StaticLossScaler
+from amp_plugin.scaler import HalfLossWarning, LossScaler, ScaleUpdate, StaticLossScaler
 
 
 def __getattr__(name: str):
@@ -23,6 +23,7 @@ def __getattr__(name: str):
 __all__ = [
     "CpuHalfEmulation",
     "DynamicLossScaler",
+    "HalfLossWarning",
     "LossScaleCollapseError",
     "LossScaler",
     "MasterWeightOptimizer",
