@@ -7,7 +7,7 @@ master weights and CPU half-precision emulation work in a plain PyTorch loop.
 from amp_plugin.dynamic_scaler import DynamicLossScaler, LossScaleCollapseError
 from amp_plugin.emulation import CpuHalfEmulation, should_emulate
 from amp_plugin.half_module import cast_module
-from amp_plugin.master_weights import MasterWeightOptimizer
+from amp_plugin.master_weights import MasterGradWarning, MasterWeightOptimizer
 from amp_plugin.scaler import HalfLossWarning, LossScaler, ScaleUpdate, StaticLossScaler
 
 
@@ -26,6 +26,7 @@ __all__ = [
     "HalfLossWarning",
     "LossScaleCollapseError",
     "LossScaler",
+    "MasterGradWarning",
     "MasterWeightOptimizer",
     "MixedPrecisionPlugin",
     "ScaleUpdate",

@@ -271,6 +271,34 @@ def test_a_gradient_the_kernel_cannot_take_sends_the_step_the_stock_way():
         assert torch.equal(a, b) and torch.equal(p.detach(), a.detach().to(p.dtype))
 
 
+@pytest.mark.parametrize("fused_mode", [None, True])
+def test_a_non_contiguous_parameter_takes_the_stock_way_for_itself(fused_mode, monkeypatch):
+    """A transposed view made a Parameter: the fused unscale and step leave it (and its
+    gradient) to stock ops instead of raising, and train exactly as the stock path."""
+    calls = []
+    real = fused_adam.adam_step
+    monkeypatch.setattr("amp_plugin.master_weights.adam_step", lambda *a: (calls.append(1), real(*a))[1])
+    runs = {}
+    for name, mode in (("fused", fused_mode), ("stock", False)):
+        torch.manual_seed(0)
+        weight = torch.nn.Parameter(torch.randn(6, 4).half().t())  # (4, 6), not contiguous
+        bias = torch.nn.Parameter(torch.randn(4).half())
+        opt = MasterWeightOptimizer(torch.optim.AdamW([weight, bias], lr=1e-2, fused=True), fused=mode)
+        scaler = DynamicLossScaler(init_scale=2.0**8)
+        for i in range(3):
+            x = torch.randn(5, 6, generator=torch.Generator().manual_seed(i)).half()
+            scaler.scale((x @ weight.t() + bias).float().pow(2).mean()).backward()
+            assert not weight.grad.is_contiguous()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+        runs[name] = [weight.detach().clone(), bias.detach().clone(), *(m.detach().clone() for m in opt.master_params())]
+    assert len(calls) == 3  # the fused run took the fused step, the non-contiguous weight included
+    for a, b in zip(runs["fused"], runs["stock"]):
+        assert torch.equal(a, b)
+    assert torch.equal(runs["fused"][0], runs["fused"][2].half())
+
+
 def test_step_hooks_on_the_wrapped_optimizer_pause_the_fused_step(monkeypatch):
     calls = []
     real = fused_adam.adam_step
@@ -296,3 +324,11 @@ def test_step_hooks_on_the_wrapped_optimizer_pause_the_fused_step(monkeypatch):
     with pytest.raises(ValueError, match="step hooks, which the fused step would bypass"):
         MasterWeightOptimizer(hooked_inner, fused=True)
 
+
+def test_a_refused_fused_true_leaves_the_optimizer_as_it_was():
+    model = half_model()
+    inner = torch.optim.AdamW(model.parameters(), amsgrad=True)
+    with pytest.raises(ValueError, match="amsgrad=True"):
+        MasterWeightOptimizer(inner, fused=True)
+    assert [p.dtype for p in inner.param_groups[0]["params"]] == [p.dtype for p in model.parameters()]
+    MasterWeightOptimizer(inner)  # not half wrapped: wrapping it again works
