@@ -179,7 +179,8 @@ class MasterWeightOptimizer(Optimizer):
         self._model_params: list[torch.Tensor] = []
         self._master_params: list[torch.Tensor] = []
         self._half_pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self._half_models: list[torch.Tensor] = []  # the model side of _half_pairs, for the per-step loops
+        self._half_models: list[torch.Tensor] = []  # the two sides of _half_pairs, for the per-step loops
+        self._half_masters: list[torch.Tensor] = []
         self._on_cpu: list[bool] = []  # aligned with _half_pairs: the fused unscale can take its grads
         self._records: list[_Master] = []  # aligned with _half_pairs
         self._own: list[torch.Tensor] = []  # FP32 parameters: their own master
@@ -367,12 +368,12 @@ class MasterWeightOptimizer(Optimizer):
         else:
             result = self.optimizer.step(**kwargs)
             if bound.index:
-                models, records = self._half_models, self._records
+                models, masters = self._written(bound.index)
                 with torch.no_grad():
-                    torch._foreach_copy_([models[i] for i in bound.index], [records[i].master for i in bound.index])
-        models, records = self._half_models, self._records
-        for i in bound.index:
-            records[i].version = models[i]._version
+                    torch._foreach_copy_(models, masters)
+        models, records = self._written(bound.index, self._records)
+        for model_p, record in zip(models, records):
+            record.version = model_p._version
         self._grads_ready = False
         return loss if closure is not None else result
 
@@ -432,6 +433,7 @@ class MasterWeightOptimizer(Optimizer):
                 params[i] = master
                 self._half_pairs.append((p, master))
                 self._half_models.append(p)
+                self._half_masters.append(master)
                 self._on_cpu.append(p.device.type == "cpu")  # a parameter's device is fixed (see _resync)
                 self._records.append(record)
                 self._model_of[id(master)] = p
@@ -443,6 +445,14 @@ class MasterWeightOptimizer(Optimizer):
             self._model_params.append(p)
             self._master_params.append(master)
             self._grad_holders.append(p)
+
+    def _written(self, index: list[int], other: list[Any] | None = None) -> tuple[list[Any], list[Any]]:
+        """The model params at ``index`` and the masters (or ``other``) there: the whole lists
+        when every half param had a gradient, as in most steps."""
+        other = self._half_masters if other is None else other
+        if len(index) == len(self._half_models):
+            return self._half_models, other
+        return [self._half_models[i] for i in index], [other[i] for i in index]
 
     def _refresh_masters(self) -> None:
         """Re-copy the master of every half-precision parameter written since the last sync."""
