@@ -11,8 +11,8 @@ is resolved on first access, so importing the core never imports Lightning.
 from amp_plugin.dynamic_scaler import DynamicLossScaler, LossScaleCollapseError
 from amp_plugin.emulation import CpuHalfEmulation, should_emulate
 from amp_plugin.half_module import cast_module
-from amp_plugin.master_weights import MasterWeightOptimizer
-from amp_plugin.scaler import LossScaler, ScaleUpdate, StaticLossScaler
+from amp_plugin.master_weights import MasterGradWarning, MasterWeightOptimizer
+from amp_plugin.scaler import HalfLossWarning, LossScaler, ScaleUpdate, StaticLossScaler
 
 
 def __getattr__(name: str):
@@ -27,8 +27,10 @@ def __getattr__(name: str):
 __all__ = [
     "CpuHalfEmulation",
     "DynamicLossScaler",
+    "HalfLossWarning",
     "LossScaleCollapseError",
     "LossScaler",
+    "MasterGradWarning",
     "MasterWeightOptimizer",
     "MixedPrecisionPlugin",
     "ScaleUpdate",

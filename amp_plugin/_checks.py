@@ -11,7 +11,12 @@ import math
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["check_choice", "check_number", "check_int"]
+__all__ = ["check_choice", "check_number", "check_int", "check_scale", "FLOAT32_MAX", "FLOAT32_TINY"]
+
+FLOAT32_MAX = 3.4028234663852886e38
+"""The largest finite float32."""
+FLOAT32_TINY = 1.1754943508222875e-38
+"""The smallest normal float32 (2**-126): its reciprocal, 2**126, is still finite in float32."""
 
 
 def _bad(name: str, value: Any, allowed: str) -> ValueError:
@@ -53,6 +58,22 @@ def check_number(
     ok = ok and (gt is None or value > gt) and (ge is None or value >= ge)
     ok = ok and (lt is None or value < lt) and (le is None or value <= le)
     if not ok:
+        raise _bad(name, value, allowed)
+    return value
+
+
+def check_scale(name: str, value: Any) -> float:
+    """Return ``value`` as a float if it is a loss scale float32 can hold: finite, > 0, and
+    inside float32's normal range, so that the scale and its reciprocal are both finite
+    (``1e39`` would become inf, ``1e-50`` would become 0, and 1/``1e-40`` would be inf)."""
+    allowed = (
+        f"a finite number > 0 inside float32's normal range [{FLOAT32_TINY:g}, {FLOAT32_MAX:g}] "
+        "(the scale and 1/scale are float32 tensors and must both be finite)"
+    )
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name}={value!r} is not allowed: {name} must be {allowed}.")
+    value = float(value)
+    if not (math.isfinite(value) and FLOAT32_TINY <= value <= FLOAT32_MAX):
         raise _bad(name, value, allowed)
     return value
 

@@ -11,10 +11,18 @@ flag to decide whether to call ``optimizer.step()``. Under ``torch.distributed``
 max-reduced across ranks first, so every rank makes the same skip decision. ``update()`` then
 works on host values only; when the scale changes it writes the new value into the device
 tensor with a ``fill_`` (no sync).
+
+An optimizer that sets ``_step_supports_amp_scaling = True`` (torch's ``Adam``/``AdamW`` with
+``fused=True``, for example) gets the scale handed to its own ``step`` as
+``torch.amp.GradScaler.step`` (torch 2.13) does it: ``optimizer.grad_scale`` and
+``optimizer.found_inf`` are set for the call, or ``grad_scaler=self`` is passed when its
+``step`` takes that keyword. Such an optimizer unscales and skips by itself.
 """
 
 from __future__ import annotations
 
+import inspect
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import Enum
@@ -22,9 +30,18 @@ from typing import Any
 
 import torch
 
-from amp_plugin._checks import check_number
+from amp_plugin._checks import check_int, check_scale
 
-__all__ = ["LossScaler", "StaticLossScaler", "ScaleUpdate", "to_float32"]
+__all__ = ["HalfLossWarning", "LossScaler", "StaticLossScaler", "ScaleUpdate", "to_float32"]
+
+
+class HalfLossWarning(UserWarning):
+    """``scale()`` was given a float16 loss.
+
+    The scale reaches the backward pass in the loss's dtype: in float16 a scale of 2**16 is
+    already inf, and a non-scalar float16 loss times the scale overflows above 65504. Compute
+    the loss in float32 (``loss.float()``, or the loss function on ``output.float()``).
+    """
 
 
 def to_float32(value: float) -> float:
@@ -87,7 +104,7 @@ class LossScaler:
 
     def __init__(self, init_scale: float, enabled: bool = True) -> None:
         self._enabled = bool(enabled)
-        self._scale_value = to_float32(check_number("init_scale", init_scale, gt=0.0))
+        self._scale_value = to_float32(check_scale("init_scale", init_scale))
         self._scale: torch.Tensor | None = None  # device copy, created on first use
         self._inv_scales: dict[torch.device, torch.Tensor] = {}  # 1/scale per device, until the scale changes
         self._per_optimizer: dict[int, _OptimizerState] = {}
@@ -98,9 +115,11 @@ class LossScaler:
         self.update_count = 0
         self.last_step_skipped = False
         self.last_update: ScaleUpdate | None = None
+        self._half_loss_warned = False
 
     # ------------------------------------------------------------------ public API
     def is_enabled(self) -> bool:
+        """Whether this scaler scales (``False``: every method is a pass-through)."""
         return self._enabled
 
     def get_scale(self) -> float:
@@ -108,10 +127,19 @@ class LossScaler:
         return self._scale_value if self._enabled else 1.0
 
     def scale(self, outputs: torch.Tensor | Iterable[torch.Tensor]) -> Any:
-        """Multiply a tensor, or a (nested) list/tuple of tensors, by the scale."""
+        """Multiply a tensor, or a (nested) list/tuple of tensors, by the scale.
+
+        The product is ``outputs * scale`` with the scale a 0-dim float32 tensor, exactly as
+        ``torch.amp.GradScaler.scale`` computes it (same dtype, same value). A float16 loss is
+        not upcast: that would not help, since the scale would still reach its backward pass
+        in float16. Instead the first float16 loss a scaler sees raises a
+        :class:`HalfLossWarning` saying to compute the loss in float32.
+        """
         if not self._enabled:
             return outputs
         if isinstance(outputs, torch.Tensor):
+            if outputs.dtype is torch.float16 and not self._half_loss_warned:
+                self._warn_half_loss(outputs)
             return outputs * self._device_scale(outputs.device)
         if isinstance(outputs, (list, tuple)):
             return type(outputs)(self.scale(o) for o in outputs)
@@ -126,8 +154,15 @@ class LossScaler:
         reads its model's half-precision gradients and writes unscaled FP32 master gradients
         in the same call. Other optimizers are unscaled in place. Call it at most once per
         optimizer between ``update()`` calls (for example before clipping).
+
+        On a disabled scaler there is nothing to unscale, but a master-weight optimizer still
+        gets its FP32 master gradients copied from the model (``sync_grads()``), so clipping
+        ``opt.master_params()`` works the same whether scaling is on or off.
         """
         if not self._enabled:
+            sync = getattr(optimizer, "sync_grads", None)
+            if sync is not None:
+                sync()
             return
         state = self._state(optimizer)
         if state.stage is _Stage.UNSCALED:
@@ -143,7 +178,12 @@ class LossScaler:
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """Unscale if needed, then call ``optimizer.step(*args, **kwargs)`` unless a gradient
-        was inf/NaN. Returns what ``optimizer.step`` returned, or ``None`` when skipped.
+        was inf/NaN. Returns what ``optimizer.step`` returned, or ``None`` when skipped
+        (as ``torch.amp.GradScaler.step``).
+
+        An optimizer with ``_step_supports_amp_scaling = True`` is stepped whatever the
+        gradients hold, with the scale and the found-inf flag handed to it (see the module
+        docstring): it unscales and skips by itself.
 
         This is the one place that waits for the device: it reads the found-inf flag
         (max-reduced across ranks under ``torch.distributed``).
@@ -155,15 +195,13 @@ class LossScaler:
         state = self._state(optimizer)
         if state.stage is _Stage.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
+        if getattr(optimizer, "_step_supports_amp_scaling", False):
+            return self._step_scaling_aware(optimizer, state, args, kwargs)
         if state.stage is _Stage.READY:
             self.unscale_(optimizer)
         found = self._found_inf_host(state)
         state.stage = _Stage.STEPPED
-        if self._new_iteration:
-            self._new_iteration = False
-            self._iteration_skipped = False
-        self._iteration_skipped |= found
-        self.last_step_skipped = self._iteration_skipped
+        self._record_step(found)
         if found:
             return None
         return optimizer.step(*args, **kwargs)
@@ -171,17 +209,30 @@ class LossScaler:
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         """End the iteration: apply the scale policy once, whatever the number of optimizers.
 
+        Args:
+            new_scale: set this scale instead of applying the policy (``reason="manual"``). It
+                must be a scale float32 holds (see :func:`~amp_plugin._checks.check_scale`;
+                :class:`DynamicLossScaler` also requires ``[min_scale, max_scale]``). A tensor
+                is read with ``.item()`` (a host sync).
+
         Raises:
             LossScaleCollapseError: from :class:`DynamicLossScaler` when the scale is due to
                 back off below ``min_scale`` and ``on_min_scale="raise"``.
+            ValueError: ``new_scale`` is not allowed (nothing has changed then).
         """
         if not self._enabled:
             return
         old = self._scale_value
         if new_scale is not None:
+            if isinstance(new_scale, torch.Tensor):
+                if new_scale.numel() != 1:
+                    raise ValueError(
+                        f"new_scale has {new_scale.numel()} elements: new_scale must be a float or a "
+                        "one-element tensor."
+                    )
+                new_scale = new_scale.item()
+            new, reason = self._check_manual_scale(new_scale), "manual"
             found = self._iteration_found_inf(require=False)
-            value = float(new_scale.item() if isinstance(new_scale, torch.Tensor) else new_scale)
-            new, reason = to_float32(check_number("new_scale", value, gt=0.0)), "manual"
         else:
             found = self._iteration_found_inf(require=True)
             new, reason = self._policy(found)
@@ -208,18 +259,25 @@ class LossScaler:
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore from :meth:`state_dict`, or from a ``torch.amp.GradScaler`` state dict."""
+        """Restore from :meth:`state_dict`, or from a ``torch.amp.GradScaler`` state dict.
+
+        Every value is checked as the constructor checks it before anything changes: a bad
+        or missing entry raises ``ValueError`` naming its key and leaves the scaler as it was.
+        Keys this scaler does not know are ignored (a dynamic scaler's settings, loaded into a
+        :class:`StaticLossScaler`).
+        """
         if not self._enabled:
             return
         if len(state_dict) == 0:
             raise RuntimeError(
                 "The source state dict is empty, possibly because it was saved from a disabled scaler."
             )
-        self._set_scale(to_float32(float(state_dict["scale"])))
-        self.skipped_steps = int(state_dict.get("skipped_steps", 0))
-        self.consecutive_skips = int(state_dict.get("consecutive_skips", 0))
-        self.update_count = int(state_dict.get("update_count", 0))
-        self.last_step_skipped = bool(state_dict.get("last_step_skipped", False))
+        values = self._checked_state(state_dict)
+        self._set_scale(values["scale"])
+        self.skipped_steps = values["skipped_steps"]
+        self.consecutive_skips = values["consecutive_skips"]
+        self.update_count = values["update_count"]
+        self.last_step_skipped = values["last_step_skipped"]
 
     def settings(self) -> dict[str, Any]:
         """The constructor arguments that shape the scale policy (not its progress)."""
@@ -247,12 +305,95 @@ class LossScaler:
         """Return ``(new_scale, reason)`` for an iteration; see :class:`ScaleUpdate`."""
         raise NotImplementedError
 
+    def _check_manual_scale(self, value: Any) -> float:
+        """The float32 scale ``update(new_scale)`` sets, or ``ValueError``."""
+        return to_float32(check_scale("new_scale", value))
+
+    def _checked_state(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """The values :meth:`load_state_dict` sets, each checked; ``ValueError`` names the key."""
+        if "scale" not in state_dict:
+            raise ValueError(
+                f"The state dict has no 'scale' entry (its keys: {sorted(state_dict)}): a scaler state dict "
+                "needs at least 'scale'. Pass what a scaler's state_dict() returned."
+            )
+        return {
+            "scale": to_float32(check_scale("scale", state_dict["scale"])),
+            "skipped_steps": _state_int(state_dict, "skipped_steps", 0),
+            "consecutive_skips": _state_int(state_dict, "consecutive_skips", 0),
+            "update_count": _state_int(state_dict, "update_count", 0),
+            "last_step_skipped": _state_bool(state_dict, "last_step_skipped", False),
+        }
+
     def _after_update(self, update: ScaleUpdate) -> None:
         """Called at the end of ``update()``, state already consistent (may raise)."""
 
     # ------------------------------------------------------------------ internals
     def _state(self, optimizer: torch.optim.Optimizer) -> _OptimizerState:
         return self._per_optimizer.setdefault(id(optimizer), _OptimizerState())
+
+    def _warn_half_loss(self, loss: torch.Tensor) -> None:
+        self._half_loss_warned = True
+        warnings.warn(
+            f"scale() got a float16 loss (shape {tuple(loss.shape)}). Its backward pass receives the scale "
+            f"({self._scale_value:g}) in float16, where 65536 and above are inf and any loss * scale "
+            "above 65504 overflows, so steps get skipped for nothing. Compute the loss in float32: "
+            "scaler.scale(loss.float()), or the loss function on output.float(). (Warned once per scaler.)",
+            HalfLossWarning,
+            stacklevel=3,
+        )
+
+    def _step_scaling_aware(
+        self, optimizer: torch.optim.Optimizer, state: _OptimizerState, args: tuple, kwargs: dict[str, Any]
+    ) -> Any:
+        """``step()`` for an optimizer with ``_step_supports_amp_scaling``: torch 2.13's protocol."""
+        if "grad_scaler" in inspect.signature(optimizer.step).parameters:
+            retval = optimizer.step(*args, **kwargs, grad_scaler=self)
+            state.stage = _Stage.STEPPED
+            if state.found_inf:  # the optimizer ran the inf check through _check_inf_per_device
+                self._record_step(self._found_inf_host(state))
+            return retval
+        unscaled = state.stage is _Stage.UNSCALED
+        if not unscaled:
+            self._check_inf_per_device(optimizer)
+        flags = list(state.found_inf.values())
+        scale = self._device_scale(flags[0].device if flags else torch.device("cpu"))
+        found = torch.zeros((), dtype=torch.float32, device=scale.device)
+        for flag in flags:
+            found = found + flag.to(scale.device, non_blocking=True)
+        optimizer.grad_scale = getattr(optimizer, "grad_scale", None) if unscaled else scale * getattr(
+            optimizer, "grad_scale", 1)
+        optimizer.found_inf = found
+        try:
+            retval = optimizer.step(*args, **kwargs)
+        finally:
+            del optimizer.grad_scale
+            del optimizer.found_inf
+        state.stage = _Stage.STEPPED
+        self._record_step(self._found_inf_host(state))
+        return retval
+
+    def _record_step(self, found: bool) -> None:
+        if self._new_iteration:
+            self._new_iteration = False
+            self._iteration_skipped = False
+        self._iteration_skipped |= found
+        self.last_step_skipped = self._iteration_skipped
+
+    # torch.amp.GradScaler's hooks for optimizers that handle the scale themselves (an optimizer
+    # given grad_scaler=self may call them).
+    def _get_scale_async(self) -> torch.Tensor | None:
+        """The device scale tensor (``None`` before the first ``scale()``)."""
+        return self._scale
+
+    def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:
+        """Record the found-inf flags of ``optimizer``'s gradients without unscaling them."""
+        state = self._state(optimizer)
+        state.found_inf = _unscale_in_place(optimizer, _ones)
+        state.found_inf_host = None
+        return state.found_inf
+
+    def _found_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:
+        return self._state(optimizer).found_inf
 
     def _device_scale(self, device: torch.device) -> torch.Tensor:
         if self._scale is None:
@@ -301,8 +442,33 @@ class LossScaler:
         return any(self._found_inf_host(s) for s in states)
 
 
+def _state_int(state_dict: dict[str, Any], key: str, default: int) -> int:
+    value = state_dict.get(key, default)
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_floating_point():
+        value = int(value.item())
+    try:
+        return check_int(key, value, ge=0)
+    except TypeError as err:
+        raise ValueError(str(err)) from None
+
+
+def _state_bool(state_dict: dict[str, Any], key: str, default: bool) -> bool:
+    value = state_dict.get(key, default)
+    if not isinstance(value, bool):
+        raise ValueError(f"{key}={value!r} is not allowed: {key} must be True or False.")
+    return value
+
+
+def _ones(device: torch.device) -> torch.Tensor:
+    return torch.ones((), dtype=torch.float32, device=device)
+
+
 def _unscale_in_place(optimizer: torch.optim.Optimizer, inv_scale_on) -> dict[torch.device, torch.Tensor]:
-    """Unscale every gradient of ``optimizer`` in place with torch's fused inf check."""
+    """Unscale every gradient of ``optimizer`` in place with torch's fused inf check.
+
+    A sparse float16 gradient is coalesced first (duplicates summed, in float16, as
+    ``torch.amp.GradScaler`` does) and its values unscaled.
+    """
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for group in optimizer.param_groups:
         for p in group["params"]:
@@ -310,17 +476,22 @@ def _unscale_in_place(optimizer: torch.optim.Optimizer, inv_scale_on) -> dict[to
             if g is None:
                 continue
             if g.is_sparse:
-                p.grad = g = g.coalesce()
+                if g.dtype is torch.float16:
+                    p.grad = g = g.coalesce()
                 g = g._values()
             groups.setdefault((g.device, g.dtype), []).append(g)
     return unscale_grouped(groups, inv_scale_on)
 
 
 def unscale_grouped(
-    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]], inv_scale_on
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]],
+    inv_scale_on,
+    found: dict[torch.device, torch.Tensor] | None = None,
 ) -> dict[torch.device, torch.Tensor]:
-    """Run ``torch._amp_foreach_non_finite_check_and_unscale_`` per (device, dtype) group."""
-    found: dict[torch.device, torch.Tensor] = {}
+    """Run ``torch._amp_foreach_non_finite_check_and_unscale_`` per (device, dtype) group,
+    adding to ``found`` (one flag per device, made as needed) and returning it."""
+    if found is None:
+        found = {}
     for (device, _), grads in groups.items():
         if device not in found:
             found[device] = torch.zeros((), dtype=torch.float32, device=device)
@@ -331,13 +502,18 @@ def unscale_grouped(
 class StaticLossScaler(LossScaler):
     """A fixed loss scale. Steps with inf/NaN gradients are still skipped; the scale never moves.
 
+    It has no ``torch.amp.GradScaler`` counterpart, so no growth/backoff getters and setters
+    (:class:`~amp_plugin.DynamicLossScaler` has them). ``load_state_dict`` takes the
+    ``"scale"`` and the counters of any scaler's state dict and ignores a dynamic scaler's
+    settings: the loaded scale stays fixed from then on.
+
     Args:
-        scale: the constant scale, a finite number > 0.
+        scale: the constant scale: finite, > 0, inside float32's normal range.
         enabled: ``False`` makes it a pass-through.
     """
 
     def __init__(self, scale: float = 2.0**16, enabled: bool = True) -> None:
-        super().__init__(check_number("scale", scale, gt=0.0), enabled=enabled)
+        super().__init__(check_scale("scale", scale), enabled=enabled)
 
     def _policy(self, found_inf: bool) -> tuple[float, str | None]:
         return self._scale_value, None

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from amp_plugin import DynamicLossScaler, LossScaleCollapseError
 
 F32_MAX = torch.finfo(torch.float32).max
+F32_TINY = torch.finfo(torch.float32).tiny  # the smallest scale allowed: 1/scale is still finite
 
 
 def run_pattern(scaler, pattern):
@@ -40,7 +41,7 @@ def test_hysteresis_1_trajectory_equals_grad_scaler(pattern, growth_factor, back
     kwargs = dict(
         init_scale=init_scale, growth_factor=growth_factor, backoff_factor=backoff_factor, growth_interval=growth_interval
     )
-    ours = DynamicLossScaler(**kwargs, min_scale=1e-38, max_scale=F32_MAX)
+    ours = DynamicLossScaler(**kwargs, min_scale=F32_TINY, max_scale=F32_MAX)
     torch_scaler = torch.amp.GradScaler("cpu", **kwargs)
     assert run_pattern(ours, pattern) == run_pattern(torch_scaler, pattern)
 
@@ -221,3 +222,33 @@ def test_disabled_scaler_is_a_pass_through():
     scaler.step(torch.optim.SGD([p], lr=1.0))  # not checked, not skipped
     scaler.update()
     assert torch.isinf(p).all()
+
+
+def test_with_the_defaults_the_trajectory_equals_grad_scaler_while_it_stays_in_1_to_2_24():
+    """The documented condition, both ways: equal scale after every update while
+    GradScaler's scale stays inside [min_scale, max_scale] = [1, 2**24]; then ours caps
+    (or floors, or raises) where GradScaler keeps going."""
+    up = [False] * 12  # growth_interval=1: 2**16 -> 2**28 for GradScaler
+    ours, theirs = DynamicLossScaler(growth_interval=1), torch.amp.GradScaler("cpu", growth_interval=1)
+    a, b = run_pattern(ours, up), run_pattern(theirs, up)
+    inside = [i for i, s in enumerate(b) if 1.0 <= s <= 2.0**24]
+    assert a[: len(inside)] == b[: len(inside)] and len(inside) == 8
+    assert a[8:] == [2.0**24] * 4 and b[8:] == [2.0**25, 2.0**26, 2.0**27, 2.0**28]
+    down = [True] * 18  # 2**16 -> 2**-2 for GradScaler
+    ours = DynamicLossScaler(on_min_scale="skip")
+    theirs = torch.amp.GradScaler("cpu")
+    a, b = run_pattern(ours, down), run_pattern(theirs, down)
+    assert a[:16] == b[:16] and b[15] == 1.0
+    assert a[16:] == [1.0, 1.0] and b[16:] == [0.5, 0.25]
+
+
+def test_capped_and_floored_scales_are_float32_values_inside_the_limits():
+    scaler = DynamicLossScaler(init_scale=1.0, min_scale=0.3, max_scale=1e30, growth_factor=1e10,
+                               growth_interval=1, backoff_factor=0.01, on_min_scale="skip")
+    scales = run_pattern(scaler, [False] * 4 + [True] * 20)
+    for s in scales:
+        assert 0.3 <= s <= 1e30 and s == float(torch.tensor(s, dtype=torch.float32))
+    nearest = torch.tensor(1e30, dtype=torch.float32)
+    assert nearest.item() > 1e30  # so the cap is the float32 below it
+    assert max(scales) == nearest.nextafter(torch.tensor(0.0)).item()
+    assert min(scales) == torch.tensor(0.3, dtype=torch.float32).item()  # >= 0.3

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
 
 from amp_plugin import DynamicLossScaler, StaticLossScaler
+from amp_plugin.scaler import HalfLossWarning
+
+F32_MAX = torch.finfo(torch.float32).max
+F32_TINY = torch.finfo(torch.float32).tiny
 
 
 def adam_setup():
@@ -154,3 +159,242 @@ def test_manual_new_scale():
     scaler.update(new_scale=32.0)
     assert scaler.get_scale() == 32.0 and scaler.last_update.reason == "manual"
     assert scaler.scale(torch.tensor(1.0)).item() == 32.0
+
+
+# ---------------------------------------------------------------- float16 losses
+@pytest.mark.parametrize("shape", [(), (4,)])
+def test_a_float16_loss_warns_once_and_is_scaled_exactly_like_grad_scaler(shape):
+    loss = torch.full(shape, 3.0, dtype=torch.float16)
+    ours, theirs = DynamicLossScaler(init_scale=2.0**4), torch.amp.GradScaler("cpu", init_scale=2.0**4)
+    with pytest.warns(HalfLossWarning, match=r"float16 loss.*scaler.scale\(loss.float\(\)\)"):
+        scaled = ours.scale(loss)
+    expected = theirs.scale(loss)
+    # GradScaler's product: a 0-dim float16 loss promotes to float32, a batch of losses stays float16
+    assert scaled.dtype == expected.dtype == (torch.float32 if shape == () else torch.float16)
+    assert torch.equal(scaled, expected)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ours.scale(loss)  # once per scaler
+        ours.scale(loss.float())
+        DynamicLossScaler().scale(torch.tensor(3.0, dtype=torch.bfloat16))  # bf16 has float32's range
+        DynamicLossScaler(enabled=False).scale(loss)
+    with pytest.warns(HalfLossWarning):
+        StaticLossScaler(4.0).scale([torch.ones(2), (loss,)])
+
+
+def test_why_a_float16_loss_is_a_problem():
+    """Even a 0-dim float16 loss, whose product is float32, sends the scale into its backward
+    pass in float16: at the default 2**16 that is inf."""
+    w = torch.nn.Parameter(torch.ones(3, dtype=torch.float16))
+    with pytest.warns(HalfLossWarning):
+        DynamicLossScaler().scale((w * 1e-3).sum()).backward()
+    assert torch.isinf(w.grad).all()
+
+
+# ---------------------------------------------------------------- GradScaler's getters and setters
+def test_grad_scaler_getters_and_setters():
+    kwargs = dict(init_scale=8.0, growth_factor=3.0, backoff_factor=0.25, growth_interval=7)
+    ours, theirs = DynamicLossScaler(**kwargs, max_scale=2.0**30), torch.amp.GradScaler("cpu", **kwargs)
+    for name in ("growth_factor", "backoff_factor", "growth_interval"):
+        assert getattr(ours, f"get_{name}")() == getattr(theirs, f"get_{name}")()
+    assert ours.is_enabled() and ours.get_scale() == theirs.get_scale() == 8.0
+    for scaler in (ours, theirs):
+        scaler.set_growth_factor(4.0)
+        scaler.set_backoff_factor(0.5)
+        scaler.set_growth_interval(1)
+    assert (ours.get_growth_factor(), ours.get_backoff_factor(), ours.get_growth_interval()) == (4.0, 0.5, 1)
+    p = torch.nn.Parameter(torch.ones(2))
+    for scaler in (ours, theirs):
+        scaler.scale(torch.ones(()))
+        p.grad = torch.ones(2)
+        scaler.step(torch.optim.SGD([p], lr=0.0))
+        scaler.update()
+    assert ours.get_scale() == theirs.get_scale() == 32.0
+    assert not DynamicLossScaler(enabled=False).is_enabled()
+
+
+@pytest.mark.parametrize("setter, value, error, text", [
+    ("set_growth_factor", 1.0, ValueError, "new_factor=1.0 is not allowed: new_factor must be a finite number > 1"),
+    ("set_growth_factor", float("nan"), ValueError, "new_factor=nan"),
+    ("set_backoff_factor", 1.5, ValueError, "new_factor=1.5 is not allowed: new_factor must be a finite number > 0 and < 1"),
+    ("set_backoff_factor", "half", TypeError, "new_factor='half'"),
+    ("set_growth_interval", 0, ValueError, "new_interval=0 is not allowed: new_interval must be an integer >= 1"),
+    ("set_growth_interval", 2.5, TypeError, "new_interval=2.5"),
+])
+def test_setters_check_like_the_constructor(setter, value, error, text):
+    scaler = DynamicLossScaler()
+    before = scaler.state_dict()
+    with pytest.raises(error) as info:
+        getattr(scaler, setter)(value)
+    assert text in str(info.value)
+    assert scaler.state_dict() == before
+
+
+# ---------------------------------------------------------------- optimizers that take the scale themselves
+class ScaleAware(torch.optim.SGD):
+    """Records what GradScaler's protocol hands it; does not update."""
+
+    _step_supports_amp_scaling = True
+
+    def __init__(self, params, seen):
+        super().__init__(params, lr=0.1)
+        self.seen = seen
+
+    def step(self, closure=None):
+        grad_scale = self.grad_scale
+        self.seen.append((None if grad_scale is None else grad_scale.item(), self.found_inf.item(),
+                          [p.grad.clone() for p in self.param_groups[0]["params"]]))
+        return "stepped"
+
+
+class ScaleAwareKwarg(torch.optim.SGD):
+    _step_supports_amp_scaling = True
+
+    def step(self, closure=None, grad_scaler=None):
+        self.given = grad_scaler
+        return "stepped"
+
+
+@pytest.mark.parametrize("separate_unscale", [False, True])
+def test_an_optimizer_that_handles_the_scale_gets_it_as_from_grad_scaler(separate_unscale):
+    results = []
+    for scaler in (torch.amp.GradScaler("cpu", init_scale=8.0), DynamicLossScaler(init_scale=8.0)):
+        seen = []
+        p = torch.nn.Parameter(torch.ones(3))
+        opt = ScaleAware([p], seen)
+        returned = []
+        for grad in (2.0, math.inf, 4.0):
+            scaler.scale(torch.ones(()))
+            p.grad = torch.full((3,), grad * scaler.get_scale())
+            if separate_unscale:
+                scaler.unscale_(opt)
+            returned.append(scaler.step(opt))  # stepped even on inf: the optimizer skips by itself
+            assert not hasattr(opt, "grad_scale") and not hasattr(opt, "found_inf")
+            scaler.update()
+        results.append((seen, returned, scaler.get_scale()))
+    (theirs, their_returns, their_scale), (ours, our_returns, our_scale) = results
+    assert our_returns == their_returns == ["stepped"] * 3 and our_scale == their_scale
+    for (s1, f1, g1), (s2, f2, g2) in zip(theirs, ours):
+        assert (s1, f1) == (s2, f2)
+        assert all(torch.equal(a, b) for a, b in zip(g1, g2))
+    assert [f for _, f, _ in ours] == [0.0, 1.0, 0.0]
+    assert [s for s, _, _ in ours] == ([None] * 3 if separate_unscale else [8.0, 8.0, 4.0])
+
+
+def test_an_optimizer_taking_grad_scaler_gets_the_scaler():
+    p = torch.nn.Parameter(torch.ones(3))
+    p.grad = torch.ones(3)
+    opt = ScaleAwareKwarg([p], lr=0.1)
+    scaler = DynamicLossScaler()
+    assert scaler.step(opt) == "stepped" and opt.given is scaler
+    scaler._check_inf_per_device(opt)  # what such an optimizer may call
+    assert scaler._found_inf_per_device(opt)[torch.device("cpu")].item() == 0.0
+    scaler.update()
+
+
+def test_fused_adamw_steps_as_under_grad_scaler():
+    """torch's AdamW(fused=True) unscales and skips inside its kernel when given the scale."""
+    finals = []
+    for scaler in (torch.amp.GradScaler("cpu", init_scale=2.0**10), DynamicLossScaler(init_scale=2.0**10)):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 3)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+        for i in range(4):
+            opt.zero_grad()
+            scaler.scale(model(torch.randn(5, 4)).pow(2).mean()).backward()
+            if i == 1:
+                model.weight.grad[0, 0] = math.inf
+            scaler.step(opt)
+            scaler.update()
+        finals.append(([p.detach().clone() for p in model.parameters()],
+                       [s["exp_avg_sq"].clone() for s in opt.state.values()], scaler.get_scale()))
+    assert finals[0][2] == finals[1][2]
+    for a, b in zip(finals[0][0] + finals[0][1], finals[1][0] + finals[1][1]):
+        assert torch.equal(a, b)
+
+
+# ---------------------------------------------------------------- state dicts
+@pytest.mark.parametrize("key, value", [
+    ("scale", math.nan), ("scale", math.inf), ("scale", 0.0), ("scale", -2.0), ("scale", 1e39), ("scale", 2.0**30),
+    ("growth_factor", 0.5), ("backoff_factor", 1.5), ("growth_interval", 0), ("growth_interval", 2.5),
+    ("hysteresis", 0), ("hysteresis_reset", "always"), ("on_min_scale", "ignore"), ("min_scale", 0.0),
+    ("min_scale", 1e-50), ("max_scale", math.inf), ("_growth_tracker", -1), ("skipped_steps", "3"),
+    ("last_step_skipped", 1),
+])
+def test_load_state_dict_checks_like_the_constructor(key, value):
+    state = DynamicLossScaler().state_dict()
+    state[key] = value
+    scaler = DynamicLossScaler(init_scale=8.0, growth_interval=5)
+    before = scaler.state_dict()
+    with pytest.raises(ValueError) as info:
+        scaler.load_state_dict(state)
+    assert str(info.value).startswith(f"{key}=")
+    assert scaler.state_dict() == before  # nothing changed
+
+
+@pytest.mark.parametrize("scaler", [DynamicLossScaler(), StaticLossScaler()], ids=["dynamic", "static"])
+def test_a_state_dict_without_a_scale_names_the_key(scaler):
+    with pytest.raises(ValueError, match="no 'scale' entry"):
+        scaler.load_state_dict({"growth_factor": 2.0})
+    with pytest.raises(ValueError, match="^scale=nan"):
+        scaler.load_state_dict({"scale": math.nan})
+
+
+def test_static_and_dynamic_state_dicts_load_into_each_other():
+    p = torch.nn.Parameter(torch.ones(1))
+    static = StaticLossScaler(128.0)
+    p.grad = torch.full((1,), math.inf)
+    static.step(torch.optim.SGD([p], lr=0.1))
+    static.update()
+    dynamic = DynamicLossScaler(init_scale=4.0, growth_interval=3, hysteresis=2)
+    dynamic.load_state_dict(static.state_dict())
+    # the static dict's scale and counters; this scaler's own settings; trackers start afresh
+    assert dynamic.get_scale() == 128.0 and dynamic.skipped_steps == 1 and dynamic.update_count == 1
+    assert (dynamic.growth_interval, dynamic._growth_tracker, dynamic._hysteresis_tracker) == (3, 0, 2)
+    static_again = StaticLossScaler(1.0)
+    static_again.load_state_dict(dynamic.state_dict())  # the dynamic settings are ignored
+    assert static_again.state_dict() == static.state_dict()
+    for _ in range(3):
+        p.grad = torch.ones(1)
+        static_again.step(torch.optim.SGD([p], lr=0.0))
+        static_again.update()
+    assert static_again.get_scale() == 128.0
+
+
+# ---------------------------------------------------------------- scales float32 cannot hold
+@pytest.mark.parametrize("make", [
+    lambda: DynamicLossScaler(init_scale=1e39, max_scale=1e39),
+    lambda: DynamicLossScaler(max_scale=1e39),
+    lambda: DynamicLossScaler(min_scale=1e-50, init_scale=1.0),
+    lambda: DynamicLossScaler(min_scale=1e-40, init_scale=1.0),  # a float32 subnormal: 1/scale is inf
+    lambda: StaticLossScaler(1e39),
+    lambda: StaticLossScaler(1e-45),
+], ids=["init", "max", "min_underflows", "min_subnormal", "static_big", "static_tiny"])
+def test_scales_outside_float32_normal_range_are_refused(make):
+    with pytest.raises(ValueError, match="float32's normal range"):
+        make()
+
+
+def test_the_largest_and_smallest_float32_scales_work():
+    big = DynamicLossScaler(init_scale=F32_MAX, max_scale=F32_MAX, growth_interval=1)
+    p = torch.nn.Parameter(torch.zeros(2))
+    p.grad = torch.ones(2)
+    big.step(torch.optim.SGD([p], lr=0.0))
+    big.update()  # growth would overflow float32: the scale stays
+    assert big.get_scale() == F32_MAX and math.isfinite(big.scale(torch.ones(())).item())
+    small = DynamicLossScaler(init_scale=F32_TINY, min_scale=F32_TINY)
+    p.grad = torch.ones(2)
+    small.unscale_(torch.optim.SGD([p], lr=0.0))
+    assert torch.isfinite(p.grad).all()
+
+
+@pytest.mark.parametrize("new_scale", [1e39, math.inf, 0.0, 1e-50, 2.0**30, torch.tensor([2.0, 4.0])])
+def test_update_new_scale_is_checked(new_scale):
+    scaler = DynamicLossScaler(init_scale=4.0)
+    p = torch.nn.Parameter(torch.ones(1))
+    p.grad = torch.ones(1)
+    scaler.step(torch.optim.SGD([p], lr=0.0))
+    with pytest.raises(ValueError, match="new_scale"):
+        scaler.update(new_scale)
+    scaler.update(torch.tensor(8.0))  # still in the iteration: nothing changed
+    assert scaler.get_scale() == 8.0

@@ -292,7 +292,9 @@ struct AdamConstants {
 
 enum class Decay { kNone, kDecoupled, kL2 };
 
-template <Decay kDecay, bool kSmallLerp>
+// kTail: the roundings of torch's scalar tail loop instead (see adam_tensor), which fuses the
+// other product of the exp_avg_sq update: exp_avg_sq * beta2 + ((1 - beta2) * grad) * grad.
+template <Decay kDecay, bool kSmallLerp, bool kTail = false>
 void adam_loop(float* param, const float* grad, float* exp_avg, float* exp_avg_sq, int64_t n,
                const AdamConstants& constants) {
   // Locals and restrict pointers: no store aliases the constants or another array, so the
@@ -318,7 +320,8 @@ void adam_loop(float* param, const float* grad, float* exp_avg, float* exp_avg_s
     // fused multiply-add from the nearer end, the squared-gradient term fused into exp_avg_sq.
     const float diff = gi - m[i];
     const float mi = std::fma(lerp_coefficient, diff, kSmallLerp ? m[i] : gi);
-    const float vi = std::fma(sq_coefficient * gi, gi, v[i] * beta2);
+    const float vi = kTail ? std::fma(v[i], beta2, (sq_coefficient * gi) * gi)
+                           : std::fma(sq_coefficient * gi, gi, v[i] * beta2);
     const float denom = std::sqrt(vi) / bias_correction2_sqrt + eps;
     pi = pi - (step_size * mi) / denom;
     p[i] = pi;
@@ -327,15 +330,27 @@ void adam_loop(float* param, const float* grad, float* exp_avg, float* exp_avg_s
   }
 }
 
-// One tensor, block by block: the vectorised update, then the block's new masters (still in
-// L1) rounded into the model.
+// torch's fused Adam (CPU) updates whole Vectorized<float> vectors of 8 and finishes each tensor
+// with a scalar loop over the last numel % 8 elements; its work is split into 16-float units, so
+// that tail sits at the end of the tensor whatever the thread count. (torch builds this kernel for
+// AVX2 and the default capability only: an AVX512 CPU runs the AVX2 kernel, 8 wide too.)
+constexpr int64_t kTorchVectorWidth = 8;
+
+// One tensor, block by block: the vectorised update (torch's tail roundings on the last
+// numel % 8 elements), then the block's new masters (still in L1) rounded into the model.
 template <Decay kDecay, bool kSmallLerp>
 void adam_tensor(float* p, const float* g, float* m, float* v, void* model, at::ScalarType model_dtype,
                  int64_t numel, const AdamConstants& c, bool stream) {
+  const int64_t vector_end = numel - numel % kTorchVectorWidth;
   at::parallel_for(0, numel, kGrain, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; b += kBlock) {
       const int64_t n = std::min(kBlock, end - b);
-      adam_loop<kDecay, kSmallLerp>(p + b, g + b, m + b, v + b, n, c);
+      const int64_t n_vector = std::max<int64_t>(0, std::min(n, vector_end - b));
+      adam_loop<kDecay, kSmallLerp>(p + b, g + b, m + b, v + b, n_vector, c);
+      if (n_vector < n) {
+        adam_loop<kDecay, kSmallLerp, true>(p + b + n_vector, g + b + n_vector, m + b + n_vector, v + b + n_vector,
+                                            n - n_vector, c);
+      }
       if (model_dtype == at::kHalf) {
         from_float_block(p + b, static_cast<_Float16*>(model) + b, n, stream);
       } else if (model_dtype == at::kBFloat16) {
