@@ -1,7 +1,7 @@
 """FSDP2 (``fully_shard``) under Lightning's ``ModelParallelStrategy``: the sharded FP32
 parameters are the master weights.
 
-Prototype of what :class:`~amp_plugin.plugin.MixedPrecisionPlugin` needs to run under
+Prototype of what :class:`~amp_plugin.lightning.MixedPrecisionPlugin` needs to run under
 ``ModelParallelStrategy`` with the user's ``fully_shard`` in ``configure_model``::
 
     class Model(pl.LightningModule):
@@ -52,13 +52,13 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-from pytorch_lightning.utilities import rank_zero_info
+from amp_plugin.lightning._namespace import rank_zero_info
 from torch import nn
 from typing_extensions import override
 
 from amp_plugin.half_module import NORM_TYPES
 from amp_plugin.master_weights import MasterWeightOptimizer
-from amp_plugin.plugin import CHECKPOINT_KEY, MixedPrecisionPlugin
+from amp_plugin.lightning.plugin import CHECKPOINT_KEY, MixedPrecisionPlugin
 from amp_plugin.scaler import unscale_grouped
 
 __all__ = [
@@ -293,14 +293,14 @@ def _reduce_stats(grads: list[torch.Tensor], local: torch.Tensor, sum_cols: int)
 
 @torch.no_grad()
 def sharded_grad_stats(grads: list[torch.Tensor], scale: float) -> list[list[float]]:
-    """:func:`amp_plugin.callbacks.grad_health.measure` for DTensor gradients.
+    """:func:`amp_plugin.lightning.callbacks.grad_health.measure` for DTensor gradients.
 
     Per gradient ``[zero_count, underflow_count_scale1, underflow_count_current, amax]`` over
     the whole (unsharded) tensor: counted on the local shards, counts summed and maxima
     max-reduced across the shards (two collectives for all gradients). Every rank gets the
     same rows, so call it on every rank.
     """
-    from amp_plugin.callbacks.grad_health import FP16_MIN_NORMAL
+    from amp_plugin.lightning.callbacks.grad_health import FP16_MIN_NORMAL
 
     if not grads:
         return []
@@ -323,7 +323,7 @@ def sharded_grad_stats(grads: list[torch.Tensor], scale: float) -> list[list[flo
 
 # ---------------------------------------------------------------------------------- the plugin
 class FSDP2MixedPrecisionPlugin(MixedPrecisionPlugin):
-    """:class:`~amp_plugin.plugin.MixedPrecisionPlugin` that also runs under FSDP2.
+    """:class:`~amp_plugin.lightning.MixedPrecisionPlugin` that also runs under FSDP2.
 
     Same arguments and behaviour as the base class on a module without ``fully_shard``.
     On an FSDP2 module (``ModelParallelStrategy`` with ``fully_shard`` in

@@ -74,7 +74,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-import pytorch_lightning as pl
+from amp_plugin.lightning import pl
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -250,10 +250,10 @@ def _plugin(name: str, devices: int) -> dict[str, Any]:
         if devices > 1:
             from amp_plugin.fsdp_prototype import FSDP2MixedPrecisionPlugin as Plugin
         else:
-            from amp_plugin.plugin import MixedPrecisionPlugin as Plugin
+            from amp_plugin.lightning.plugin import MixedPrecisionPlugin as Plugin
         return {"plugins": [Plugin(precision, master_weights=master_weights, autocast=autocast)]}
     if preset.startswith("16-mixed"):
-        from pytorch_lightning.plugins.precision import MixedPrecision
+        MixedPrecision = pl.plugins.precision.MixedPrecision
 
         return {"plugins": [MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu"))]}
     return {"precision": preset}
@@ -277,7 +277,7 @@ def run_child(name: str, params_m: float, d: int, steps: int, devices: int, resu
     probe = StateProbe()
     kwargs = _plugin(name, devices)
     if devices > 1:
-        from pytorch_lightning.strategies import ModelParallelStrategy
+        ModelParallelStrategy = pl.strategies.ModelParallelStrategy
 
         kwargs["strategy"] = ModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1)
     trainer = pl.Trainer(
@@ -399,7 +399,7 @@ def main() -> None:
     d, depth = shape_for(args.params, args.d)
     print(f"# Training state per parameter, {depth} x (Linear({d}, {d}) + LayerNorm + GELU), "
           f"{args.steps} AdamW steps")
-    print(f"CPU: {cpu_model()}; torch {torch.__version__}; pytorch_lightning {pl.__version__}; "
+    print(f"CPU: {cpu_model()}; torch {torch.__version__}; {pl.__name__} {pl.__version__}; "
           f"{args.threads} thread(s) per process; devices={args.devices}; "
           f"MALLOC_MMAP_THRESHOLD_={'glibc default (dynamic)' if args.glibc_default else MMAP_THRESHOLD}"
           + (" (FSDP2, ModelParallelStrategy, gloo; bytes per rank / global parameters)" if args.devices > 1 else ""))
@@ -414,7 +414,7 @@ def main() -> None:
     if args.out:
         meta = {"command": command.strip(), "cpu": cpu_model(), "torch": torch.__version__,
                 "malloc_mmap_threshold": None if args.glibc_default else MMAP_THRESHOLD,
-                "pytorch_lightning": pl.__version__, "threads": args.threads, "devices": args.devices,
+                "lightning": f"{pl.__name__} {pl.__version__}", "threads": args.threads, "devices": args.devices,
                 "steps": args.steps, "params": rows[0]["params"], "d": d, "depth": depth}
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))

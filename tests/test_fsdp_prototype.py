@@ -44,7 +44,7 @@ from amp_plugin.fsdp_prototype import (
     sharded_grad_stats,
     unscale_local_shards,
 )
-from amp_plugin.plugin import CHECKPOINT_KEY
+from amp_plugin.lightning.plugin import CHECKPOINT_KEY
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -114,7 +114,7 @@ class Net(pl.LightningModule):
         full = [g.full_tensor() for g in grads]  # a collective, on every rank
         self.record["grad_norm"].append(float(torch.linalg.vector_norm(torch.stack([f.norm() for f in full]))))
         if self.global_step == 1:  # GradientHealthMonitor's statistics over whole tensors, from the shards
-            from amp_plugin.callbacks.grad_health import measure
+            from amp_plugin.lightning.callbacks.grad_health import measure
 
             self.record["stats_sharded"] = sharded_grad_stats(grads, 1024.0)
             self.record["stats_full"] = measure(full, 1024.0)
@@ -415,12 +415,12 @@ def test_local_shard_unscale_on_plain_tensors_matches_the_scaler():
         torch.testing.assert_close(a, b, equal_nan=True)
 
 
-def test_without_fsdp_the_plugin_is_the_base_plugin():
-    from _models import TinyClassifier, quiet_trainer
+def test_without_fsdp_the_plugin_is_the_base_plugin(pl):
+    from _models import TinyClassifier, as_lightning, quiet_trainer
 
     plugin = FSDP2MixedPrecisionPlugin("fp16")
-    trainer = quiet_trainer(plugins=[plugin], max_steps=2)
-    trainer.fit(TinyClassifier())
+    trainer = quiet_trainer(pl, plugins=[plugin], max_steps=2)
+    trainer.fit(as_lightning(pl, TinyClassifier)())
     assert plugin.sharded is False
     assert type(trainer.optimizers[0]).__name__ == "MasterWeightOptimizer"
     assert "FP32 master weights, half-precision model" in plugin.describe()

@@ -362,10 +362,10 @@ def test_clipping_the_master_grads_clips_what_the_step_uses(enabled):
     assert_masters_equal(opt, ref)
 
 
-def test_configure_optimizers_returning_a_wrappers_inner_optimizer_is_refused():
+def test_configure_optimizers_returning_a_wrappers_inner_optimizer_is_refused(pl):
     """In Lightning: the module wraps its optimizer itself but returns the inner one, which
     the plugin would wrap a second time. The error says what to return instead."""
-    from _models import TinyClassifier, quiet_trainer
+    from _models import TinyClassifier, as_lightning, quiet_trainer
 
     from amp_plugin import MixedPrecisionPlugin
 
@@ -373,6 +373,6 @@ def test_configure_optimizers_returning_a_wrappers_inner_optimizer_is_refused():
         def configure_optimizers(self):
             return MasterWeightOptimizer(torch.optim.AdamW(self.parameters(), lr=1e-2)).optimizer
 
-    trainer = quiet_trainer(plugins=[MixedPrecisionPlugin("fp16")], max_steps=1)
+    trainer = quiet_trainer(pl, plugins=[MixedPrecisionPlugin("fp16")], max_steps=1)
     with pytest.raises(ValueError, match="already wrapped.*return it from configure_optimizers"):
-        trainer.fit(ReturnsInner())
+        trainer.fit(as_lightning(pl, ReturnsInner)())
