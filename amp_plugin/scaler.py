@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from amp_plugin._dtensor import is_dtensor
 from amp_plugin._checks import check_int, check_scale
 
 __all__ = ["HalfLossWarning", "LossScaler", "StaticLossScaler", "ScaleUpdate", "to_float32"]
@@ -467,7 +468,9 @@ def _unscale_in_place(optimizer: torch.optim.Optimizer, inv_scale_on) -> dict[to
     """Unscale every gradient of ``optimizer`` in place with torch's fused inf check.
 
     A sparse float16 gradient is coalesced first (duplicates summed, in float16, as
-    ``torch.amp.GradScaler`` does) and its values unscaled.
+    ``torch.amp.GradScaler`` does) and its values unscaled. A DTensor gradient (FSDP2) is
+    unscaled on this rank's shard, with no collective: :meth:`LossScaler.step` max-reduces the
+    found-inf flag across ranks once.
     """
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for group in optimizer.param_groups:
@@ -475,6 +478,10 @@ def _unscale_in_place(optimizer: torch.optim.Optimizer, inv_scale_on) -> dict[to
             g = p.grad
             if g is None:
                 continue
+            if is_dtensor(g):
+                g = g.to_local()
+                if g.numel() == 0:  # this rank holds no shard of a small parameter
+                    continue
             if g.is_sparse:
                 if g.dtype is torch.float16:
                     p.grad = g = g.coalesce()

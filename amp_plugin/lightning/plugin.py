@@ -9,6 +9,11 @@ One optimizer step, in this order (written once, here)::
     -> scale update (once per iteration, also with several optimizers)
     -> masters copied back into the half-precision model (only after a real step)
 
+Under FSDP2 (``ModelParallelStrategy`` with ``fully_shard`` in ``configure_model``) the sharded
+FP32 parameters are the master weights: no :class:`~amp_plugin.MasterWeightOptimizer` is built,
+each unit gets the preset's ``MixedPrecisionPolicy`` (:mod:`amp_plugin.fsdp`), the scaler
+unscales each rank's shards and all ranks agree on the skip.
+
 A skipped step does not advance "step"-interval LR schedulers (``skip_lr_on_overflow``,
 :mod:`amp_plugin.lightning.lr_hold`). ``trainer.global_step`` counts optimizer steps
 *attempted*, skipped ones included, so ``max_steps`` bounds the iterations; the scheduler has
@@ -18,6 +23,7 @@ then stepped ``global_step - scaler.skipped_steps`` times.
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +32,7 @@ from torch import Tensor
 from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
+from amp_plugin import fsdp
 from amp_plugin.dynamic_scaler import LossScaleCollapseError
 from amp_plugin.emulation import CpuHalfEmulation, cpu_half_path, should_emulate
 from amp_plugin.half_module import cast_floating, cast_module
@@ -82,6 +89,7 @@ class MixedPrecisionPlugin(Precision):
         emulating: whether CPU half emulation is on for this run (known once fitting starts).
         compute_path: how this run's half-precision matmuls run and why, e.g.
             ``"bf16: native (avx512_bf16)"`` (known once fitting starts).
+        sharded: whether the module is sharded with FSDP2 (known once fitting starts).
     """
 
     def __init__(
@@ -100,6 +108,7 @@ class MixedPrecisionPlugin(Precision):
         self.last_nonfinite_params: list[tuple[str, int]] = []
         self.emulating = False
         self.compute_path = ""
+        self.sharded = False
         self._device_type = "cpu"
         self._module: Any = None
         self._pending_update = False
@@ -149,10 +158,22 @@ class MixedPrecisionPlugin(Precision):
     def skip_lr_on_overflow(self) -> bool:
         return self.settings.skip_lr_on_overflow
 
+    @property
+    def mp_policy(self) -> Any:
+        """The FSDP2 ``MixedPrecisionPolicy`` of this preset (:func:`amp_plugin.fsdp.policy_for`)."""
+        return fsdp.policy_for(self.settings)
+
     # ------------------------------------------------------------------ setup
     @override
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
-        if self.amp_precision != "fp32" and not self.autocast:
+        # FSDP2 units exist only if the user imported FSDP (configure_model ran before this).
+        units = fsdp.fsdp2_units(module) if "torch.distributed.fsdp" in sys.modules else []
+        self.sharded = bool(units)
+        if self.sharded:
+            fsdp.check_or_set_policies(units, self.settings)
+            if self.amp_precision != "fp32" and not self.master_weights and not self.autocast:
+                module.to(self.compute_dtype)  # pure half: the shards themselves become half
+        elif self.amp_precision != "fp32" and not self.autocast:
             cast_module(module, self.compute_dtype, keep_norm_fp32=self.master_weights)
         return module
 
@@ -166,7 +187,12 @@ class MixedPrecisionPlugin(Precision):
                 "several times inside one step(), so a loss-scale skip or an FP32 master copy cannot be "
                 "applied per step. Train with precision='fp32', or use another optimizer."
             )
-        if self.master_weights:
+        if self.sharded and any(isinstance(o, MasterWeightOptimizer) for o in optimizers):
+            raise TypeError(
+                "MasterWeightOptimizer cannot be used with FSDP2: the sharded FP32 parameters already are the "
+                "master weights. Return an optimizer over the module's parameters from configure_optimizers."
+            )
+        if self.master_weights and not self.sharded:
             optimizers = [o if isinstance(o, MasterWeightOptimizer) else MasterWeightOptimizer(o) for o in optimizers]
         param = next(model.parameters(), None)
         self._device_type = param.device.type if param is not None else "cpu"
@@ -199,7 +225,10 @@ class MixedPrecisionPlugin(Precision):
         if self.amp_precision == "fp32":
             return "precision=fp32 (no loss scaling, no master weights)"
         scaler = repr(self.scaler) if self.scaler.is_enabled() else "none"
-        return f"precision={self.settings.preset}: {self.settings.describe()}; loss scaler={scaler}; {self.compute_path}"
+        what = self.settings.describe()
+        if self.sharded and self.master_weights:
+            what = what.replace("FP32 master weights", "FSDP2: FP32 sharded parameters are the master weights")
+        return f"precision={self.settings.preset}: {what}; loss scaler={scaler}; {self.compute_path}"
 
     def _compute_path(self) -> str:
         """``"<dtype>: native|emulated (why)"`` for this run's device and settings."""
@@ -295,12 +324,16 @@ class MixedPrecisionPlugin(Precision):
             raise LossScaleCollapseError(err.scale, err.iteration, err.consecutive_skips, path) from None
 
     def _nonfinite_params(self, model: torch.nn.Module, top: int = 5) -> list[tuple[str, int]]:
-        """Names and counts of parameters with inf/NaN gradients (only run on skipped steps)."""
+        """Names and counts of parameters with inf/NaN gradients (only run on skipped steps).
+
+        Counts are over whole tensors: under FSDP2 they are summed across the shards (a
+        collective on every rank, which all skip together)."""
         named = [(name, p.grad) for name, p in model.named_parameters() if p.grad is not None]
         if not named:
             return []
-        bad = torch.stack([(~torch.isfinite(g)).sum() for _, g in named]).tolist()  # one host sync
-        counts = sorted(((name, n) for (name, _), n in zip(named, bad) if n), key=lambda item: -item[1])
+        local = torch.stack([(~torch.isfinite(fsdp.local_grad(g))).sum().double() for _, g in named])
+        bad = fsdp.reduce_stats([g for _, g in named], local.unsqueeze(1), sum_cols=1)[:, 0].tolist()  # one sync
+        counts = sorted(((name, int(n)) for (name, _), n in zip(named, bad) if n), key=lambda item: -item[1])
         return counts[:top]
 
     # ------------------------------------------------------------------ checkpoints
@@ -311,6 +344,8 @@ class MixedPrecisionPlugin(Precision):
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint[CHECKPOINT_KEY] = checkpoint_state.section(self.settings)
+        if self.sharded and self.master_weights:
+            checkpoint[CHECKPOINT_KEY]["master_params_in"] = "state_dict (FSDP2: the FP32 sharded parameters)"
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -329,6 +364,6 @@ class MixedPrecisionPlugin(Precision):
 
     def __repr__(self) -> str:
         return (
-            f"MixedPrecisionPlugin(precision={self.settings.preset!r}, scaler={self.scaler!r}, "
+            f"{type(self).__name__}(precision={self.settings.preset!r}, scaler={self.scaler!r}, "
             f"emulate={self.emulate!r}, skip_lr_on_overflow={self.skip_lr_on_overflow})"
         )

@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from typing_extensions import override
+
+from amp_plugin.fsdp import local_grad
 from amp_plugin.lightning._namespace import Callback
 
 if TYPE_CHECKING:
@@ -113,8 +115,10 @@ class FaultInjector(Callback):
         for active, value, kind in ((inf, math.inf, "inf_grad"), (nan, math.nan, "nan_grad")):
             if active:
                 name, grad = self._target(pl_module)
-                grad.view(-1)[0] = value
-                self.injected.append((trainer.global_step, f"{kind}:{name}"))
+                shard = local_grad(grad)  # under FSDP2, this rank's shard of the gradient
+                if shard.numel():
+                    shard.view(-1)[0] = value
+                    self.injected.append((trainer.global_step, f"{kind}:{name}"))
 
     def _target(self, pl_module: pl.LightningModule) -> tuple[str, torch.Tensor]:
         for name, p in pl_module.named_parameters():

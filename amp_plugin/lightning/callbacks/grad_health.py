@@ -12,6 +12,7 @@ from typing_extensions import override
 
 from amp_plugin.lightning._namespace import Callback, rank_zero_info
 from amp_plugin.lightning.callbacks._common import CsvLog, find_plugin
+from amp_plugin.fsdp import local_grad, reduce_stats
 from amp_plugin.master_weights import MasterWeightOptimizer
 from amp_plugin.lightning.plugin import MixedPrecisionPlugin
 
@@ -84,24 +85,29 @@ def measure(grads: list[torch.Tensor], scale: float) -> list[list[float]]:
     """Per gradient ``[zero_count, underflow_count_scale1, underflow_count_current, amax]``.
 
     All statistics are computed as tensors and read back with one ``.tolist()``: one host
-    sync per call, whatever the number of parameters.
+    sync per call, whatever the number of parameters. DTensor gradients (FSDP2) are measured
+    on each rank's shard and reduced to whole-tensor statistics (two collectives: call it on
+    every rank).
     """
     if not grads:
         return []
     current = FP16_MIN_NORMAL / scale
-    device = grads[0].device
+    device = local_grad(grads[0]).device
     stats = []
     for g in grads:
-        a = g.detach().abs()
+        a = local_grad(g.detach()).abs()
         if a.dtype not in (torch.float32, torch.float64):
             a = a.float()  # thresholds like 2**-30 are not representable in half precision
+        if a.numel() == 0:  # a rank may hold an empty shard of a small parameter
+            stats.append(torch.zeros(4, dtype=torch.float64, device=device))
+            continue
         stats.append(torch.stack([
             (a == 0).sum().double(),
             (a < FP16_MIN_NORMAL).sum().double(),
             (a < current).sum().double(),
             a.max().double(),
         ]).to(device))
-    return torch.stack(stats).tolist()
+    return reduce_stats(grads, torch.stack(stats), sum_cols=3).tolist()
 
 
 class GradientHealthMonitor(Callback):

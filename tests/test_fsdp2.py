@@ -1,8 +1,8 @@
 """FSDP2 under Lightning's ModelParallelStrategy on CPU (gloo, 2 processes) with
-:class:`amp_plugin.fsdp_prototype.FSDP2MixedPrecisionPlugin`.
+:class:`~amp_plugin.lightning.MixedPrecisionPlugin`.
 
-The multi-process tests run this file as a script (``python test_fsdp_prototype.py OUT_DIR
-SCENARIO PRECISION``; Lightning launches the second rank with the same command). Each
+The multi-process tests run this file as a script (``python test_fsdp2.py OUT_DIR SCENARIO
+PRECISION NAMESPACE``; Lightning launches the second rank with the same command). Each
 scenario writes ``OUT_DIR/<name>_rank<r>.pt`` per rank:
 
 - ``single``: one process, no FSDP, the plain ``MixedPrecisionPlugin`` (the reference);
@@ -27,24 +27,20 @@ import subprocess
 import sys
 from pathlib import Path
 
+import importlib
 import pytest
-import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
-from pytorch_lightning.strategies import ModelParallelStrategy
 from torch import nn
 
 from amp_plugin import DynamicLossScaler, MixedPrecisionPlugin
-from amp_plugin.app.schema import PRESETS
-from amp_plugin.fsdp_prototype import (
-    FSDP2MixedPrecisionPlugin,
-    fully_shard_mixed,
-    local_grad,
-    mp_policy_for,
-    sharded_grad_stats,
-    unscale_local_shards,
-)
+from amp_plugin.fsdp import fully_shard_mixed, local_grad, policy_for
 from amp_plugin.lightning.plugin import CHECKPOINT_KEY
+from amp_plugin.settings import PRESETS, PrecisionSettings
+
+from _models import as_lightning
+
+pl = importlib.import_module("lightning.pytorch")  # the worker's namespace (a command-line argument)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -63,7 +59,7 @@ class Block(nn.Module):
         return x + F.gelu(self.fc(self.norm(x)))
 
 
-class Net(pl.LightningModule):
+class Net:
     def __init__(self, shard: str | None, overflow_at: tuple[int, ...] = (), lr: float = 1e-2) -> None:
         super().__init__()
         self.net = nn.Sequential(nn.Linear(8, WIDTH), Block(WIDTH), Block(WIDTH), nn.Linear(WIDTH, 2))
@@ -116,7 +112,7 @@ class Net(pl.LightningModule):
         if self.global_step == 1:  # GradientHealthMonitor's statistics over whole tensors, from the shards
             from amp_plugin.lightning.callbacks.grad_health import measure
 
-            self.record["stats_sharded"] = sharded_grad_stats(grads, 1024.0)
+            self.record["stats_sharded"] = measure(grads, 1024.0)
             self.record["stats_full"] = measure(full, 1024.0)
 
     def on_after_backward(self) -> None:
@@ -155,9 +151,9 @@ def scaler() -> DynamicLossScaler:
     return DynamicLossScaler(init_scale=2.0**10, growth_interval=3, hysteresis=2)
 
 
-def trainer(devices: int, plugin, max_steps: int, distributed_checkpoint: bool = True, **kwargs) -> pl.Trainer:
+def trainer(devices: int, plugin, max_steps: int, distributed_checkpoint: bool = True, **kwargs):
     strategy = (
-        ModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1,
+        pl.strategies.ModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1,
                               save_distributed_checkpoint=distributed_checkpoint)
         if devices > 1 else "auto"
     )
@@ -168,11 +164,11 @@ def trainer(devices: int, plugin, max_steps: int, distributed_checkpoint: bool =
     )
 
 
-def result(trainer: pl.Trainer, model: Net, plugin) -> dict:
+def result(trainer, model, plugin) -> dict:
     return {
         "global_step": trainer.global_step,
-        "scaler": plugin.scaler.state_dict() if plugin.scaler is not None else {},
-        "skipped": plugin.scaler.skipped_steps if plugin.scaler is not None else 0,
+        "scaler": plugin.scaler.state_dict(),
+        "skipped": plugin.scaler.skipped_steps,
         "full_params": model.full_params,
         "init_params": model.init_params,
         "record": model.record,
@@ -186,14 +182,17 @@ def result(trainer: pl.Trainer, model: Net, plugin) -> dict:
 
 def fit(devices: int, plugin, shard, steps: int, overflow_at=(), ckpt_path=None, **kwargs):
     torch.manual_seed(0)
-    model = Net(shard, overflow_at=overflow_at)
+    model = as_lightning(pl, Net)(shard, overflow_at=overflow_at)
     t = trainer(devices, plugin, steps, **kwargs)
     t.fit(model, ckpt_path=ckpt_path)
     return t, model
 
 
-def worker(out_dir: str, scenario: str, precision: str) -> None:
-    def save(name: str, t: pl.Trainer, data: dict) -> None:
+def worker(out_dir: str, scenario: str, precision: str, namespace: str) -> None:
+    global pl
+    pl = importlib.import_module(namespace)
+
+    def save(name: str, t, data: dict) -> None:
         torch.save(data, f"{out_dir}/{name}_rank{t.global_rank}.pt")
 
     if scenario == "single":
@@ -201,27 +200,27 @@ def worker(out_dir: str, scenario: str, precision: str) -> None:
         t, m = fit(1, plugin, None, 6, gradient_clip_val=CLIP)
         save("single", t, result(t, m, plugin))
     elif scenario in ("fsdp", "plain"):
-        plugin = FSDP2MixedPrecisionPlugin(precision, scaler=scaler() if precision == "fp16" else None)
+        plugin = MixedPrecisionPlugin(precision, scaler=scaler() if precision == "fp16" else None)
         t, m = fit(2, plugin, "helper" if scenario == "fsdp" else "plain", 6, gradient_clip_val=CLIP)
         save(scenario, t, result(t, m, plugin))
     elif scenario == "presets":
-        for name, (prec, master, autocast) in PRESETS.items():
-            kwargs = {"scaler": DynamicLossScaler(init_scale=2.0**10)} if prec == "fp16" else {}
-            plugin = FSDP2MixedPrecisionPlugin(prec, master_weights=master, autocast=autocast, **kwargs)
+        for name, preset in PRESETS.items():
+            kwargs = {"scaler": DynamicLossScaler(init_scale=2.0**10)} if preset.precision == "fp16" else {}
+            plugin = MixedPrecisionPlugin(name, **kwargs)
             t, m = fit(2, plugin, "helper", 3)
             save(f"preset_{name}", t, result(t, m, plugin))
     elif scenario == "overflow":
-        plugin = FSDP2MixedPrecisionPlugin(precision, scaler=DynamicLossScaler(init_scale=2.0**10, growth_interval=3))
+        plugin = MixedPrecisionPlugin(precision, scaler=DynamicLossScaler(init_scale=2.0**10, growth_interval=3))
         t, m = fit(2, plugin, "helper", 5, overflow_at=(2,))
         save("overflow", t, result(t, m, plugin))
     elif scenario == "resume":
         for kind in ("distributed", "full"):
             dist_ckpt = kind == "distributed"
-            plugin = FSDP2MixedPrecisionPlugin(precision, scaler=scaler())
+            plugin = MixedPrecisionPlugin(precision, scaler=scaler())
             t, m = fit(2, plugin, "helper", 8, overflow_at=(2, 5), distributed_checkpoint=dist_ckpt)
             save(f"resume_{kind}_whole", t, result(t, m, plugin))
 
-            plugin = FSDP2MixedPrecisionPlugin(precision, scaler=scaler())
+            plugin = MixedPrecisionPlugin(precision, scaler=scaler())
             t, m = fit(2, plugin, "helper", 4, overflow_at=(2, 5), distributed_checkpoint=dist_ckpt)
             path = f"{out_dir}/{kind}.ckpt"
             t.save_checkpoint(path)
@@ -229,16 +228,16 @@ def worker(out_dir: str, scenario: str, precision: str) -> None:
             meta = Path(path, "meta.pt") if dist_ckpt else Path(path)
             in_checkpoint = torch.load(meta, weights_only=False)[CHECKPOINT_KEY]
 
-            plugin = FSDP2MixedPrecisionPlugin(precision, scaler=scaler())
+            plugin = MixedPrecisionPlugin(precision, scaler=scaler())
             t, m = fit(2, plugin, "helper", 8, overflow_at=(2, 5), distributed_checkpoint=dist_ckpt,
                        ckpt_path=path)
             save(f"resume_{kind}_resumed", t, {**result(t, m, plugin), "saved_scaler": saved_state,
                                                           "in_checkpoint": in_checkpoint})
     elif scenario == "bad_policy":
-        plugin = FSDP2MixedPrecisionPlugin(precision, scaler=scaler() if precision == "fp16" else None)
+        plugin = MixedPrecisionPlugin(precision, scaler=scaler() if precision == "fp16" else None)
         t = trainer(2, plugin, 2)
         try:
-            t.fit(Net("bad"))
+            t.fit(as_lightning(pl, Net)("bad"))
             message = None
         except ValueError as err:
             message = str(err)
@@ -248,19 +247,19 @@ def worker(out_dir: str, scenario: str, precision: str) -> None:
 
 
 # ---------------------------------------------------------------------------------- the tests
-_RUNS: dict[tuple[str, str], Path] = {}
+_RUNS: dict[tuple[str, str, str], Path] = {}
 
 
-def run(tmp_path_factory, scenario: str, precision: str) -> Path:
+def run(tmp_path_factory, scenario: str, precision: str, namespace: str = "lightning.pytorch") -> Path:
     """Run a scenario once per session; return its output directory."""
-    key = (scenario, precision)
+    key = (scenario, precision, namespace)
     if key not in _RUNS:
-        out = tmp_path_factory.mktemp(f"{scenario}_{precision}")
+        out = tmp_path_factory.mktemp(f"{scenario}_{precision}_{namespace}")
         # The checkout under test first: the installed amp_plugin may be another tree.
         path = os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])
         env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
         proc = subprocess.run(
-            [sys.executable, __file__, str(out), scenario, precision],
+            [sys.executable, __file__, str(out), scenario, precision, namespace],
             cwd=out, env=env, capture_output=True, text=True, timeout=400, check=False,
         )
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
@@ -320,18 +319,19 @@ def test_sharded_gradient_statistics_equal_whole_tensor_statistics(tmp_path_fact
 @pytest.mark.slow
 def test_fsdp2_every_preset_trains(tmp_path_factory):
     out = run(tmp_path_factory, "presets", "fp16")
-    for name, (precision, master, autocast) in PRESETS.items():
+    for name, preset in PRESETS.items():
         for r in load(out, f"preset_{name}"):
             assert r["global_step"] == 3 and r["optimizer"] == "AdamW", name
-            compute = "torch.float32" if precision == "fp32" else HALF[precision]
+            compute = "torch.float32" if preset.precision == "fp32" else HALF[preset.precision]
             assert set(r["record"]["fc_dtype"]) == {compute}, name
-            pure = precision != "fp32" and not master and not autocast
+            pure = preset.precision != "fp32" and not preset.master_weights and not preset.autocast
             assert set(r["param_dtypes"]) == {compute if pure else "torch.float32"}, name
 
 
 @pytest.mark.slow
-def test_fsdp2_overflow_on_one_rank_is_skipped_by_both(tmp_path_factory):
-    ranks = load(run(tmp_path_factory, "overflow", "fp16"), "overflow")
+@pytest.mark.parametrize("namespace", ["lightning.pytorch", "pytorch_lightning"])
+def test_fsdp2_overflow_on_one_rank_is_skipped_by_both(tmp_path_factory, namespace):
+    ranks = load(run(tmp_path_factory, "overflow", "fp16", namespace), "overflow")
     for r in ranks:
         assert r["skipped"] == 1 and r["scaler"]["scale"] == 512.0  # 1024 backed off once
         local = r["record"]["local"]  # this rank's shards after each step
@@ -367,7 +367,8 @@ def test_fsdp2_policy_that_contradicts_the_preset_is_explained(tmp_path_factory)
     assert message is not None
     assert "'net' has param_dtype=torch.bfloat16" in message
     assert "precision='fp16' with master weights computes in torch.float16" in message
-    assert "mp_policy=plugin.mp_policy" in message and "fully_shard_mixed" in message
+    assert "fully_shard(..., mp_policy=MixedPrecisionPolicy(param_dtype=torch.float16" in message
+    assert "fully_shard_mixed" in message
 
 
 # ---------------------------------------------------------------------------------- in-process
@@ -383,42 +384,36 @@ def test_policy_of_each_preset():
         "fp16_pure": MixedPrecisionPolicy(param_dtype=torch.float16),
         "bf16_pure": MixedPrecisionPolicy(param_dtype=torch.bfloat16),
     }
-    for name, (precision, master, autocast) in PRESETS.items():
-        assert mp_policy_for(precision, master, autocast) == expected[name], name
-        plugin = FSDP2MixedPrecisionPlugin(precision, master_weights=master, autocast=autocast, scaler=None)
-        assert plugin.mp_policy == expected[name]
+    for name in PRESETS:
+        assert policy_for(PrecisionSettings.build(name, scaler=None)) == expected[name], name
+        assert MixedPrecisionPlugin(name, scaler=None).mp_policy == expected[name]
 
 
 def test_fully_shard_mixed_rejects_other_policies():
-    with pytest.raises(TypeError, match="FSDP2MixedPrecisionPlugin or a MixedPrecisionPolicy"):
+    with pytest.raises(TypeError, match="the MixedPrecisionPlugin, its PrecisionSettings or a MixedPrecisionPolicy"):
         fully_shard_mixed(nn.Linear(2, 2), None, "fp16")
 
 
-def test_local_shard_unscale_on_plain_tensors_matches_the_scaler():
-    """Without DTensors the local-shard unscale is the scaler's own in-place unscale."""
+def test_the_scaler_unscales_plain_gradients_as_before():
+    """Without DTensors the scaler's in-place unscale is unchanged (what FSDP2 adds is the local shard)."""
     from amp_plugin.scaler import _unscale_in_place
 
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(5)) for _ in range(3)]
     grads = [torch.randn(5) * 1024 for _ in params]
     grads[1][2] = math.inf
-    opt_a, opt_b = torch.optim.SGD(params, lr=0.1), torch.optim.SGD(params, lr=0.1)
-    results = []
-    for unscale in (unscale_local_shards, _unscale_in_place):
-        for p, g in zip(params, grads):
-            p.grad = g.clone()
-        found = unscale(opt_a if unscale is unscale_local_shards else opt_b,
-                        lambda d: torch.full((), 1 / 1024.0, device=d))
-        results.append(([p.grad.clone() for p in params], {k: v.item() for k, v in found.items()}))
-    assert results[0][1] == results[1][1] == {torch.device("cpu"): 1.0}
-    for a, b in zip(results[0][0], results[1][0]):
-        torch.testing.assert_close(a, b, equal_nan=True)
+    for p, g in zip(params, grads):
+        p.grad = g.clone()
+    found = _unscale_in_place(torch.optim.SGD(params, lr=0.1), lambda d: torch.full((), 1 / 1024.0, device=d))
+    assert {k: v.item() for k, v in found.items()} == {torch.device("cpu"): 1.0}
+    for p, g in zip(params, grads):
+        torch.testing.assert_close(p.grad, g / 1024, equal_nan=True)
 
 
 def test_without_fsdp_the_plugin_is_the_base_plugin(pl):
     from _models import TinyClassifier, as_lightning, quiet_trainer
 
-    plugin = FSDP2MixedPrecisionPlugin("fp16")
+    plugin = MixedPrecisionPlugin("fp16")
     trainer = quiet_trainer(pl, plugins=[plugin], max_steps=2)
     trainer.fit(as_lightning(pl, TinyClassifier)())
     assert plugin.sharded is False
@@ -426,15 +421,13 @@ def test_without_fsdp_the_plugin_is_the_base_plugin(pl):
     assert "FP32 master weights" in plugin.describe()
 
 
-def test_fsdp1_strategy_refuses_the_plugin():
+def test_fsdp1_strategy_refuses_the_plugin(pl):
     """Lightning's FSDPStrategy (FSDP1) only takes FSDPPrecision; ModelParallelStrategy is the way."""
-    from pytorch_lightning.strategies import FSDPStrategy
-
     with pytest.raises(TypeError, match="can only work with the `FSDPPrecision` plugin, found MixedPrecisionPlugin"):
-        FSDPStrategy(precision_plugin=MixedPrecisionPlugin("fp16"))
+        pl.strategies.FSDPStrategy(precision_plugin=MixedPrecisionPlugin("fp16"))
     with pytest.raises(ValueError, match="requires a GPU accelerator"):  # on CPU this comes first
         pl.Trainer(accelerator="cpu", devices=2, strategy="fsdp", plugins=[MixedPrecisionPlugin("fp16")])
 
 
 if __name__ == "__main__":
-    worker(*sys.argv[1:4])
+    worker(*sys.argv[1:5])
