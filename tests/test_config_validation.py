@@ -212,7 +212,7 @@ def test_recipe_arguments_are_type_checked_against_the_recipe_signature():
         build(compose_config("recipe.hidden_sizes=[a]"))
     with pytest.raises(ConfigError, match=r"recipe.extra is not a setting of DigitsRecipe: the allowed keys are lr,"):
         build(compose_config("+recipe.extra=1"))
-    with pytest.raises(ConfigError, match=r"model='rnn' is not supported"):
+    with pytest.raises(ConfigError, match=r"model='rnn' is not allowed: model must be one of 'mlp', 'cnn'"):
         build(compose_config("recipe.model=rnn"))
     with pytest.raises(ConfigError, match=r"recipe._target_='amp_plugin.recipes.nope.Nope'"):
         build(compose_config("recipe._target_=amp_plugin.recipes.nope.Nope"))
