@@ -21,7 +21,8 @@ from amp_plugin.app.compare import main as compare_main
 from amp_plugin.app.plots import plot_run, read_history, write_history
 from amp_plugin.app.report import format_summary
 from amp_plugin.app.run import train
-from amp_plugin.app.schema import PRESETS, register_configs
+from amp_plugin.app.schema import register_configs
+from amp_plugin.settings import PRESETS
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG_DIR = ROOT / "configs"
@@ -39,18 +40,21 @@ def csv_header(path: str | Path) -> list[str]:
         return next(csv.reader(f))
 
 
+
 @pytest.mark.parametrize("preset", sorted(PRESETS))
 def test_every_preset_trains_and_writes_its_outputs(tmp_path, preset, capsys):
     result = train(compose_config(f"precision={preset}", *QUICK, output_dir=tmp_path))
-    precision, master_weights, autocast = PRESETS[preset]
+    expected = PRESETS[preset]
     plugin = result["plugin"]
-    assert (plugin.amp_precision, plugin.master_weights, plugin.autocast) == (precision, master_weights, autocast)
+    assert (plugin.amp_precision, plugin.master_weights, plugin.autocast) == (
+        expected.precision, expected.master_weights, expected.autocast)
     assert result["status"] == "ok" and result["precision"] == preset and result["recipe"] == "digits"
     assert result["steps"] == result["global_step"] == 3
     assert {"train/loss", "val/loss", "val/acc"} <= set(result["final_metrics"])
     scaled = preset.startswith("fp16")
     assert result["scaler"] == ("dynamic" if scaled else "none")
     assert (result["loss_scale"]["start"] == 2.0**16) if scaled else (result["loss_scale"]["start"] is None)
+    assert ("no loss scaling" in result["plugin_settings"]["describe"]) == (not scaled)
 
     paths = {k: Path(v) for k, v in result["paths"].items() if v is not None}
     for key in ("metrics", "last_checkpoint", "history", "plot", "summary"):
@@ -166,7 +170,7 @@ def test_multirun_of_two_presets_then_compare(tmp_path):
     assert proc.stdout.count("amp_plugin run summary") == 3
     assert "1 job(s) of this sweep failed" in proc.stderr and "Traceback" not in proc.stderr
     (failed,) = sweep.glob("*/FAILED")
-    assert "scaler=static is not allowed with precision=fp32" in failed.read_text()
+    assert "is not allowed with precision='fp32'" in failed.read_text()
     assert not (failed.parent / "checkpoints").exists()
     assert len(list(sweep.glob("*/checkpoints/last.ckpt"))) == 3
 
