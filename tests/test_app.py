@@ -22,6 +22,7 @@ from amp_plugin.app.plots import plot_run, read_history, write_history
 from amp_plugin.app.report import format_summary
 from amp_plugin.app.run import train
 from amp_plugin.app.schema import register_configs
+from amp_plugin.lightning import pl
 from amp_plugin.settings import PRESETS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,6 +39,12 @@ def compose_config(*overrides: str, output_dir: Path):
 def csv_header(path: str | Path) -> list[str]:
     with open(path, newline="") as f:
         return next(csv.reader(f))
+
+
+def training_rows(path: str | Path) -> list[dict[str, str]]:
+    """The rows of a metrics.csv that hold training metrics."""
+    with open(path, newline="") as f:
+        return [row for row in csv.DictReader(f) if row.get("train/loss")]
 
 
 
@@ -202,3 +209,44 @@ def test_the_default_run(tmp_path):
     run_dir = summary_file.parent
     for name in ("logs/metrics.csv", "logs/scale_events.csv", "checkpoints/last.ckpt", "training_curves.png"):
         assert (run_dir / name).is_file(), name
+
+
+@pytest.mark.slow
+def test_the_cli_runs_on_pytorch_lightning(tmp_path):
+    """Configs name lightning.pytorch classes; with AMP_PLUGIN_LIGHTNING=pytorch_lightning the app builds
+    pytorch_lightning's instead, and the run trains and logs."""
+    run_dir = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+    env["AMP_PLUGIN_LIGHTNING"] = "pytorch_lightning"
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parent), env.get("PYTHONPATH")]))
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), "trainer.max_steps=5", "trainer.log_every_n_steps=1", *QUICK[1:],
+         "plot=false",
+         "+callbacks.probe._target_=test_app.NamespaceProbe", f"+callbacks.probe.path={tmp_path / 'probe.json'}",
+         f"hydra.run.dir={run_dir}"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    probe = json.loads((tmp_path / "probe.json").read_text())
+    assert probe == {"trainer": "pytorch_lightning", "loggers": ["pytorch_lightning"],
+                     "ModelCheckpoint": "pytorch_lightning"}
+    assert [int(row["step"]) for row in training_rows(run_dir / "logs" / "metrics.csv")] == [0, 1, 2, 3, 4]
+    assert "amp_plugin run summary" in proc.stdout
+
+
+class NamespaceProbe(pl.Callback):
+    """Writes which package the run's trainer, loggers and ModelCheckpoint come from (``lightning`` or
+    ``pytorch_lightning``); ``pl`` is the namespace of the process that imports this module."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        checkpoint = next(c for c in trainer.callbacks if type(c).__name__ == "ModelCheckpoint")
+        packages = {"trainer": trainer, "loggers": trainer.loggers, "ModelCheckpoint": checkpoint}
+        Path(self.path).write_text(json.dumps({
+            key: [_package(o) for o in obj] if isinstance(obj, list) else _package(obj) for key, obj in packages.items()
+        }))
+
+
+def _package(obj: object) -> str:
+    return type(obj).__module__.split(".")[0]

@@ -14,11 +14,15 @@ Each constructor checks its own arguments. :func:`construct` turns its ``ValueEr
 ``growth_factor=0.5 is not allowed: ...`` from ``DynamicLossScaler`` becomes
 ``scaler.growth_factor=0.5 is not allowed: ...``. A key the constructor does not take is
 rejected with the list of keys it does take.
+
+Configs name ``lightning.pytorch.*`` classes; with ``pytorch_lightning`` as the app's Lightning
+(:data:`amp_plugin.lightning.pl`), :func:`build` points them there (and the other way round).
 """
 
 from __future__ import annotations
 
 import datetime
+import functools
 import inspect
 import os
 import re
@@ -35,7 +39,9 @@ from amp_plugin.app.validation import ConfigError, show, validate
 from amp_plugin.scaler import LossScaler
 from amp_plugin.settings import PrecisionSettings
 
-__all__ = ["Run", "build", "construct", "instantiate", "prepare", "resolve_output_dir"]
+__all__ = ["Run", "build", "construct", "instantiate", "prepare", "resolve_output_dir", "retarget"]
+
+NAMESPACES = ("lightning.pytorch", "pytorch_lightning")
 
 
 # ---------------------------------------------------------------------------------- config node -> object
@@ -59,8 +65,12 @@ def construct(key: str, factory: Callable[..., Any], node: Any, **extra: Any) ->
         raise ConfigError(_naming_key(key, config, cause)) from err
 
 
-def instantiate(key: str, node: Any, **extra: Any) -> Any:
-    """Build the ``_target_`` of ``node`` with :func:`construct`."""
+def instantiate(key: str, node: Any, *, namespace: str | None = None, **extra: Any) -> Any:
+    """Build the ``_target_`` of ``node`` with :func:`construct`.
+
+    ``namespace`` (``"lightning.pytorch"`` or ``"pytorch_lightning"``): the Lightning package
+    that ``_target_`` paths naming the other one are moved to (:func:`retarget`).
+    """
     if not (isinstance(node, dict) or OmegaConf.is_dict(node)) or "_target_" not in node:
         group = key.split(".")[0]
         raise ConfigError(
@@ -68,6 +78,8 @@ def instantiate(key: str, node: Any, **extra: Any) -> Any:
             f"(see configs/{group}/)."
         )
     config = _plain(node)
+    if namespace is not None:
+        config = retarget(config, namespace)
     target = config["_target_"]
     try:  # Hydra's own lookup, with its checks of what a config may name
         factory = hydra.utils.instantiate({"_target_": target, "_partial_": True}).func
@@ -77,6 +89,20 @@ def instantiate(key: str, node: Any, **extra: Any) -> Any:
             f"{key}._target_={target!r} is not allowed: it must name an importable class ({reason})."
         ) from err
     return construct(key, factory, config, **extra)
+
+
+def retarget(config: Any, namespace: str) -> Any:
+    """``config`` with every ``_target_`` under the other Lightning namespace moved to ``namespace``."""
+    other = next(n for n in NAMESPACES if n != namespace)
+    if isinstance(config, list):
+        return [retarget(item, namespace) for item in config]
+    if not isinstance(config, dict):
+        return config
+    moved = {k: retarget(v, namespace) for k, v in config.items()}
+    target = moved.get("_target_")
+    if isinstance(target, str) and target.startswith(other + "."):
+        moved["_target_"] = namespace + target[len(other):]
+    return moved
 
 
 def _plain(node: Any) -> dict[str, Any]:
@@ -182,7 +208,7 @@ def build(cfg: DictConfig, settings: PrecisionSettings | None = None, output_dir
     from amp_plugin.app.report import RunRecorder
     from amp_plugin.lightning import AtomicCheckpointIO, FaultInjector, MixedPrecisionPlugin, pl
 
-    make = instantiate
+    make = functools.partial(instantiate, namespace=pl.__name__)
     pl.seed_everything(cfg.seed, workers=True, verbose=False)  # before the recipe initialises its weights
     module = make("recipe", cfg.recipe)
     if not isinstance(module, pl.LightningModule):
