@@ -47,7 +47,6 @@ def training_rows(path: str | Path) -> list[dict[str, str]]:
         return [row for row in csv.DictReader(f) if row.get("train/loss")]
 
 
-
 @pytest.mark.parametrize("preset", sorted(PRESETS))
 def test_every_preset_trains_and_writes_its_outputs(tmp_path, preset, capsys):
     result = train(compose_config(f"precision={preset}", *QUICK, output_dir=tmp_path))
@@ -69,6 +68,7 @@ def test_every_preset_trains_and_writes_its_outputs(tmp_path, preset, capsys):
     assert paths["metrics"] == tmp_path / "logs" / "metrics.csv"
     if scaled:  # LossScaleMonitor has nothing to record without a scaler
         assert csv_header(paths["scale_events"]) == ["step", "old_scale", "new_scale", "reason", "nonfinite_params"]
+        assert [bool(row["amp/loss_scale"]) for row in training_rows(paths["metrics"])] == [True] * 3
     assert paths["plot"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     history = read_history(paths["history"])
     assert [row["step"] for row in history] == [1, 2, 3]
@@ -91,6 +91,20 @@ def test_every_recipe_trains_a_few_steps(tmp_path, recipe):
     assert result["recipe"] == recipe and result["steps"] == 2
     assert "train/loss" in result["final_metrics"] and "val/loss" in result["final_metrics"]
     assert result["paths"]["plot"] is None and not (tmp_path / "training_curves.png").exists()
+
+
+@pytest.mark.parametrize("overrides, scaled", [(["precision=fp16_autocast"], True),
+                                               (["precision=bf16", "scaler=dynamic"], True),
+                                               (["precision=bf16"], False)])
+def test_a_short_run_shows_its_loss_scale(tmp_path, overrides, scaled):
+    """A 20-step run logs every step; ``amp/loss_scale`` wherever there is a scaler."""
+    result = train(compose_config(*overrides, "trainer.max_steps=20", "trainer.limit_val_batches=1",
+                                  "trainer.enable_progress_bar=false", "plot=false", output_dir=tmp_path))
+    rows = training_rows(tmp_path / "logs" / "metrics.csv")
+    assert [int(row["step"]) for row in rows] == list(range(20))
+    assert all(row.get("amp/loss_scale") == "65536.0" for row in rows) == scaled
+    summary = format_summary(result)
+    assert ("dynamic loss scaling" in summary) == scaled and ("no loss scaling" in summary) == (not scaled)
 
 
 def test_tensorboard_logger_and_diagnostic_callbacks(tmp_path):
@@ -220,8 +234,7 @@ def test_the_cli_runs_on_pytorch_lightning(tmp_path):
     env["AMP_PLUGIN_LIGHTNING"] = "pytorch_lightning"
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parent), env.get("PYTHONPATH")]))
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "train.py"), "trainer.max_steps=5", "trainer.log_every_n_steps=1", *QUICK[1:],
-         "plot=false",
+        [sys.executable, str(ROOT / "train.py"), "trainer.max_steps=5", *QUICK[1:], "plot=false",
          "+callbacks.probe._target_=test_app.NamespaceProbe", f"+callbacks.probe.path={tmp_path / 'probe.json'}",
          f"hydra.run.dir={run_dir}"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)

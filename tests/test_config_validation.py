@@ -133,6 +133,13 @@ def test_every_group_option_composes_and_builds(group, option):
         assert type(run.loggers[0]).__name__ == {"csv": "CSVLogger", "tensorboard": "TensorBoardLogger"}[option]
 
 
+@pytest.mark.parametrize("max_steps, configured, used", [(3, None, 1), (100, None, 1), (101, None, 10), (-1, None, 10),
+                                                         (20, 5, 5)])
+def test_short_runs_log_every_step(max_steps, configured, used):
+    run = build(compose_config(f"trainer.max_steps={max_steps}", f"trainer.log_every_n_steps={configured or 'null'}"))
+    assert run.trainer.log_every_n_steps == used
+
+
 # Each row: overrides, then strings the message must contain (the key, the value, what is allowed).
 # Most messages come from the constructor that rejects the value, with the config key put in front.
 BAD_VALUES = [

@@ -227,6 +227,7 @@ def build(cfg: DictConfig, settings: PrecisionSettings | None = None, output_dir
         logger=loggers or False,
         default_root_dir=str(output_dir),
         enable_checkpointing=any(isinstance(c, pl.callbacks.ModelCheckpoint) for c in callbacks),
+        log_every_n_steps=log_every_n_steps(cfg.trainer),
     )
     if injector is not None:
         try:
@@ -235,6 +236,13 @@ def build(cfg: DictConfig, settings: PrecisionSettings | None = None, output_dir
             raise ConfigError(_naming_key("fault", _plain(fault), err)) from err
     return Run(trainer=trainer, module=module, plugin=plugin, callbacks=callbacks, loggers=loggers, recorder=recorder,
                injector=injector, output_dir=output_dir, ckpt_path=cfg.ckpt_path, seed=cfg.seed, plot=cfg.plot)
+
+
+def log_every_n_steps(trainer: DictConfig) -> int:
+    """``trainer.log_every_n_steps``; when null, every step for runs of up to 100 steps, else every 10."""
+    if trainer.log_every_n_steps is not None:
+        return trainer.log_every_n_steps
+    return 1 if 0 < trainer.max_steps <= 100 else 10
 
 
 def _entries(node: Any) -> list[tuple[str, Any]]:

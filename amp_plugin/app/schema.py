@@ -124,7 +124,7 @@ class TrainerConf:
     val_check_interval: Any = None
     check_val_every_n_epoch: Optional[int] = 1
     num_sanity_val_steps: Optional[int] = None
-    log_every_n_steps: Optional[int] = None
+    log_every_n_steps: Optional[int] = None  # null: the app picks (see configs/trainer/default.yaml)
     accumulate_grad_batches: int = 1
     gradient_clip_val: Optional[float] = None
     gradient_clip_algorithm: Optional[ClipAlgorithm] = None
