@@ -51,6 +51,7 @@ def _choices(name: str, values: typing.Iterable[str]) -> Any:
 
 PresetName = _choices("PresetName", PRESETS)
 """``precision.precision``: the preset names of :data:`amp_plugin.settings.PRESETS`."""
+# The lists DynamicLossScaler checks these arguments against, so the two cannot drift apart.
 HysteresisReset = _choices("HysteresisReset", dynamic_scaler._HYSTERESIS_RESETS)
 OnMinScale = _choices("OnMinScale", dynamic_scaler._ON_MIN_SCALE)
 ClipAlgorithm = _choices("ClipAlgorithm", ("norm", "value"))
