@@ -46,6 +46,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
+from amp_plugin._checks import check_choice, check_int, check_number
 from amp_plugin.recipes._sampling import train_loader
 
 __all__ = ["CORPUS_FILES", "VOCAB_SIZE", "CharGPT", "CharGPTRecipe", "build_corpus"]
@@ -266,13 +267,18 @@ class CharGPTRecipe(pl.LightningModule):
     ) -> None:
         super().__init__()
         for name, value in (("n_layer", n_layer), ("n_head", n_head), ("n_embd", n_embd),
-                            ("block_size", block_size), ("batch_size", batch_size)):
-            if int(value) < 1:
-                raise ValueError(f"{name}={value!r} must be a positive int.")
+                            ("block_size", block_size), ("batch_size", batch_size), ("max_chars", max_chars)):
+            check_int(name, value, ge=1)
         if n_embd % n_head:
             raise ValueError(f"n_embd={n_embd} must be divisible by n_head={n_head}.")
-        if optimizer not in ("adamw", "sgd"):
-            raise ValueError(f"optimizer={optimizer!r} is not supported; choose 'adamw' or 'sgd'.")
+        check_number("lr", lr, gt=0)
+        check_number("dropout", dropout, ge=0, lt=1)
+        check_number("weight_decay", weight_decay, ge=0)
+        check_number("adam_eps", adam_eps, gt=0)
+        check_int("warmup_steps", warmup_steps, ge=0)
+        if not isinstance(tie_weights, bool):
+            raise TypeError(f"tie_weights={tie_weights!r} is not allowed: tie_weights must be true or false.")
+        check_choice("optimizer", optimizer, ("adamw", "sgd"))
         self.save_hyperparameters()
         self.model = CharGPT(VOCAB_SIZE, block_size, n_layer, n_head, n_embd, dropout, tie_weights)
         self._splits: tuple[torch.Tensor, torch.Tensor] | None = None

@@ -36,6 +36,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from typing_extensions import override
 
+from amp_plugin._checks import check_choice, check_int, check_number
 from amp_plugin.recipes._sampling import train_loader
 
 __all__ = ["DigitsRecipe", "load_digits_split"]
@@ -105,19 +106,20 @@ class DigitsRecipe(pl.LightningModule):
         seed: int = 0,
     ) -> None:
         super().__init__()
-        if model not in _MODELS:
-            raise ValueError(f"model={model!r} is not supported; choose one of {_MODELS}.")
-        if optimizer not in _OPTIMIZERS:
-            raise ValueError(
-                f"optimizer={optimizer!r} is not supported; choose one of {_OPTIMIZERS}."
-            )
-        if not 0.0 < val_fraction < 1.0:
-            raise ValueError(f"val_fraction={val_fraction!r} must lie strictly between 0 and 1.")
-        hidden_sizes = [int(h) for h in hidden_sizes]
-        if not hidden_sizes or min(hidden_sizes) < 1:
-            raise ValueError(
-                f"hidden_sizes={hidden_sizes!r} must be a non-empty list of positive ints."
-            )
+        check_number("lr", lr, gt=0)
+        check_int("batch_size", batch_size, ge=1)
+        sizes = list(hidden_sizes) if isinstance(hidden_sizes, Sequence) and not isinstance(hidden_sizes, str) else []
+        if not sizes or any(isinstance(h, bool) or not isinstance(h, int) or h < 1 for h in sizes):
+            raise ValueError(f"hidden_sizes={hidden_sizes!r} is not allowed: hidden_sizes must be a "
+                             "non-empty list of integers >= 1.")
+        check_choice("model", model, _MODELS)
+        check_choice("optimizer", optimizer, _OPTIMIZERS)
+        check_number("weight_decay", weight_decay, ge=0)
+        check_number("adam_eps", adam_eps, gt=0)
+        check_int("warmup_steps", warmup_steps, ge=0)
+        check_number("val_fraction", val_fraction, gt=0, lt=1)
+        check_int("seed", seed, ge=0)
+        hidden_sizes = sizes
         self.save_hyperparameters()
         self.hparams.hidden_sizes = hidden_sizes  # a plain list, also when Hydra passed a ListConfig
         self.net = self._build_network(model, hidden_sizes, num_classes=10)

@@ -43,6 +43,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from typing_extensions import override
 
+from amp_plugin._checks import check_int, check_number
 from amp_plugin.recipes._sampling import train_loader
 
 __all__ = ["StagnationDemoRecipe"]
@@ -83,14 +84,16 @@ class StagnationDemoRecipe(pl.LightningModule):
         super().__init__()
         for name, value in (("in_features", in_features), ("n_train", n_train),
                             ("n_val", n_val), ("batch_size", batch_size)):
-            if int(value) < 1:
-                raise ValueError(f"{name}={value!r} must be a positive int.")
-        if not weight_low < weight_high:
-            raise ValueError(f"weight_low={weight_low!r} must be below weight_high={weight_high!r}.")
-        if not 0 <= min_shift <= max_shift:
-            raise ValueError(
-                f"min_shift={min_shift!r} and max_shift={max_shift!r} must satisfy 0 <= min_shift <= max_shift."
-            )
+            check_int(name, value, ge=1)
+        check_number("lr", lr, gt=0)
+        check_number("momentum", momentum, ge=0, lt=1)
+        if not check_number("weight_low", weight_low) < check_number("weight_high", weight_high):
+            raise ValueError(f"weight_low={weight_low!r} is not allowed: weight_low must be below "
+                             f"weight_high={weight_high!r}.")
+        if not check_number("min_shift", min_shift, ge=0) <= check_number("max_shift", max_shift):
+            raise ValueError(f"min_shift={min_shift!r} is not allowed: min_shift must be at most "
+                             f"max_shift={max_shift!r}.")
+        check_int("seed", seed, ge=0)
         self.save_hyperparameters()
         g = torch.Generator().manual_seed(seed)
         w0 = weight_low + (weight_high - weight_low) * torch.rand(in_features, generator=g)

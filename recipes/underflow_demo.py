@@ -58,6 +58,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from typing_extensions import override
 
+from amp_plugin._checks import check_int, check_number
 from amp_plugin.recipes._sampling import train_loader
 
 __all__ = ["UnderflowDemoRecipe"]
@@ -102,14 +103,14 @@ class UnderflowDemoRecipe(pl.LightningModule):
         super().__init__()
         for name, value in (("in_features", in_features), ("out_features", out_features),
                             ("n_train", n_train), ("n_val", n_val), ("batch_size", batch_size)):
-            if int(value) < 1:
-                raise ValueError(f"{name}={value!r} must be a positive int.")
-        if hidden_size < 0:
-            raise ValueError(f"hidden_size={hidden_size!r} must be >= 0 (0 means a linear model).")
-        if not input_scale > 0:
-            raise ValueError(f"input_scale={input_scale!r} must be positive.")
-        if not loss_weight > 0:
-            raise ValueError(f"loss_weight={loss_weight!r} must be positive.")
+            check_int(name, value, ge=1)
+        check_int("hidden_size", hidden_size, ge=0)  # 0: a linear model
+        check_number("lr", lr, gt=0)
+        check_number("loss_weight", loss_weight, gt=0)
+        check_number("input_scale", input_scale, gt=0)
+        check_number("momentum", momentum, ge=0, lt=1)
+        check_number("noise_std", noise_std, ge=0)
+        check_int("seed", seed, ge=0)
         self.save_hyperparameters()
         self.model = self._build_model()
         self._data = self._make_data()  # plain attributes, not buffers: a plugin never casts them

@@ -21,7 +21,9 @@ from amp_plugin.app.compare import main as compare_main
 from amp_plugin.app.plots import plot_run, read_history, write_history
 from amp_plugin.app.report import format_summary
 from amp_plugin.app.run import train
-from amp_plugin.app.schema import PRESETS, register_configs
+from amp_plugin.app.schema import register_configs
+from amp_plugin.lightning import pl
+from amp_plugin.settings import PRESETS
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG_DIR = ROOT / "configs"
@@ -39,18 +41,26 @@ def csv_header(path: str | Path) -> list[str]:
         return next(csv.reader(f))
 
 
+def training_rows(path: str | Path) -> list[dict[str, str]]:
+    """The rows of a metrics.csv that hold training metrics."""
+    with open(path, newline="") as f:
+        return [row for row in csv.DictReader(f) if row.get("train/loss")]
+
+
 @pytest.mark.parametrize("preset", sorted(PRESETS))
 def test_every_preset_trains_and_writes_its_outputs(tmp_path, preset, capsys):
     result = train(compose_config(f"precision={preset}", *QUICK, output_dir=tmp_path))
-    precision, master_weights, autocast = PRESETS[preset]
+    expected = PRESETS[preset]
     plugin = result["plugin"]
-    assert (plugin.amp_precision, plugin.master_weights, plugin.autocast) == (precision, master_weights, autocast)
+    assert (plugin.amp_precision, plugin.master_weights, plugin.autocast) == (
+        expected.precision, expected.master_weights, expected.autocast)
     assert result["status"] == "ok" and result["precision"] == preset and result["recipe"] == "digits"
     assert result["steps"] == result["global_step"] == 3
     assert {"train/loss", "val/loss", "val/acc"} <= set(result["final_metrics"])
     scaled = preset.startswith("fp16")
     assert result["scaler"] == ("dynamic" if scaled else "none")
     assert (result["loss_scale"]["start"] == 2.0**16) if scaled else (result["loss_scale"]["start"] is None)
+    assert ("no loss scaling" in result["plugin_settings"]["describe"]) == (not scaled)
 
     paths = {k: Path(v) for k, v in result["paths"].items() if v is not None}
     for key in ("metrics", "last_checkpoint", "history", "plot", "summary"):
@@ -58,6 +68,7 @@ def test_every_preset_trains_and_writes_its_outputs(tmp_path, preset, capsys):
     assert paths["metrics"] == tmp_path / "logs" / "metrics.csv"
     if scaled:  # LossScaleMonitor has nothing to record without a scaler
         assert csv_header(paths["scale_events"]) == ["step", "old_scale", "new_scale", "reason", "nonfinite_params"]
+        assert [bool(row["amp/loss_scale"]) for row in training_rows(paths["metrics"])] == [True] * 3
     assert paths["plot"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     history = read_history(paths["history"])
     assert [row["step"] for row in history] == [1, 2, 3]
@@ -80,6 +91,20 @@ def test_every_recipe_trains_a_few_steps(tmp_path, recipe):
     assert result["recipe"] == recipe and result["steps"] == 2
     assert "train/loss" in result["final_metrics"] and "val/loss" in result["final_metrics"]
     assert result["paths"]["plot"] is None and not (tmp_path / "training_curves.png").exists()
+
+
+@pytest.mark.parametrize("overrides, scaled", [(["precision=fp16_autocast"], True),
+                                               (["precision=bf16", "scaler=dynamic"], True),
+                                               (["precision=bf16"], False)])
+def test_a_short_run_shows_its_loss_scale(tmp_path, overrides, scaled):
+    """A 20-step run logs every step; ``amp/loss_scale`` wherever there is a scaler."""
+    result = train(compose_config(*overrides, "trainer.max_steps=20", "trainer.limit_val_batches=1",
+                                  "trainer.enable_progress_bar=false", "plot=false", output_dir=tmp_path))
+    rows = training_rows(tmp_path / "logs" / "metrics.csv")
+    assert [int(row["step"]) for row in rows] == list(range(20))
+    assert all(row.get("amp/loss_scale") == "65536.0" for row in rows) == scaled
+    summary = format_summary(result)
+    assert ("dynamic loss scaling" in summary) == scaled and ("no loss scaling" in summary) == (not scaled)
 
 
 def test_tensorboard_logger_and_diagnostic_callbacks(tmp_path):
@@ -166,7 +191,7 @@ def test_multirun_of_two_presets_then_compare(tmp_path):
     assert proc.stdout.count("amp_plugin run summary") == 3
     assert "1 job(s) of this sweep failed" in proc.stderr and "Traceback" not in proc.stderr
     (failed,) = sweep.glob("*/FAILED")
-    assert "scaler=static is not allowed with precision=fp32" in failed.read_text()
+    assert "is not allowed with precision='fp32'" in failed.read_text()
     assert not (failed.parent / "checkpoints").exists()
     assert len(list(sweep.glob("*/checkpoints/last.ckpt"))) == 3
 
@@ -198,3 +223,43 @@ def test_the_default_run(tmp_path):
     run_dir = summary_file.parent
     for name in ("logs/metrics.csv", "logs/scale_events.csv", "checkpoints/last.ckpt", "training_curves.png"):
         assert (run_dir / name).is_file(), name
+
+
+@pytest.mark.slow
+def test_the_cli_runs_on_pytorch_lightning(tmp_path):
+    """Configs name lightning.pytorch classes; with AMP_PLUGIN_LIGHTNING=pytorch_lightning the app builds
+    pytorch_lightning's instead, and the run trains and logs."""
+    run_dir = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+    env["AMP_PLUGIN_LIGHTNING"] = "pytorch_lightning"
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parent), env.get("PYTHONPATH")]))
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), "trainer.max_steps=5", *QUICK[1:], "plot=false",
+         "+callbacks.probe._target_=test_app.NamespaceProbe", f"+callbacks.probe.path={tmp_path / 'probe.json'}",
+         f"hydra.run.dir={run_dir}"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    probe = json.loads((tmp_path / "probe.json").read_text())
+    assert probe == {"trainer": "pytorch_lightning", "loggers": ["pytorch_lightning"],
+                     "ModelCheckpoint": "pytorch_lightning"}
+    assert [int(row["step"]) for row in training_rows(run_dir / "logs" / "metrics.csv")] == [0, 1, 2, 3, 4]
+    assert "amp_plugin run summary" in proc.stdout
+
+
+class NamespaceProbe(pl.Callback):
+    """Writes which package the run's trainer, loggers and ModelCheckpoint come from (``lightning`` or
+    ``pytorch_lightning``); ``pl`` is the namespace of the process that imports this module."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        checkpoint = next(c for c in trainer.callbacks if type(c).__name__ == "ModelCheckpoint")
+        packages = {"trainer": trainer, "loggers": trainer.loggers, "ModelCheckpoint": checkpoint}
+        Path(self.path).write_text(json.dumps({
+            key: [_package(o) for o in obj] if isinstance(obj, list) else _package(obj) for key, obj in packages.items()
+        }))
+
+
+def _package(obj: object) -> str:
+    return type(obj).__module__.split(".")[0]

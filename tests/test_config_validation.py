@@ -1,9 +1,10 @@
 """The Hydra configs: every option composes, defaults follow the rules, bad input fails cleanly.
 
-Composition and validation run in-process (fast). A table of bad command lines also goes
+Composition and building run in-process (fast). A table of bad command lines also goes
 through the real CLI (``python train.py ...`` in a subprocess): non-zero exit, one short
 message naming the key and what is allowed, no traceback, and no run directory that looks
-like a success.
+like a success. The messages of range and choice errors come from the constructors; the app
+puts the config key in front.
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ from omegaconf.errors import ConfigKeyError, ValidationError
 from _cli_batch import clean_env, run_batch
 
 from amp_plugin import DynamicLossScaler, StaticLossScaler
-from amp_plugin.app.schema import PRESETS, register_configs
-from amp_plugin.app.validation import ConfigError, scaler_kind, validate
+from amp_plugin.app.build import build, prepare
+from amp_plugin.app.schema import register_configs
+from amp_plugin.app.validation import ConfigError, validate
+from amp_plugin.settings import PRESETS
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG_DIR = ROOT / "configs"
@@ -50,9 +53,9 @@ def test_config_groups_match_the_design():
 
 def test_default_config_is_fp16_dynamic_digits():
     cfg = compose_config()
-    validate(cfg)
-    assert (cfg.precision.name, cfg.precision.precision, cfg.precision.master_weights) == ("fp16", "fp16", True)
-    assert scaler_kind(cfg.scaler) == "dynamic"
+    settings = prepare(cfg)
+    assert (settings.preset, settings.precision, settings.master_weights, settings.scaling) == (
+        "fp16", "fp16", True, "dynamic")
     assert cfg.recipe._target_ == "amp_plugin.recipes.DigitsRecipe"
     assert cfg.logger._target_.endswith("CSVLogger")
     assert cfg.seed == 0 and cfg.ckpt_path is None
@@ -68,40 +71,50 @@ def test_default_config_is_fp16_dynamic_digits():
     ],
 )
 def test_explicit_scaler_on_the_command_line_wins(overrides, expected):
-    cfg = compose_config(*overrides)
-    assert scaler_kind(cfg.scaler) == expected
-    validate(cfg)
+    assert prepare(compose_config(*overrides)).scaling == expected
+
+
+@pytest.mark.parametrize(
+    "overrides, preset",
+    [
+        (["precision=fp16", "precision.master_weights=false"], "fp16_pure"),
+        (["precision=fp16", "precision.autocast=true"], "fp16_autocast"),
+        (["precision=bf16", "precision.autocast=true"], "bf16_autocast"),
+        (["precision=fp32", "precision.master_weights=true"], "fp32"),  # nothing to keep in FP32: ignored
+        (["precision=fp16_pure", "precision.master_weights=false"], "fp16_pure"),  # agrees with the preset
+    ],
+)
+def test_precision_keys_follow_the_library_rules(overrides, preset):
+    """``precision.master_weights``/``autocast`` mean what they mean in ``MixedPrecisionPlugin``."""
+    assert prepare(compose_config(*overrides)).preset == preset
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("preset", sorted(PRESETS))
 def test_every_preset_and_recipe_instantiates(preset, recipe):
-    from amp_plugin.app.run import build
     from amp_plugin.lightning.plugin import MixedPrecisionPlugin
 
-    cfg = compose_config(f"precision={preset}", f"recipe={recipe}")
-    parts = build(cfg)
-    plugin = parts["plugin"]
-    precision, master_weights, autocast = PRESETS[preset]
-    assert isinstance(plugin, MixedPrecisionPlugin)
-    assert (plugin.amp_precision, plugin.master_weights, plugin.autocast) == (precision, master_weights, autocast)
+    run = build(compose_config(f"precision={preset}", f"recipe={recipe}"))
+    plugin = run.plugin
+    assert isinstance(plugin, MixedPrecisionPlugin) and plugin.settings.preset == preset
     if DEFAULT_SCALER[preset] == "dynamic":
         assert type(plugin.scaler) is DynamicLossScaler
     else:
         assert not plugin.scaler.is_enabled()
-    assert type(parts["module"]).__module__ == f"amp_plugin.recipes.{recipe}"
-    assert [type(c).__name__ for c in parts["callbacks"]] == ["LossScaleMonitor", "ModelCheckpoint", "PreflightChecks"]
+    assert type(run.module).__module__ == f"amp_plugin.recipes.{recipe}"
+    assert [type(c).__name__ for c in run.callbacks] == ["LossScaleMonitor", "ModelCheckpoint", "PreflightChecks"]
+    assert run.trainer.precision_plugin is plugin
 
 
 def test_scaler_settings_reach_the_scaler():
-    from amp_plugin.app.run import build
-
-    parts = build(compose_config("scaler.init_scale=1024", "scaler.growth_interval=7", "scaler.hysteresis=2",
-                                 "scaler.on_min_scale=skip"))
-    scaler = parts["plugin"].scaler
+    settings = prepare(compose_config("scaler.init_scale=1024", "scaler.growth_interval=7", "scaler.hysteresis=2",
+                                      "scaler.on_min_scale=skip", "scaler.hysteresis_reset=finite"))
+    scaler = settings.scaler
     assert isinstance(scaler, DynamicLossScaler)
-    assert (scaler.get_scale(), scaler.growth_interval, scaler.hysteresis, scaler.on_min_scale) == (1024, 7, 2, "skip")
-    static = build(compose_config("precision=bf16", "scaler=static", "scaler.scale=128"))["plugin"].scaler
+    assert (scaler.get_scale(), scaler.growth_interval, scaler.hysteresis) == (1024, 7, 2)
+    assert (scaler.on_min_scale, scaler.hysteresis_reset) == ("skip", "finite")
+    assert type(scaler.on_min_scale) is str  # the config's Enum choices reach the scaler as plain strings
+    static = prepare(compose_config("precision=bf16", "scaler=static", "scaler.scale=128")).scaler
     assert isinstance(static, StaticLossScaler) and static.get_scale() == 128
 
 
@@ -111,51 +124,55 @@ def test_scaler_settings_reach_the_scaler():
      ("callbacks", "default"), ("trainer", "default"), ("trainer", "ddp")],
 )
 def test_every_group_option_composes_and_builds(group, option):
-    from amp_plugin.app.run import build
-
-    cfg = compose_config(f"{group}={option}")
-    parts = build(cfg)
+    run = build(compose_config(f"{group}={option}"))
     if group == "callbacks":
-        names = [type(c).__name__ for c in parts["callbacks"]]
+        names = [type(c).__name__ for c in run.callbacks]
         assert ("GradientHealthMonitor" in names) == (option == "diagnostics")
         assert (names == []) == (option == "none")
     if group == "logger":
-        assert type(parts["loggers"][0]).__name__ == {"csv": "CSVLogger", "tensorboard": "TensorBoardLogger"}[option]
+        assert type(run.loggers[0]).__name__ == {"csv": "CSVLogger", "tensorboard": "TensorBoardLogger"}[option]
+
+
+@pytest.mark.parametrize("max_steps, configured, used", [(3, None, 1), (100, None, 1), (101, None, 10), (-1, None, 10),
+                                                         (20, 5, 5)])
+def test_short_runs_log_every_step(max_steps, configured, used):
+    run = build(compose_config(f"trainer.max_steps={max_steps}", f"trainer.log_every_n_steps={configured or 'null'}"))
+    assert run.trainer.log_every_n_steps == used
 
 
 # Each row: overrides, then strings the message must contain (the key, the value, what is allowed).
+# Most messages come from the constructor that rejects the value, with the config key put in front.
 BAD_VALUES = [
     (["scaler.growth_factor=0.5"], ["scaler.growth_factor=0.5", "> 1"]),
     (["scaler.backoff_factor=1.5"], ["scaler.backoff_factor=1.5", "> 0 and < 1"]),
     (["scaler.growth_interval=0"], ["scaler.growth_interval=0", "integer >= 1"]),
     (["scaler.hysteresis=0"], ["scaler.hysteresis=0", "integer >= 1"]),
-    (["scaler.hysteresis_reset=never"], ["scaler.hysteresis_reset='never'", "growth, finite"]),
-    (["scaler.on_min_scale=ignore"], ["scaler.on_min_scale='ignore'", "raise, skip"]),
     (["scaler.init_scale=0"], ["scaler.init_scale=0", "> 0"]),
-    (["scaler.init_scale=1e9"], ["scaler.init_scale=1000000000", "[1, 16777216]"]),
+    (["scaler.init_scale=1e9"], ["scaler.init_scale=1000000000", "[min_scale, max_scale]"]),
     (["scaler.init_scale=inf"], ["scaler.init_scale=inf", "finite"]),
     (["scaler.min_scale=100", "scaler.max_scale=10", "scaler.init_scale=50"],
-     ["scaler.min_scale=100", "scaler.max_scale=10"]),
+     ["scaler.min_scale=100", "max_scale=10"]),
     (["scaler=static", "scaler.scale=-1"], ["scaler.scale=-1", "> 0"]),
-    (["+scaler.enabled=false"], ["scaler.enabled", "init_scale, growth_factor"]),
+    (["+scaler.foo=1"], ["scaler.foo is not a setting of DynamicLossScaler", "init_scale, growth_factor"]),
     (["scaler=none", "+scaler.init_scale=8"], ["scaler.init_scale", "scaler=none"]),
-    (["precision=fp32", "scaler=static"], ["scaler=static", "precision=fp32", "scaler=none"]),
+    (["precision=fp32", "scaler=static"], ["scaler=StaticLossScaler", "not allowed with precision='fp32'", "scaler=None"]),
     (["precision=bf16_pure", "precision.master_weights=true"],
-     ["precision.master_weights=true", "precision=bf16_pure", "precision=bf16"]),
+     ["precision.master_weights=True contradicts precision='bf16_pure'", "precision='bf16'"]),
     (["precision=fp16_pure", "precision.autocast=true"],
-     ["precision.autocast=true", "precision=fp16_pure", "precision=fp16_autocast"]),
-    (["precision=fp16", "precision.master_weights=false"],
-     ["precision.master_weights=false", "precision=fp16", "precision=fp16_pure"]),
+     ["precision.autocast=True contradicts precision='fp16_pure'", "precision='fp16_autocast'"]),
     (["precision=fp16_autocast", "precision.master_weights=true"],
-     ["precision.master_weights=true", "precision=fp16_autocast"]),
-    (["precision=fp32", "precision.precision=fp16"], ["precision.precision='fp16'", "precision=fp32"]),
-    (["precision.name=mine", "precision.autocast=true"], ["master_weights=true", "autocast=true"]),
-    (["precision.precision=fp17"], ["precision.precision='fp17'", "fp16, bf16, fp32"]),
-    (["precision.emulate=maybe"], ["precision.emulate='maybe'", "auto, on, off"]),
-    (["trainer.max_steps=-2"], ["trainer.max_steps=-2", "integer >= -1"]),
+     ["precision.master_weights=True and autocast=True cannot be combined"]),
+    (["precision.master_weights=true", "precision.autocast=true"], ["precision.master_weights=True", "cannot be combined"]),
+    (["+precision.foo=1"], ["precision.foo is not a setting of PrecisionSettings.build", "emulate"]),
+    (["trainer.max_steps=-2"], ["trainer.max_steps=-2", "non-negative integer or -1"]),
     (["trainer.limit_val_batches=1.5"], ["trainer.limit_val_batches=1.5", "[0.0, 1.0]"]),
-    (["trainer.devices=0"], ["trainer.devices=0", "'auto'"]),
+    (["trainer.devices=0"], ["trainer.devices=0 is not allowed"]),
+    (["trainer.accumulate_grad_batches=0"], ["trainer.accumulate_grad_batches=0", "integer >= 1"]),
     (["+trainer.precision=16-mixed"], ["trainer.precision='16-mixed'", "precision=fp32|fp16|bf16"]),
+    (["+trainer.foo=1"], ["trainer.foo is not a setting of Trainer", "max_steps"]),
+    (["recipe.lr=-1"], ["recipe.lr=-1", "finite number > 0"]),
+    (["recipe.lr=nan"], ["recipe.lr=nan", "finite number > 0"]),
+    (["recipe.batch_size=0"], ["recipe.batch_size=0", "integer >= 1"]),
     (["seed=-1"], ["seed=-1", "[0, 2**32 - 1]"]),
     (["num_threads=0"], ["num_threads=0", "integer >= 1"]),
     (["ckpt_path=/no/such/file.ckpt"], ["ckpt_path='/no/such/file.ckpt'", "no such file", "checkpoint file"]),
@@ -164,14 +181,35 @@ BAD_VALUES = [
 
 @pytest.mark.parametrize("overrides, expected", BAD_VALUES, ids=[" ".join(o) for o, _ in BAD_VALUES])
 def test_bad_values_are_rejected_with_the_key_and_what_is_allowed(overrides, expected):
-    cfg = compose_config(*overrides)
     with pytest.raises(ConfigError) as info:
-        validate(cfg)
+        build(compose_config(*overrides))
     message = str(info.value)
     for part in expected:
         assert part in message
     assert "\n" not in message  # one paragraph
 
+
+# Values outside a choice: OmegaConf rejects them while composing, naming the key and the choices.
+BAD_CHOICES = [
+    (["precision.precision=fp17"], "precision.precision", "[fp32, fp16, bf16, fp16_autocast, bf16_autocast"),
+    (["precision.emulate=maybe"], "precision.emulate", "[auto, on, off]"),
+    (["scaler.hysteresis_reset=never"], "scaler.hysteresis_reset", "[growth, finite]"),
+    (["scaler.on_min_scale=ignore"], "scaler.on_min_scale", "[raise, skip]"),
+    (["trainer.gradient_clip_algorithm=l2"], "trainer.gradient_clip_algorithm", "[norm, value]"),
+]
+
+
+@pytest.mark.parametrize("overrides, key, allowed", BAD_CHOICES, ids=[" ".join(o) for o, _, _ in BAD_CHOICES])
+def test_values_outside_a_choice_fail_while_composing(overrides, key, allowed):
+    with pytest.raises(ConfigCompositionException) as info:
+        compose_config(*overrides)
+    text = str(info.value.__cause__)
+    assert f"full_key: {key}" in text and f"expected one of {allowed}" in text
+
+
+def test_a_fault_step_past_max_steps_warns():
+    with pytest.warns(UserWarning, match=r"fault.inject_inf_at=\[3,30\]: step 30 is at or past trainer.max_steps=20"):
+        validate(compose_config("trainer.max_steps=20", "+fault.inject_inf_at=[3,30]"))
 
 BAD_TYPES = [
     (["scaler.init_scale=abc"], "scaler.init_scale"),
@@ -182,6 +220,7 @@ BAD_TYPES = [
     (["foo=1"], "foo"),
     (["scaler.foo=1"], "scaler.foo"),
     (["recipe.lrr=0.1"], "recipe.lrr"),
+    (["precision.name=mine"], "precision.name"),  # a preset is named by precision.precision
 ]
 
 
@@ -203,19 +242,19 @@ def test_unknown_preset_lists_the_choices(option):
         assert preset in message
 
 
-def test_recipe_arguments_are_type_checked_against_the_recipe_signature():
-    from amp_plugin.app.run import build
-
-    with pytest.raises(ConfigError, match=r"recipe.lr='abc' is not allowed: DigitsRecipe takes lr as a number"):
+def test_recipe_arguments_are_checked_by_the_recipe():
+    with pytest.raises(ConfigError, match=r"recipe.lr='abc' is not allowed: lr must be a finite number > 0"):
         build(compose_config("recipe.lr=abc"))
-    with pytest.raises(ConfigError, match=r"recipe.hidden_sizes=\['a'\]"):
+    with pytest.raises(ConfigError, match=r"recipe.hidden_sizes=\['a'\] is not allowed"):
         build(compose_config("recipe.hidden_sizes=[a]"))
     with pytest.raises(ConfigError, match=r"recipe.extra is not a setting of DigitsRecipe: the allowed keys are lr,"):
         build(compose_config("+recipe.extra=1"))
-    with pytest.raises(ConfigError, match=r"model='rnn' is not supported"):
+    with pytest.raises(ConfigError, match=r"recipe.model='rnn' is not allowed: model must be one of 'mlp', 'cnn'"):
         build(compose_config("recipe.model=rnn"))
     with pytest.raises(ConfigError, match=r"recipe._target_='amp_plugin.recipes.nope.Nope'"):
         build(compose_config("recipe._target_=amp_plugin.recipes.nope.Nope"))
+    with pytest.raises(ConfigError, match=r"recipe._target_='collections.OrderedDict' .*LightningModule subclass"):
+        build(compose_config("recipe._target_=collections.OrderedDict", "~recipe.lr"))
 
 
 def test_unreadable_checkpoint_is_a_config_error(tmp_path):
@@ -241,18 +280,24 @@ CLI_CASES = [
     (["scaler.init_scale=abc"], ["scaler.init_scale", "abc", "Float"]),
     (["scaler.hysteresis=0"], ["scaler.hysteresis=0", "integer >= 1"]),
     (["scaler.growth_interval=-3"], ["scaler.growth_interval=-3", "integer >= 1"]),
-    (["scaler.init_scale=1e30"], ["scaler.init_scale=1e+30", "[1, 16777216]"]),
+    (["scaler.init_scale=1e30"], ["scaler.init_scale=1e+30", "[min_scale, max_scale]"]),
+    (["scaler.hysteresis_reset=never"], ["scaler.hysteresis_reset", "'never'", "expected one of [growth, finite]"]),
+    (["precision.emulate=maybe"], ["precision.emulate", "'maybe'", "expected one of [auto, on, off]"]),
     (["learning_rate=0.1"], ["learning_rate", "+learning_rate=0.1"]),
     (["scaler.foo=1"], ["scaler.foo", "DynamicScalerConf"]),
-    (["+scaler.foo=1"], ["scaler.foo is not a setting of scaler=dynamic", "init_scale"]),
-    (["precision=fp32", "scaler=static"], ["scaler=static", "precision=fp32", "scaler=none"]),
-    (["precision=bf16_pure", "precision.master_weights=true"], ["precision.master_weights=true", "bf16_pure"]),
-    (["precision.autocast=true"], ["precision.autocast=true", "precision=fp16", "fp16_autocast"]),
+    (["+scaler.foo=1"], ["scaler.foo is not a setting of DynamicLossScaler", "init_scale"]),
+    (["precision=fp32", "scaler=static"], ["scaler=StaticLossScaler", "not allowed with precision='fp32'"]),
+    (["precision=bf16_pure", "precision.master_weights=true"], ["precision.master_weights=True", "bf16_pure"]),
+    (["precision=fp16_pure", "precision.autocast=true"],
+     ["precision.autocast=True contradicts precision='fp16_pure'", "precision='fp16_autocast'"]),
     (["trainer.max_steps=abc"], ["trainer.max_steps", "abc", "Integer"]),
+    (["trainer.limit_val_batches=1.5"], ["trainer.limit_val_batches=1.5", "[0.0, 1.0]"]),
     (["ckpt_path=missing.ckpt"], ["ckpt_path='missing.ckpt'", "no such file"]),
     (["ckpt_path=corrupt.ckpt"], ["ckpt_path='corrupt.ckpt'", "cannot be read as a checkpoint"]),
-    (["recipe.lr=abc"], ["recipe.lr='abc'", "as a number"]),
-    (["recipe.model=rnn"], ["model='rnn'", "'mlp', 'cnn'"]),
+    (["recipe.lr=abc"], ["recipe.lr='abc'", "a finite number > 0"]),
+    (["recipe.lr=nan"], ["recipe.lr=nan", "a finite number > 0"]),
+    (["recipe.batch_size=0"], ["recipe.batch_size=0", "integer >= 1"]),
+    (["recipe.model=rnn"], ["recipe.model='rnn'", "'mlp', 'cnn'"]),
 ]
 
 @pytest.fixture(scope="module")
@@ -318,4 +363,47 @@ def test_console_script_finds_the_configs(monkeypatch, tmp_path):
 def test_composed_config_round_trips_to_yaml():
     cfg = compose_config("precision=bf16", "scaler=static")
     text = OmegaConf.to_yaml(cfg)
-    assert "amp_plugin.StaticLossScaler" in text and "name: bf16" in text
+    assert "amp_plugin.StaticLossScaler" in text and "precision: bf16" in text
+
+
+# ------------------------------------------------------------------------------ one pass, Lightning last
+_BEFORE_LIGHTNING = """
+import sys
+from hydra import compose, initialize_config_dir
+from amp_plugin.app.build import prepare
+from amp_plugin.app.cli import run_job
+from amp_plugin.app.schema import register_configs
+
+register_configs()
+with initialize_config_dir(config_dir=sys.argv[1], version_base="1.3"):
+    good = compose("train", overrides=["precision=bf16", "scaler=static", "output_dir=" + sys.argv[2]])
+    bad = compose("train", overrides=["scaler.growth_factor=0.5", "output_dir=" + sys.argv[2]])
+print("prepared", prepare(good).describe())
+try:
+    run_job(bad)
+except SystemExit as exit:
+    print("exit", exit.code)
+print("lightning", sorted(m for m in sys.modules if m.split(".")[0] in ("lightning", "pytorch_lightning")))
+"""
+
+
+def test_a_bad_command_line_fails_before_lightning_is_imported(tmp_path):
+    """The scaler and the precision settings are built, and checked, before Lightning is imported."""
+    proc = subprocess.run([sys.executable, "-c", _BEFORE_LIGHTNING, str(CONFIG_DIR), str(tmp_path)],
+                          env=clean_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert "prepared BF16 weights and compute, FP32 master weights, static loss scale 65536" in lines
+    assert "exit 1" in lines and "lightning []" in lines
+    assert "Invalid configuration: scaler.growth_factor=0.5 is not allowed" in proc.stderr
+
+
+def test_one_cli_run_validates_once(tmp_path, monkeypatch):
+    from amp_plugin.app import build as build_module
+    from amp_plugin.app.cli import run_job
+
+    calls = []
+    monkeypatch.setattr(build_module, "validate", lambda cfg: calls.append(cfg) or validate(cfg))
+    result = run_job(compose_config("trainer.max_steps=2", "trainer.limit_val_batches=1", "callbacks=none",
+                                    "trainer.enable_progress_bar=false", "plot=false", output_dir=tmp_path))
+    assert result["steps"] == 2 and len(calls) == 1

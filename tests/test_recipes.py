@@ -109,7 +109,24 @@ def test_half_module_and_inputs_give_fp32_loss(name, dtype):
         assert torch.isfinite(p.grad).all()
 
 
+@pytest.mark.parametrize("cls", [DigitsRecipe, CharGPTRecipe, UnderflowDemoRecipe, StagnationDemoRecipe])
+@pytest.mark.parametrize("kwargs, error, text", [
+    (dict(lr=-1), ValueError, "lr=-1.0 is not allowed: lr must be a finite number > 0."),
+    (dict(lr=math.nan), ValueError, "lr=nan is not allowed: lr must be a finite number > 0."),
+    (dict(lr="abc"), TypeError, "lr='abc' is not allowed"),
+    (dict(batch_size=0), ValueError, "batch_size=0 is not allowed: batch_size must be an integer >= 1."),
+    (dict(batch_size=2.5), TypeError, "batch_size=2.5 is not allowed"),
+])
+def test_every_recipe_checks_its_arguments(cls, kwargs, error, text):
+    """One message naming the argument, from the recipe's own constructor (the app prefixes ``recipe.``)."""
+    with pytest.raises(error) as info:
+        cls(**kwargs)
+    assert text in str(info.value)
+
+
 def test_invalid_arguments_name_the_argument():
+    with pytest.raises(ValueError, match=r"hidden_sizes=\[0\] is not allowed: hidden_sizes must be a non-empty list"):
+        DigitsRecipe(hidden_sizes=[0])
     with pytest.raises(ValueError, match="model='resnet'"):
         DigitsRecipe(model="resnet")
     with pytest.raises(ValueError, match="optimizer='lamb'"):

@@ -3,7 +3,10 @@
 Both compose the same configs (``configs/train.yaml`` and its groups) and call
 :func:`run_job`, which turns a bad config (:class:`~amp_plugin.app.validation.ConfigError`) or a
 collapsed loss scale into one short message on stderr and exit status 1, with no traceback.
-``HYDRA_FULL_ERROR=1`` shows the full traceback instead.
+``HYDRA_FULL_ERROR=1`` shows the full traceback instead. A value that the schemas reject while
+Hydra composes the config (a wrong type, an unknown key, a value outside a choice) never reaches
+:func:`run_job`: Hydra prints its message (the key, the value, the allowed values) and exits
+with status 1.
 
 Where ``amp-train`` finds the configs, first match wins:
 
@@ -24,8 +27,9 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
+from amp_plugin.app.build import prepare
 from amp_plugin.app.schema import register_configs
-from amp_plugin.app.validation import ConfigError, validate
+from amp_plugin.app.validation import ConfigError
 from amp_plugin.dynamic_scaler import LossScaleCollapseError
 
 __all__ = ["SweepFailures", "config_dir", "main", "run_job"]
@@ -59,17 +63,17 @@ def _hydra_runtime() -> tuple[Path | None, bool]:
 
 
 def run_job(cfg: DictConfig) -> dict[str, Any] | None:
-    """The body of a Hydra job: validate, train, and report bad input without a traceback.
+    """The body of a Hydra job: check and train, and report bad input without a traceback.
 
     A single run exits with status 1 on a bad config or a collapsed loss scale. In a
     multirun the failed job leaves its message in ``FAILED`` and the sweep goes on; the
     process exits with status 1 at the end (:class:`SweepFailures`).
     """
     try:
-        validate(cfg)  # before importing Lightning, so a typo fails fast
+        settings = prepare(cfg)  # every check and the scaler, before importing Lightning: a typo fails fast
         from amp_plugin.app.run import train
 
-        result = train(cfg)
+        result = train(cfg, settings)
         return {k: v for k, v in result.items() if k not in ("trainer", "module", "plugin")}
     except (ConfigError, LossScaleCollapseError) as err:
         if os.environ.get("HYDRA_FULL_ERROR") == "1":

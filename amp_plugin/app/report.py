@@ -1,6 +1,6 @@
 """What a run reports: the per-step recorder, ``summary.json``, the printed summary, ``FAILED``.
 
-Files a run writes besides Lightning's own (all in ``cfg.output_dir``)::
+Files a run writes besides Lightning's own (all in the run's ``output_dir``)::
 
     training_curves.csv       loss, loss scale, skipped steps and LR per step, validation metrics
     training_curves.png       the same, plotted
@@ -15,69 +15,60 @@ import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from omegaconf import DictConfig
 from typing_extensions import override
 
 from amp_plugin.app import plots
-from amp_plugin.app.validation import scaler_kind
-from amp_plugin.lightning import FaultInjector, pl
+from amp_plugin.lightning import pl
 from amp_plugin.lightning._namespace import Callback
 
-__all__ = ["RunRecorder", "describe", "format_summary", "mark_failed", "summarize", "write_outputs"]
+if TYPE_CHECKING:
+    from amp_plugin.app.build import Run
+
+__all__ = ["RunRecorder", "format_summary", "mark_failed", "summarize", "write_outputs"]
 
 
 HISTORY_FILE = "training_curves.csv"
-
-
 PLOT_FILE = "training_curves.png"
-
-
 SUMMARY_FILE = "summary.json"
-
-
 FAILED_FILE = "FAILED"
 
 
 class RunRecorder(Callback):
     """Records loss, loss scale, skipped steps and LR after every training step.
 
-    Reads the plugin's public state (``plugin.scaler``), so the summary and the plot work
-    with any logger and without the monitoring callbacks.
+    Reads the plugin's public state (``trainer.precision_plugin.scaler``), so the summary and
+    the plot work with any logger and without the monitoring callbacks. Without loss scaling
+    the recorded scale is NaN (nothing to plot).
     """
 
     def __init__(self) -> None:
         self.rows: dict[int, dict[str, float]] = {}
-        self.start_scale: float | None = None
+        self.start_scale = math.nan
         self.start_step = 0
         self.start_skipped = 0
-
-    @staticmethod
-    def _scaler(trainer: pl.Trainer) -> Any:
-        scaler = getattr(trainer.precision_plugin, "scaler", None)
-        return scaler if scaler is not None and scaler.is_enabled() else None
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # After a resume the checkpoint's scale and counters are already restored here.
-        scaler = self._scaler(trainer)
-        self.start_scale = scaler.get_scale() if scaler is not None else None
-        self.start_skipped = scaler.skipped_steps if scaler is not None else 0
+        scaler = trainer.precision_plugin.scaler
+        self.start_scale = _scale(scaler)
+        self.start_skipped = scaler.skipped_steps
         self.start_step = trainer.global_step
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any,
                            batch: Any, batch_idx: int) -> None:
-        scaler = self._scaler(trainer)
+        scaler = trainer.precision_plugin.scaler
         loss = trainer.callback_metrics.get("train/loss")
         if loss is None and isinstance(outputs, Mapping):
             loss = outputs.get("loss")
         row = self.rows.setdefault(trainer.global_step, {})
         row["train_loss"] = _as_float(loss)
-        row["loss_scale"] = scaler.get_scale() if scaler is not None else math.nan
-        row["skipped_steps"] = float(scaler.skipped_steps) if scaler is not None else 0.0
+        row["loss_scale"] = _scale(scaler)
+        row["skipped_steps"] = float(scaler.skipped_steps)
         optimizers = trainer.optimizers
         row["lr"] = float(optimizers[0].param_groups[0]["lr"]) if optimizers else math.nan
 
@@ -103,27 +94,13 @@ def _as_float(value: Any) -> float:
     return float(value)
 
 
-def describe(plugin: Any, scaler: str) -> str:
-    """What a plugin does, in a few words: weights, compute, master copy, scaling, emulation."""
-    dtype = str(plugin.amp_precision).upper()
-    if plugin.amp_precision == "fp32":
-        text = "FP32 weights and compute"
-    elif plugin.master_weights:
-        text = f"{dtype} weights and compute, FP32 master weights"
-    elif plugin.autocast:
-        text = f"FP32 weights, {dtype} compute under autocast"
-    else:
-        text = f"pure {dtype}, no FP32 master weights"
-    s = plugin.scaler
-    if not s.is_enabled():
-        text += ", no loss scaling"
-    elif scaler == "static":
-        text += f", static loss scale {s.get_scale():g}"
-    else:
-        text += f", {scaler} loss scaling"
-    if getattr(plugin, "emulating", False):
-        text += ", CPU half-precision emulation"
-    return text
+def _scale(scaler: Any) -> float:
+    """The loss scale, NaN without loss scaling (a disabled scaler reads 1.0, which is no scale)."""
+    return scaler.get_scale() if scaler.is_enabled() else math.nan
+
+
+def _or_none(value: float) -> float | None:
+    return None if math.isnan(value) else value
 
 
 def _recipe_name(module: Any) -> str:
@@ -138,21 +115,22 @@ def mark_failed(output_dir: Path, err: BaseException) -> None:
         (output_dir / FAILED_FILE).write_text(f"{type(err).__name__}: {err}\n")
 
 
-def summarize(cfg: DictConfig, trainer: pl.Trainer, parts: dict[str, Any], recorder: RunRecorder,
-               output_dir: Path, wall: float, metrics: Mapping[str, Any]) -> dict[str, Any]:
-    plugin = parts["plugin"]
-    scaler = plugin.scaler if plugin.scaler.is_enabled() else None
+def summarize(run: Run, wall: float, metrics: Mapping[str, Any]) -> dict[str, Any]:
+    """The run's summary (``summary.json``), from the plugin's settings and the scaler's public state."""
+    trainer, plugin, recorder = run.trainer, run.plugin, run.recorder
+    settings, scaler = plugin.settings, plugin.scaler
     history = recorder.history()
-    scales = [recorder.start_scale] + [row.get("loss_scale") for row in history]
-    scales = [s for s in scales if s is not None and not math.isnan(s)]
+    scales = [recorder.start_scale] + [row.get("loss_scale", math.nan) for row in history]
+    scales = [s for s in scales if not math.isnan(s)]
     growths = sum(b > a for a, b in zip(scales, scales[1:]))
     backoffs = sum(b < a for a, b in zip(scales, scales[1:]))
     final = {k: _as_float(v) for k, v in sorted(metrics.items(), key=_metric_order)
              if isinstance(v, (int, float, torch.Tensor)) and _numel(v) == 1}
     steps = trainer.global_step - recorder.start_step
+    output_dir = run.output_dir
     log_dir = Path(trainer.log_dir) if trainer.log_dir else output_dir
     checkpoint_dir = output_dir / "checkpoints"
-    for cb in parts["callbacks"]:
+    for cb in run.callbacks:
         if isinstance(cb, pl.callbacks.ModelCheckpoint) and cb.dirpath:
             checkpoint_dir = Path(cb.dirpath)
     last = checkpoint_dir / "last.ckpt"
@@ -164,41 +142,40 @@ def summarize(cfg: DictConfig, trainer: pl.Trainer, parts: dict[str, Any], recor
         "checkpoints": checkpoint_dir if checkpoint_dir.is_dir() else None,
         "last_checkpoint": last if last.exists() else None,
         "history": output_dir / HISTORY_FILE,
-        "plot": output_dir / PLOT_FILE if cfg.plot else None,
+        "plot": output_dir / PLOT_FILE if run.plot else None,
         "summary": output_dir / SUMMARY_FILE,
     }
-    target = cfg.recipe._target_
-    injector = next((c for c in parts["callbacks"] if isinstance(c, FaultInjector)), None)
+    recipe = type(run.module)
     return {
         "status": "ok",
-        "recipe": _recipe_name(parts["module"]),
-        "recipe_target": target,
-        "precision": cfg.precision.name,
+        "recipe": _recipe_name(run.module),
+        "recipe_target": f"{recipe.__module__}.{recipe.__qualname__}",
+        "precision": settings.preset,
         "plugin_settings": {
-            "precision": plugin.amp_precision,
-            "master_weights": plugin.master_weights,
-            "autocast": plugin.autocast,
-            "emulating": bool(getattr(plugin, "emulating", False)),
-            "describe": describe(plugin, scaler_kind(cfg.scaler)),
+            "precision": settings.precision,
+            "master_weights": settings.master_weights,
+            "autocast": settings.autocast,
+            "emulating": plugin.emulating,
+            "describe": settings.describe(plugin.emulating),
         },
-        "scaler": scaler_kind(cfg.scaler),
-        "seed": cfg.seed,
-        "resumed_from": cfg.ckpt_path,
+        "scaler": settings.scaling,
+        "seed": run.seed,
+        "resumed_from": run.ckpt_path,
         "steps": steps,
         "global_step": trainer.global_step,
         "wall_time_s": round(wall, 3),
         "final_metrics": final,
         "loss_scale": {
-            "start": recorder.start_scale,
-            "end": scaler.get_scale() if scaler is not None else None,
+            "start": _or_none(recorder.start_scale),
+            "end": _or_none(_scale(scaler)),
             "changes": growths + backoffs,
             "growths": growths,
             "backoffs": backoffs,
         },
-        "skipped_steps": (scaler.skipped_steps - recorder.start_skipped) if scaler is not None else 0,
-        "skipped_steps_total": scaler.skipped_steps if scaler is not None else 0,
+        "skipped_steps": scaler.skipped_steps - recorder.start_skipped,
+        "skipped_steps_total": scaler.skipped_steps,
         # (step, kind) of each fault written by this process (fault.* options; rank 0's view).
-        "faults_injected": [[step, kind] for step, kind in injector.injected] if injector is not None else [],
+        "faults_injected": [[step, kind] for step, kind in run.injector.injected] if run.injector else [],
         "output_dir": str(output_dir),
         "paths": {k: (str(v) if v is not None else None) for k, v in paths.items()},
     }
@@ -214,14 +191,14 @@ def _numel(value: Any) -> int:
     return value.numel() if isinstance(value, torch.Tensor) else 1
 
 
-def write_outputs(cfg: DictConfig, summary: dict[str, Any], recorder: RunRecorder, output_dir: Path) -> None:
-    output_dir.mkdir(parents=True, exist_ok=True)
-    history = recorder.history()
-    plots.write_history(history, output_dir / HISTORY_FILE)
-    if cfg.plot:
+def write_outputs(run: Run, summary: dict[str, Any]) -> None:
+    run.output_dir.mkdir(parents=True, exist_ok=True)
+    history = run.recorder.history()
+    plots.write_history(history, run.output_dir / HISTORY_FILE)
+    if run.plot:
         title = f"{summary['recipe']} | precision={summary['precision']} | scaler={summary['scaler']}"
-        plots.plot_run(history, output_dir / PLOT_FILE, title=title)
-    (output_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+        plots.plot_run(history, run.output_dir / PLOT_FILE, title=title)
+    (run.output_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
 
 
 def _fmt(value: float | None) -> str:

@@ -1,85 +1,114 @@
 """Structured-config schemas for ``train.py``, registered in Hydra's ConfigStore.
 
-Each YAML file under ``configs/`` starts from one of the dataclasses below (its defaults list
-names ``/schema_<group>@_here_``), so OmegaConf rejects a wrong type or an unknown
-key while Hydra composes the config: ``scaler.init_scale=abc`` or ``scaler.foo=1`` never
-reach Python code. What a type cannot say (ranges, choices, contradictions) is checked by
-:func:`amp_plugin.app.validation.validate`.
+Each YAML file under ``configs/`` starts from one of the schemas below (its defaults list
+names ``/schema_<group>@_here_``), so OmegaConf rejects a wrong type, an unknown key or a
+value outside a choice while Hydra composes the config: ``scaler.init_scale=abc``,
+``scaler.foo=1`` and ``precision.emulate=maybe`` never reach Python code. Ranges and
+combinations are the constructors' business (:mod:`amp_plugin.app.build`).
 
-Nothing here imports Lightning, so a bad command line fails in a fraction of the time a
-training run takes to start.
+The scaler schemas are read off the scalers' constructors (names, types, defaults), and the
+choices come from the library (:data:`amp_plugin.settings.PRESETS`, :class:`~amp_plugin.settings.Emulate`),
+so a new scaler setting or preset needs no change here. Nothing here imports Lightning.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
+import typing
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+from amp_plugin import dynamic_scaler
+from amp_plugin.dynamic_scaler import DynamicLossScaler
+from amp_plugin.scaler import StaticLossScaler
+from amp_plugin.settings import PRESETS, Emulate
+
 __all__ = [
+    "ClipAlgorithm",
     "DynamicScalerConf",
-    "FAULT_STEP_KEYS",
     "FaultConf",
+    "HysteresisReset",
     "NoScalerConf",
-    "PRESETS",
+    "OnMinScale",
     "PrecisionConf",
+    "PresetName",
     "StaticScalerConf",
     "TrainConf",
     "TrainerConf",
     "register_configs",
 ]
 
-@dataclass
-class PrecisionConf:
-    """Arguments of :class:`amp_plugin.lightning.MixedPrecisionPlugin` (the scaler comes from ``scaler``)."""
 
-    _target_: str = "amp_plugin.lightning.MixedPrecisionPlugin"
-    name: str = "custom"  # preset name; a known preset's keys must keep their meaning
-    precision: str = "fp16"  # fp16 | bf16 | fp32: dtype of the model's weights and activations
-    master_weights: bool = True  # the optimizer updates FP32 copies of half-precision weights
-    autocast: bool = False  # FP32 weights, forward under torch.autocast instead
-    emulate: str = "auto"  # auto | on | off: CPU half matmuls computed in FP32, rounded once
-    skip_lr_on_overflow: bool = True  # a skipped step does not advance step-wise LR schedulers
+def _choices(name: str, values: typing.Iterable[str]) -> Any:
+    """A ``str`` Enum whose members are ``values`` (each member's name is its value)."""
+    return Enum(name, [(v, v) for v in values], type=str, module=__name__, qualname=name)
 
 
-@dataclass
-class DynamicScalerConf:
-    """Arguments of :class:`amp_plugin.DynamicLossScaler` (defaults: torch's GradScaler)."""
-
-    _target_: str = "amp_plugin.DynamicLossScaler"
-    init_scale: float = 2.0**16
-    growth_factor: float = 2.0
-    backoff_factor: float = 0.5
-    growth_interval: int = 2000
-    hysteresis: int = 1
-    hysteresis_reset: str = "growth"
-    min_scale: float = 1.0
-    max_scale: float = 2.0**24
-    on_min_scale: str = "raise"
+PresetName = _choices("PresetName", PRESETS)
+"""``precision.precision``: the preset names of :data:`amp_plugin.settings.PRESETS`."""
+# The lists DynamicLossScaler checks these arguments against, so the two cannot drift apart.
+HysteresisReset = _choices("HysteresisReset", dynamic_scaler._HYSTERESIS_RESETS)
+OnMinScale = _choices("OnMinScale", dynamic_scaler._ON_MIN_SCALE)
+ClipAlgorithm = _choices("ClipAlgorithm", ("norm", "value"))
+"""``trainer.gradient_clip_algorithm``: Lightning's ``GradClipAlgorithmType`` values."""
 
 
-@dataclass
-class StaticScalerConf:
-    """Arguments of :class:`amp_plugin.StaticLossScaler`."""
+def _constructor_schema(cls: type, choices: dict[str, Any], exclude: tuple[str, ...] = ("enabled",)) -> type:
+    """A structured config of ``cls``'s constructor arguments: their names, types and defaults.
 
-    _target_: str = "amp_plugin.StaticLossScaler"
-    scale: float = 2.0**16
+    ``choices`` maps a ``str`` argument to the Enum that lists its values; ``exclude`` drops
+    arguments a config does not set (``enabled``: no loss scaling is ``scaler=none``).
+    """
+    hints = typing.get_type_hints(cls.__init__)
+    fields = [("_target_", str, field(default=f"{cls.__module__}.{cls.__qualname__}"))]
+    for name, param in inspect.signature(cls).parameters.items():
+        if name in exclude or param.kind not in (param.POSITIONAL_OR_KEYWORD, param.KEYWORD_ONLY):
+            continue
+        kind = choices.get(name)
+        fields.append((name, kind or hints[name], field(default=kind(param.default) if kind else param.default)))
+    return dataclasses.make_dataclass(
+        f"{cls.__name__.removesuffix('LossScaler')}ScalerConf", fields,
+        namespace={"__doc__": f"Arguments of :class:`{cls.__module__}.{cls.__qualname__}` (read off its signature)."},
+    )
+
+
+DynamicScalerConf = _constructor_schema(
+    DynamicLossScaler, {"hysteresis_reset": HysteresisReset, "on_min_scale": OnMinScale})
+StaticScalerConf = _constructor_schema(StaticLossScaler, {})
 
 
 @dataclass
 class NoScalerConf:
-    """No loss scaling: the plugin gets ``scaler=None``."""
+    """``scaler=none``: no loss scaling (the plugin gets ``scaler=None``)."""
+
+
+@dataclass
+class PrecisionConf:
+    """Arguments of :meth:`amp_plugin.settings.PrecisionSettings.build` (the scaler comes from ``scaler``).
+
+    ``master_weights``/``autocast`` null take the preset's value; a value that contradicts the
+    preset is rejected by ``PrecisionSettings.build``, which names the preset that fits.
+    """
+
+    precision: PresetName = MISSING
+    master_weights: Optional[bool] = None
+    autocast: Optional[bool] = None
+    emulate: Emulate = Emulate.auto
+    skip_lr_on_overflow: bool = True
 
 
 @dataclass
 class TrainerConf:
-    """The ``lightning.pytorch.Trainer`` arguments the app types and range-checks.
+    """The ``lightning.pytorch.Trainer`` arguments the app types; the Trainer checks their ranges.
 
     Any other Trainer argument can be added from the command line with ``+trainer.NAME=VALUE``.
     ``devices``, ``limit_*_batches`` and ``val_check_interval`` accept an int or a float (or
-    ``"auto"``/a list for ``devices``), so they are typed ``Any`` and checked by :func:`validate`.
+    ``"auto"``/a list for ``devices``), so they are typed ``Any``.
     """
 
     _target_: str = "lightning.pytorch.Trainer"
@@ -96,10 +125,10 @@ class TrainerConf:
     val_check_interval: Any = None
     check_val_every_n_epoch: Optional[int] = 1
     num_sanity_val_steps: Optional[int] = None
-    log_every_n_steps: Optional[int] = None
+    log_every_n_steps: Optional[int] = None  # null: the app picks (see configs/trainer/default.yaml)
     accumulate_grad_batches: int = 1
     gradient_clip_val: Optional[float] = None
-    gradient_clip_algorithm: Optional[str] = None
+    gradient_clip_algorithm: Optional[ClipAlgorithm] = None
     deterministic: Optional[bool] = None
     benchmark: Optional[bool] = None
     enable_progress_bar: Optional[bool] = None
@@ -122,10 +151,6 @@ class FaultConf:
     inject_inf_from: Optional[int] = None  # every step from this one on gets +inf (persistent overflow)
     param: Optional[str] = None  # the parameter to corrupt; null = the first with a gradient
     rank: Optional[int] = None  # the only global rank that injects; null = every rank
-
-
-FAULT_STEP_KEYS = ("inject_inf_at", "inject_nan_at", "nan_loss_at", "nan_input_at", "inject_inf_from")
-"""The ``fault`` keys that make the injector do something (``param`` and ``rank`` only refine them)."""
 
 
 @dataclass
@@ -160,17 +185,3 @@ def register_configs() -> None:
     cs.store(name="schema_scaler_dynamic", node=DynamicScalerConf)
     cs.store(name="schema_scaler_static", node=StaticScalerConf)
     cs.store(name="schema_scaler_none", node=NoScalerConf)
-
-
-# ---------------------------------------------------------------------------------- presets
-PRESETS: dict[str, tuple[str, bool, bool]] = {
-    # name: (precision, master_weights, autocast)
-    "fp32": ("fp32", False, False),
-    "fp16": ("fp16", True, False),
-    "bf16": ("bf16", True, False),
-    "fp16_autocast": ("fp16", False, True),
-    "bf16_autocast": ("bf16", False, True),
-    "fp16_pure": ("fp16", False, False),
-    "bf16_pure": ("bf16", False, False),
-}
-"""What each ``configs/precision`` preset means; overriding a key against it is an error."""

@@ -1,0 +1,265 @@
+"""Build a run from a composed config: every object from its config node, checked by its constructor.
+
+Two phases, so that a mistake on the command line costs about a second:
+
+1. :func:`prepare`, without importing Lightning: :func:`~amp_plugin.app.validation.validate`
+   (cross-key and app-only checks), the loss scaler, and the
+   :class:`~amp_plugin.settings.PrecisionSettings` that owns every precision rule.
+2. :func:`build`, with Lightning: seed, recipe, plugin
+   (:meth:`~amp_plugin.lightning.MixedPrecisionPlugin.from_settings`), callbacks, loggers, fault
+   injector, trainer.
+
+Each constructor checks its own arguments. :func:`construct` turns its ``ValueError`` or
+``TypeError`` into a :class:`~amp_plugin.app.validation.ConfigError` that names the config key:
+``growth_factor=0.5 is not allowed: ...`` from ``DynamicLossScaler`` becomes
+``scaler.growth_factor=0.5 is not allowed: ...``. A key the constructor does not take is
+rejected with the list of keys it does take.
+
+Configs name ``lightning.pytorch.*`` classes; with ``pytorch_lightning`` as the app's Lightning
+(:data:`amp_plugin.lightning.pl`), :func:`build` points them there (and the other way round).
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import inspect
+import os
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import hydra
+from hydra.errors import InstantiationException
+from omegaconf import DictConfig, OmegaConf
+
+from amp_plugin.app.validation import ConfigError, show, validate
+from amp_plugin.scaler import LossScaler
+from amp_plugin.settings import PrecisionSettings
+
+__all__ = ["Run", "build", "construct", "instantiate", "prepare", "resolve_output_dir", "retarget"]
+
+NAMESPACES = ("lightning.pytorch", "pytorch_lightning")
+
+
+# ---------------------------------------------------------------------------------- config node -> object
+def construct(key: str, factory: Callable[..., Any], node: Any, **extra: Any) -> Any:
+    """``factory(**node, **extra)``, with every rejection a :class:`ConfigError` naming ``key``.
+
+    ``node`` (a config node or a dict; ``_target_`` is ignored) holds the arguments from the
+    config; ``extra`` the ones the app adds, which replace a node key of the same name.
+    Nested ``_target_`` nodes are instantiated first.
+    """
+    config = _plain(node)
+    config.pop("_target_", None)
+    _check_keys(key, config, factory, extra)
+    try:
+        kwargs = hydra.utils.instantiate(config, _convert_="all")
+        return factory(**{**kwargs, **extra})
+    except ConfigError:
+        raise
+    except Exception as err:  # whatever a constructor raises about its input
+        cause = err.__cause__ if isinstance(err, InstantiationException) and err.__cause__ else err
+        raise ConfigError(_naming_key(key, config, cause)) from err
+
+
+def instantiate(key: str, node: Any, *, namespace: str | None = None, **extra: Any) -> Any:
+    """Build the ``_target_`` of ``node`` with :func:`construct`.
+
+    ``namespace`` (``"lightning.pytorch"`` or ``"pytorch_lightning"``): the Lightning package
+    that ``_target_`` paths naming the other one are moved to (:func:`retarget`).
+    """
+    if not (isinstance(node, dict) or OmegaConf.is_dict(node)) or "_target_" not in node:
+        group = key.split(".")[0]
+        raise ConfigError(
+            f"{key}={show(node)} is not allowed: {key} must be a config with a _target_ naming the class to build "
+            f"(see configs/{group}/)."
+        )
+    config = _plain(node)
+    if namespace is not None:
+        config = retarget(config, namespace)
+    target = config["_target_"]
+    try:  # Hydra's own lookup, with its checks of what a config may name
+        factory = hydra.utils.instantiate({"_target_": target, "_partial_": True}).func
+    except InstantiationException as err:
+        reason = " ".join(str(err.__cause__ or err).split())
+        raise ConfigError(
+            f"{key}._target_={target!r} is not allowed: it must name an importable class ({reason})."
+        ) from err
+    return construct(key, factory, config, **extra)
+
+
+def retarget(config: Any, namespace: str) -> Any:
+    """``config`` with every ``_target_`` under the other Lightning namespace moved to ``namespace``."""
+    other = next(n for n in NAMESPACES if n != namespace)
+    if isinstance(config, list):
+        return [retarget(item, namespace) for item in config]
+    if not isinstance(config, dict):
+        return config
+    moved = {k: retarget(v, namespace) for k, v in config.items()}
+    target = moved.get("_target_")
+    if isinstance(target, str) and target.startswith(other + "."):
+        moved["_target_"] = namespace + target[len(other):]
+    return moved
+
+
+def _plain(node: Any) -> dict[str, Any]:
+    """A resolved, plain copy of a config node (Enum choices as their strings)."""
+    if OmegaConf.is_config(node):
+        return OmegaConf.to_container(node, resolve=True, enum_to_str=True)  # type: ignore[return-value]
+    return dict(node)
+
+
+def _check_keys(key: str, config: dict[str, Any], factory: Callable[..., Any], extra: dict[str, Any]) -> None:
+    """Reject a key the constructor does not take (say ``+recipe.lrr=0.1``), listing those it does."""
+    try:
+        params = inspect.signature(factory).parameters.values()
+    except (TypeError, ValueError):  # no signature to read: the call will tell
+        return
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return
+    names = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    unknown = [k for k in config if k not in names and not (k.startswith("_") and k.endswith("_"))]
+    if unknown:
+        allowed = ", ".join(n for n in names if n not in extra) or "none"  # the app sets the others
+        raise ConfigError(f"{key}.{unknown[0]} is not a setting of {factory.__qualname__}: the allowed keys are {allowed}.")
+
+
+def _naming_key(key: str, config: dict[str, Any], err: BaseException) -> str:
+    """``err``'s message, with the config key in front: ``lr=-1.0 ...`` -> ``recipe.lr=-1.0 ...``."""
+    text = " ".join(str(err).split()) or type(err).__name__
+    leading = re.match(r"(\w+)=", text)
+    if leading:  # our constructors: "name=value is not allowed: ..."
+        return f"{key}.{text}" if leading.group(1) in config else text
+    # Other messages (Lightning's "`max_steps` must be ...") name the argument somewhere.
+    named = next((word for word in re.findall(r"\w+", text) if word in config and not word.startswith("_")), None)
+    if named is not None:
+        return f"{key}.{named}={show(config[named])} is not allowed: {text}"
+    return f"{key}: {text}"
+
+
+# ---------------------------------------------------------------------------------- phase 1: no Lightning
+def prepare(cfg: DictConfig) -> PrecisionSettings:
+    """Validate ``cfg`` and build its loss scaler and precision settings, without importing Lightning.
+
+    Raises:
+        ConfigError: the first value that a check or a constructor rejects.
+    """
+    validate(cfg)
+    return construct("precision", PrecisionSettings.build, cfg.precision, scaler=_scaler(cfg.scaler))
+
+
+def _scaler(node: DictConfig) -> LossScaler | None:
+    if "_target_" in node:
+        return instantiate("scaler", node)
+    if len(node):
+        raise ConfigError(
+            f"scaler.{next(iter(node))} is not a setting of scaler=none: without loss scaling there is nothing "
+            "to set. Pick a scaler first, e.g. scaler=dynamic."
+        )
+    return None  # scaler=none: PrecisionSettings gives the plugin a disabled scaler
+
+
+# ---------------------------------------------------------------------------------- phase 2: Lightning
+@dataclass
+class Run:
+    """What :func:`build` assembles: what ``trainer.fit`` needs and what the report reads.
+
+    Attributes:
+        trainer, module, plugin: the Lightning objects (``module`` is the recipe).
+        callbacks: the configured callbacks (``cfg.callbacks``), without the two below.
+        loggers: the configured loggers.
+        recorder: the :class:`~amp_plugin.app.report.RunRecorder` behind the summary and plot.
+        injector: the :class:`~amp_plugin.callbacks.FaultInjector`, or None without ``fault.*``.
+        output_dir, ckpt_path, seed, plot: the run's directory and the app keys the report repeats.
+    """
+
+    trainer: Any
+    module: Any
+    plugin: Any
+    callbacks: list[Any]
+    loggers: list[Any]
+    recorder: Any
+    injector: Any
+    output_dir: Path
+    ckpt_path: str | None
+    seed: int
+    plot: bool
+
+
+def build(cfg: DictConfig, settings: PrecisionSettings | None = None, output_dir: Path | None = None) -> Run:
+    """Build everything a run needs; nothing is written to disk.
+
+    Args:
+        cfg: the composed config.
+        settings: :func:`prepare`'s result, when the caller already ran it (the CLI does, to
+            fail before importing Lightning); otherwise :func:`prepare` runs here.
+        output_dir: where the run writes; default :func:`resolve_output_dir`.
+
+    Raises:
+        ConfigError: the first value that a check or a constructor rejects.
+    """
+    if settings is None:
+        settings = prepare(cfg)
+    output_dir = output_dir or resolve_output_dir(cfg)
+    # Lightning from here on.
+    from amp_plugin.app.report import RunRecorder
+    from amp_plugin.lightning import AtomicCheckpointIO, FaultInjector, MixedPrecisionPlugin, pl
+
+    make = functools.partial(instantiate, namespace=pl.__name__)
+    pl.seed_everything(cfg.seed, workers=True, verbose=False)  # before the recipe initialises its weights
+    module = make("recipe", cfg.recipe)
+    if not isinstance(module, pl.LightningModule):
+        raise ConfigError(f"recipe._target_={cfg.recipe._target_!r} is not allowed: it must be a "
+                          f"{pl.__name__}.LightningModule subclass.")
+    plugin = MixedPrecisionPlugin.from_settings(settings)
+    callbacks = [make(f"callbacks.{name}", node) for name, node in _entries(cfg.callbacks)]
+    loggers = [make(f"logger.{name}" if name else "logger", node) for name, node in _entries(cfg.logger)]
+    fault = cfg.get("fault") or {}
+    injector = construct("fault", FaultInjector, fault) if any(v is not None for v in fault.values()) else None
+    recorder = RunRecorder()
+    trainer = make(
+        "trainer", cfg.trainer,
+        plugins=[plugin, AtomicCheckpointIO()],
+        callbacks=[*([injector] if injector else []), *callbacks, recorder],
+        logger=loggers or False,
+        default_root_dir=str(output_dir),
+        enable_checkpointing=any(isinstance(c, pl.callbacks.ModelCheckpoint) for c in callbacks),
+        log_every_n_steps=log_every_n_steps(cfg.trainer),
+    )
+    if injector is not None:
+        try:
+            injector.setup(trainer, module, "fit")  # its checks of param and rank, before the first step
+        except ValueError as err:
+            raise ConfigError(_naming_key("fault", _plain(fault), err)) from err
+    return Run(trainer=trainer, module=module, plugin=plugin, callbacks=callbacks, loggers=loggers, recorder=recorder,
+               injector=injector, output_dir=output_dir, ckpt_path=cfg.ckpt_path, seed=cfg.seed, plot=cfg.plot)
+
+
+def log_every_n_steps(trainer: DictConfig) -> int:
+    """``trainer.log_every_n_steps``; when null, every step for runs of up to 100 steps, else every 10."""
+    if trainer.log_every_n_steps is not None:
+        return trainer.log_every_n_steps
+    return 1 if 0 < trainer.max_steps <= 100 else 10
+
+
+def _entries(node: Any) -> list[tuple[str, Any]]:
+    """A group's nodes to instantiate: one ``_target_`` node, or a dict of them by name (nulls dropped)."""
+    if node is None:
+        return []
+    if not OmegaConf.is_dict(node) or "_target_" in node:
+        return [("", node)]
+    return [(name, entry) for name, entry in node.items() if entry is not None]
+
+
+def resolve_output_dir(cfg: DictConfig) -> Path:
+    """``cfg.output_dir``; outside a Hydra run (e.g. ``compose``) a fresh ``outputs/<date>/<time>``."""
+    try:
+        value = cfg.output_dir
+    except Exception:  # ${hydra:...} without a running Hydra app
+        value = None
+    if not value:
+        value = os.path.join("outputs", datetime.datetime.now().strftime("%Y-%m-%d/%H-%M-%S-%f"))
+    return Path(value).absolute()
