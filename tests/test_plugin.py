@@ -419,3 +419,56 @@ def test_lbfgs_is_refused_before_training_with_the_plugins_message(pl, preset):
     with pytest.raises(ValueError, match=r"LBFGS .* precision='fp32'"):
         fit(pl, model, MixedPrecisionPlugin(preset), max_steps=2)
     assert model.global_step == 0
+
+
+class ManualClip(TinyClassifier):
+    """Manual optimization as Lightning's docs show it: backward, clip_gradients, step;
+    ``steps_per_batch`` steps of the same optimizer in one training_step."""
+
+    def __init__(self, algorithm="norm", clip=0.05, steps_per_batch=1, **kwargs):
+        super().__init__(**kwargs)
+        self.automatic_optimization = False
+        self.algorithm, self.clip, self.steps_per_batch = algorithm, clip, steps_per_batch
+        self.stepped_grads = []
+
+    def on_fit_start(self):
+        inner = self.trainer.optimizers[0]
+        inner = getattr(inner, "optimizer", inner)  # the optimizer inside MasterWeightOptimizer
+        inner.register_step_pre_hook(lambda opt, args, kwargs: self.stepped_grads.append(
+            [p.grad.clone() for g in opt.param_groups for p in g["params"]]))
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        x, y = batch
+        for _ in range(self.steps_per_batch):
+            opt.zero_grad()
+            self.manual_backward(F.cross_entropy(self(x).float(), y))
+            self.clip_gradients(opt, gradient_clip_val=self.clip, gradient_clip_algorithm=self.algorithm)
+            opt.step()
+
+
+@pytest.mark.parametrize("preset", ["fp16", "fp16_autocast", "bf16"])
+@pytest.mark.parametrize("algorithm", ["norm", "value"])
+def test_manual_clip_gradients_clips_what_the_step_uses(pl, preset, algorithm):
+    model = as_lightning(pl, ManualClip)(algorithm=algorithm, clip=0.05, optimizer="sgd")
+    plugin = MixedPrecisionPlugin(preset)
+    fit(pl, model, plugin, max_steps=3)
+    assert len(model.stepped_grads) == 3
+    for grads in model.stepped_grads:
+        assert all(g.dtype == torch.float32 for g in grads)  # FP32 masters or FP32 parameters
+        if algorithm == "norm":  # clipped after unscaling: the norm is the clip value, not clip / scale
+            total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+            assert total.item() == pytest.approx(0.05, rel=1e-4)
+        else:
+            assert max(g.abs().max().item() for g in grads) == pytest.approx(0.05, rel=1e-6)
+
+
+def test_the_same_optimizer_stepped_twice_in_one_training_step(pl):
+    model = as_lightning(pl, ManualClip)(clip=0.0, steps_per_batch=2, optimizer="sgd", overflow_at=())
+    model.clip = 0.0
+    scaler = DynamicLossScaler(init_scale=2.0**10, growth_interval=2)
+    fit(pl, model, MixedPrecisionPlugin("fp16", scaler=scaler), max_steps=6)  # 3 batches, 2 steps each
+    assert len(model.stepped_grads) == 6 and scaler.skipped_steps == 0
+    assert scaler.update_count == 6  # each step is an iteration of its own
+    assert scaler.get_scale() == 2.0**13  # grown every second step
+    assert not torch.equal(model.stepped_grads[0][0], model.stepped_grads[1][0])  # the second step saw new grads

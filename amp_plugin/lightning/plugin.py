@@ -112,6 +112,8 @@ class MixedPrecisionPlugin(Precision):
         self._device_type = "cpu"
         self._module: Any = None
         self._pending_update = False
+        self._unscaled: set[int] = set()  # optimizers unscaled in this iteration (by clipping or their step)
+        self._stepped: set[int] = set()  # optimizers stepped in this iteration (manual optimization)
         self._emulation_hold: Any = None
         self._described = False
         self._lr_hold = LRHold(lambda: self.settings.skip_lr_on_overflow and self.scaler.last_step_skipped)
@@ -283,22 +285,50 @@ class MixedPrecisionPlugin(Precision):
     ) -> Any:
         if self.amp_precision == "fp32":
             return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
+        key = id(_unwrap(optimizer))
+        if key in self._stepped:  # the same optimizer again in one manual step: a new iteration
+            self._pending_update = False
+            self._update(model.trainer)
         closure_result = closure()
         if closure_result is None and model.automatic_optimization:
             return None  # training_step returned None: no backward ran, nothing to step
-        scaler = self.scaler
-        if scaler.is_enabled():
-            scaler.unscale_(optimizer)  # type: ignore[arg-type]
-        elif isinstance(optimizer, MasterWeightOptimizer):
-            optimizer.sync_grads()
+        self._unscale_once(optimizer)
         self._after_closure(model, optimizer)
+        scaler = self.scaler
         result = scaler.step(optimizer, **kwargs)  # type: ignore[arg-type]
+        self._stepped.add(key)
         self.last_nonfinite_params = self._nonfinite_params(model) if scaler.last_step_skipped else []
         if model.automatic_optimization:
             self._update(model.trainer)
         else:
             self._pending_update = True
         return result
+
+    def _unscale_once(self, optimizer: Any) -> None:
+        """Unscale ``optimizer``'s gradients into what its step will use, once per iteration.
+
+        Called before clipping (which may come first, from a manual ``self.clip_gradients``)
+        and before the step. A disabled scaler still gives master weights their FP32 grads.
+        """
+        optimizer = _unwrap(optimizer)
+        if id(optimizer) not in self._unscaled:
+            self._unscaled.add(id(optimizer))
+            self.scaler.unscale_(optimizer)
+
+    @override
+    def clip_gradients(self, optimizer: Optimizer, clip_val: float = 0.0, gradient_clip_algorithm: Any = None) -> None:
+        """Clip the gradients the step will use: unscaled, and the FP32 masters' with master weights.
+
+        In manual optimization ``self.clip_gradients(opt, ...)`` comes before ``opt.step()``:
+        the gradients are unscaled here first (as ``scaler.unscale_`` before clipping in a plain
+        loop), and the step does not unscale them again.
+        """
+        if clip_val > 0 and self.amp_precision != "fp32":
+            self._unscale_once(optimizer)
+        if gradient_clip_algorithm is None:
+            super().clip_gradients(optimizer, clip_val)
+        else:
+            super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm)
 
     @override
     def _clip_gradients(
@@ -315,6 +345,8 @@ class MixedPrecisionPlugin(Precision):
 
     def _update(self, trainer: pl.Trainer | None) -> None:
         """``scaler.update()``; if the scale collapses, save the last good state first."""
+        self._unscaled.clear()
+        self._stepped.clear()
         try:
             self.scaler.update()
         except LossScaleCollapseError as err:
@@ -367,3 +399,8 @@ class MixedPrecisionPlugin(Precision):
             f"{type(self).__name__}(precision={self.settings.preset!r}, scaler={self.scaler!r}, "
             f"emulate={self.emulate!r}, skip_lr_on_overflow={self.skip_lr_on_overflow})"
         )
+
+
+def _unwrap(optimizer: Any) -> Any:
+    """The optimizer inside a ``LightningOptimizer`` (what ``self.optimizers()`` returns)."""
+    return getattr(optimizer, "_optimizer", optimizer)
