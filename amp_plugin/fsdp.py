@@ -49,6 +49,7 @@ __all__ = [
     "local_grad",
     "policy_for",
     "reduce_stats",
+    "shard_for_model_parallel",
 ]
 
 
@@ -134,6 +135,17 @@ def fully_shard_mixed(
         fully_shard(unit, mesh=mesh, mp_policy=policy, **fully_shard_kwargs)
     fully_shard(module, mesh=mesh, mp_policy=policy, **fully_shard_kwargs)
     return module
+
+
+def shard_for_model_parallel(lightning_module: Any, root: nn.Module, units: Any = ()) -> None:
+    """A recipe's ``configure_model``: under Lightning's ``ModelParallelStrategy`` (the module has
+    a ``device_mesh``), shard ``root`` with :func:`fully_shard_mixed` and the trainer's precision
+    plugin; otherwise do nothing. Idempotent, as ``configure_model`` must be (Lightning calls it
+    again for ``validate`` after ``fit``)."""
+    mesh = getattr(lightning_module, "device_mesh", None)
+    if mesh is None or fsdp2_units(root):
+        return
+    fully_shard_mixed(root, mesh["data_parallel"], lightning_module.trainer.precision_plugin, units=units)
 
 
 def fsdp2_units(module: nn.Module) -> list[tuple[str, nn.Module]]:

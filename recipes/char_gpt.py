@@ -48,6 +48,7 @@ from typing_extensions import override
 
 from amp_plugin._checks import check_choice, check_int, check_number
 from amp_plugin.recipes._sampling import train_loader
+from amp_plugin.fsdp import shard_for_model_parallel
 
 __all__ = ["CORPUS_FILES", "VOCAB_SIZE", "CharGPT", "CharGPTRecipe", "build_corpus"]
 
@@ -284,6 +285,11 @@ class CharGPTRecipe(pl.LightningModule):
         self._splits: tuple[torch.Tensor, torch.Tensor] | None = None
         self._last_batch_start: float | None = None
         self._last_batch_tokens = 0
+
+    @override
+    def configure_model(self) -> None:
+        # strategy=fsdp (Lightning's ModelParallelStrategy): one FSDP2 unit per transformer block.
+        shard_for_model_parallel(self, self.model, units=list(self.model.blocks))
 
     @override
     def forward(self, idx: torch.Tensor) -> torch.Tensor:

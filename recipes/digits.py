@@ -38,6 +38,7 @@ from typing_extensions import override
 
 from amp_plugin._checks import check_choice, check_int, check_number
 from amp_plugin.recipes._sampling import train_loader
+from amp_plugin.fsdp import shard_for_model_parallel
 
 __all__ = ["DigitsRecipe", "load_digits_split"]
 
@@ -145,6 +146,11 @@ class DigitsRecipe(pl.LightningModule):
             width = channels
         layers.append(nn.Linear(width, num_classes))
         return nn.Sequential(*layers)
+
+    @override
+    def configure_model(self) -> None:
+        # strategy=fsdp (Lightning's ModelParallelStrategy): one FSDP2 unit per linear or convolution layer.
+        shard_for_model_parallel(self, self.net, units=(nn.Linear, nn.Conv2d))
 
     @override
     def forward(self, x: torch.Tensor) -> torch.Tensor:

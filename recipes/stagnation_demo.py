@@ -45,6 +45,7 @@ from typing_extensions import override
 
 from amp_plugin._checks import check_int, check_number
 from amp_plugin.recipes._sampling import train_loader
+from amp_plugin.fsdp import shard_for_model_parallel
 
 __all__ = ["StagnationDemoRecipe"]
 
@@ -109,6 +110,11 @@ class StagnationDemoRecipe(pl.LightningModule):
         self.model = nn.Linear(in_features, 1, bias=False)
         with torch.no_grad():
             self.model.weight.copy_(w0.unsqueeze(0))
+
+    @override
+    def configure_model(self) -> None:
+        # strategy=fsdp (Lightning's ModelParallelStrategy): the whole (small) model as one FSDP2 unit.
+        shard_for_model_parallel(self, self.model, units=())
 
     @override
     def forward(self, x: torch.Tensor) -> torch.Tensor:

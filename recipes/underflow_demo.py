@@ -60,6 +60,7 @@ from typing_extensions import override
 
 from amp_plugin._checks import check_int, check_number
 from amp_plugin.recipes._sampling import train_loader
+from amp_plugin.fsdp import shard_for_model_parallel
 
 __all__ = ["UnderflowDemoRecipe"]
 
@@ -143,6 +144,11 @@ class UnderflowDemoRecipe(pl.LightningModule):
         x = hp.input_scale * torch.randn(n, hp.in_features, generator=g)
         y = x @ w_star.T + hp.noise_std * torch.randn(n, hp.out_features, generator=g)
         return x[: hp.n_train], y[: hp.n_train], x[hp.n_train :], y[hp.n_train :]
+
+    @override
+    def configure_model(self) -> None:
+        # strategy=fsdp (Lightning's ModelParallelStrategy): the whole (small) model as one FSDP2 unit.
+        shard_for_model_parallel(self, self.model, units=())
 
     @override
     def forward(self, x: torch.Tensor) -> torch.Tensor:

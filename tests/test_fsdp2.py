@@ -292,7 +292,7 @@ def test_fsdp2_training_matches_one_process(tmp_path_factory, scenario, precisio
         assert r["global_step"] == single["global_step"] == 6
         assert r["scaler"] == single["scaler"]  # same scale trajectory (fp16), {} for bf16
         assert r["record"]["lr"] == single["record"]["lr"]
-        assert "FP32 sharded parameters are the master weights" in r["describe"]
+        assert "the FP32 sharded parameters are the master weights" in r["describe"]
     for a, b in zip(ranks[0]["full_params"], ranks[1]["full_params"]):
         assert torch.equal(a, b)
     # What training did: each run's update of its master weights (one process starts from

@@ -229,7 +229,9 @@ class MixedPrecisionPlugin(Precision):
         scaler = repr(self.scaler) if self.scaler.is_enabled() else "none"
         what = self.settings.describe()
         if self.sharded and self.master_weights:
-            what = what.replace("FP32 master weights", "FSDP2: FP32 sharded parameters are the master weights")
+            dtype = self.amp_precision.upper()
+            what = what.replace(f"{dtype} weights and compute, FP32 master weights",
+                                f"{dtype} compute, FSDP2: the FP32 sharded parameters are the master weights")
         return f"precision={self.settings.preset}: {what}; loss scaler={scaler}; {self.compute_path}"
 
     def _compute_path(self) -> str:
