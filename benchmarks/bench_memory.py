@@ -8,12 +8,11 @@
 The model is a stack of blocks ``Linear(d, d) -> LayerNorm(d) -> GELU`` (``d = 1024``;
 ``--params`` millions of parameters set the depth), trained ``--steps`` AdamW steps on
 random regression data (batch 64, MSE loss in FP32) through
-``pytorch_lightning.Trainer(accelerator="cpu", max_steps=..., logger=False,
-enable_checkpointing=False)``. Configurations:
+``Trainer(accelerator="cpu", max_steps=..., logger=False, enable_checkpointing=False)`` (of
+``amp_plugin.lightning.pl``). Configurations:
 
-- ours, every preset of ``configs/precision`` (``amp_plugin.app.schema.PRESETS``), built as
-  ``MixedPrecisionPlugin(precision=..., master_weights=..., autocast=...)`` with the default
-  scaler and emulation a user gets;
+- ours, every preset (``amp_plugin.settings.PRESETS``), built as ``MixedPrecisionPlugin(preset)``
+  with the default scaler and emulation a user gets;
 - Lightning's own ``32-true``, ``16-mixed`` (with an explicit ``torch.amp.GradScaler("cpu")``:
   on CPU Lightning silently swaps ``16-mixed`` for ``bf16-mixed`` otherwise), ``bf16-mixed``
   and ``bf16-true``.
@@ -22,7 +21,7 @@ With ``--devices 2`` every configuration runs on two CPU processes (gloo) under
 ``ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)``: the model is built on
 the meta device (``Trainer.init_module(empty_init=True)``), each block is an FSDP2 unit, and
 each rank materializes only its shards. Ours is
-:class:`amp_plugin.fsdp_prototype.FSDP2MixedPrecisionPlugin` with ``fully_shard_mixed`` (norm
+``MixedPrecisionPlugin`` with ``amp_plugin.fsdp.fully_shard_mixed`` (norm
 layers their own FP32 units); Lightning's own use plain ``fully_shard`` (``16-mixed`` is not
 offered: ``ModelParallelStrategy`` rejects it).
 
@@ -128,7 +127,7 @@ class Stack(pl.LightningModule):
             return
         mesh = self.device_mesh["data_parallel"]
         if self.fsdp == "ours":
-            from amp_plugin.fsdp_prototype import fully_shard_mixed
+            from amp_plugin.fsdp import fully_shard_mixed
 
             fully_shard_mixed(self.net, mesh, self.trainer.precision_plugin, units=(Block,))
         else:
@@ -244,14 +243,9 @@ class StateProbe(pl.Callback):
 def _plugin(name: str, devices: int) -> dict[str, Any]:
     kind, _, preset = name.partition(" ")
     if kind == "ours":
-        from amp_plugin.app.schema import PRESETS
+        from amp_plugin.lightning import MixedPrecisionPlugin
 
-        precision, master_weights, autocast = PRESETS[preset]
-        if devices > 1:
-            from amp_plugin.fsdp_prototype import FSDP2MixedPrecisionPlugin as Plugin
-        else:
-            from amp_plugin.lightning.plugin import MixedPrecisionPlugin as Plugin
-        return {"plugins": [Plugin(precision, master_weights=master_weights, autocast=autocast)]}
+        return {"plugins": [MixedPrecisionPlugin(preset)]}
     if preset.startswith("16-mixed"):
         MixedPrecision = pl.plugins.precision.MixedPrecision
 
