@@ -472,3 +472,41 @@ def test_the_same_optimizer_stepped_twice_in_one_training_step(pl):
     assert scaler.update_count == 6  # each step is an iteration of its own
     assert scaler.get_scale() == 2.0**13  # grown every second step
     assert not torch.equal(model.stepped_grads[0][0], model.stepped_grads[1][0])  # the second step saw new grads
+
+
+class WeightsSetAtFitStart(TinyClassifier):
+    """Writes the model's weights after the optimizer (and its FP32 masters) exist."""
+
+    def on_fit_start(self):
+        with torch.no_grad():
+            self.net[0].weight.fill_(0.125)
+            self.net[3].load_state_dict({"weight": torch.full_like(self.net[3].weight, -0.25),
+                                         "bias": torch.zeros_like(self.net[3].bias)})
+
+
+class SwapInWeights(Callback):
+    """An EMA/SWA-style callback: puts other weights into the model before step 2."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == 2:
+            with torch.no_grad():
+                for p in pl_module.parameters():
+                    p.copy_(torch.full_like(p, 0.5))
+            self.swapped = [p.detach().clone() for p in pl_module.parameters()]
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw_fused"])
+def test_weights_written_after_configure_optimizers_are_where_training_continues(pl, optimizer):
+    model = as_lightning(pl, WeightsSetAtFitStart)(optimizer=optimizer, lr=0.0)  # lr 0: steps change nothing
+    swap = SwapInWeights()
+    trainer = fit(pl, model, MixedPrecisionPlugin("fp16"), max_steps=4, callbacks=[swap])
+    for p, swapped in zip(model.parameters(), swap.swapped):
+        assert torch.equal(p, swapped)  # not undone by a stale FP32 master
+    masters = trainer.optimizers[0].master_params()
+    assert all(torch.equal(m, p.float()) for m, p in zip(masters, model.parameters()))
+
+
+def test_weights_set_in_on_fit_start_are_the_starting_point(pl):
+    model = as_lightning(pl, WeightsSetAtFitStart)(optimizer="sgd", lr=0.0)
+    fit(pl, model, MixedPrecisionPlugin("bf16"), max_steps=2)
+    assert torch.all(model.net[0].weight == 0.125) and torch.all(model.net[3].weight == -0.25)
