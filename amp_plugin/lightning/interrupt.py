@@ -1,0 +1,116 @@
+"""Stop on SIGTERM or SIGINT the way a cluster scheduler expects: finish the step, checkpoint, exit 128+N.
+
+SLURM and Kubernetes pre-empt a job with SIGTERM, then SIGKILL a grace period later; Ctrl+C
+sends SIGINT. Lightning's own SIGTERM handler only sets ``trainer.received_sigterm`` and later
+raises ``SIGTERMException``, a ``SystemExit`` with no code (exit status 0) and no checkpoint.
+
+:class:`GracefulInterrupt` instead, at the end of the step during which the signal arrived
+(the point where ``ModelCheckpoint`` saves), writes ``last.ckpt`` at that step and raises
+:class:`RunInterrupted`, which carries the signal, the step and the checkpoint path; the app
+turns it into a ``FAILED`` note with the resume command and exit status ``128 + signal``
+(143 for SIGTERM, 130 for SIGINT). Under DDP every rank sees the request at the same step (one
+all-reduce per step), so all ranks save and stop together. A second SIGINT stops at once.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+from typing import TYPE_CHECKING, Any
+
+import torch
+from typing_extensions import override
+
+from amp_plugin.lightning._namespace import Callback
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+__all__ = ["GracefulInterrupt", "RunInterrupted", "checkpoint_dir"]
+
+
+class RunInterrupted(BaseException):
+    """A signal stopped the run after a step; a checkpoint at that step was saved.
+
+    A ``BaseException`` (like ``KeyboardInterrupt``), so ``except Exception`` in user code
+    does not swallow it.
+
+    Attributes:
+        signum: the signal (``signal.SIGTERM``, ``signal.SIGINT``).
+        step: ``trainer.global_step`` when the run stopped (the checkpoint's step).
+        checkpoint: the checkpoint written at ``step``.
+        exit_code: ``128 + signum``, the shell's convention for "terminated by this signal".
+    """
+
+    def __init__(self, signum: int, step: int, checkpoint: str | None) -> None:
+        self.signum = int(signum)
+        self.step = step
+        self.checkpoint = checkpoint
+        saved = f"; checkpoint at that step: {checkpoint}" if checkpoint else ""
+        super().__init__(f"{self.signal_name} received: the run stopped after step {step}{saved}")
+
+    @property
+    def signal_name(self) -> str:
+        return signal.Signals(self.signum).name
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
+
+def checkpoint_dir(trainer: pl.Trainer) -> str:
+    """Where the trainer's checkpoints go: the ``ModelCheckpoint``'s ``dirpath``, else ``<root>/checkpoints``."""
+    callback = trainer.checkpoint_callback
+    return getattr(callback, "dirpath", None) or os.path.join(trainer.default_root_dir, "checkpoints")
+
+
+class GracefulInterrupt(Callback):
+    """On SIGTERM or SIGINT: finish the current step, save ``last.ckpt``, raise :class:`RunInterrupted`.
+
+    Args:
+        filename: the checkpoint written in the trainer's checkpoint directory.
+    """
+
+    def __init__(self, filename: str = "last.ckpt") -> None:
+        self.filename = filename
+        self.requested: int | None = None  # the signal to stop for
+        self._previous_sigint: Any = None
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self.requested = None
+        if stage == "fit" and threading.current_thread() is threading.main_thread():
+            self._previous_sigint = signal.signal(signal.SIGINT, self._on_sigint)
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self._previous_sigint is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, self._previous_sigint)
+            self._previous_sigint = None
+
+    def _on_sigint(self, signum: int, frame: Any) -> None:
+        if self.requested is not None:  # asked twice: stop now, without a checkpoint
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            raise KeyboardInterrupt
+        self.requested = signal.SIGINT
+        print("\nInterrupted (SIGINT): stopping after this step and saving a checkpoint. "
+              "Press Ctrl+C again to stop at once, without one.", file=sys.stderr, flush=True)
+
+    def _stop_signal(self, trainer: pl.Trainer) -> int:
+        signum = self.requested or (signal.SIGTERM if trainer.received_sigterm else 0)
+        if trainer.world_size > 1:  # every rank must stop (and save, a collective) at the same step
+            flag = torch.tensor(float(signum), device=trainer.strategy.root_device)
+            signum = int(trainer.strategy.reduce(flag, reduce_op="max").item())
+        return int(signum)
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        signum = self._stop_signal(trainer)
+        if not signum:
+            return
+        path = os.path.join(checkpoint_dir(trainer), self.filename)
+        trainer.save_checkpoint(path, weights_only=False)
+        raise RunInterrupted(signum, trainer.global_step, path)
