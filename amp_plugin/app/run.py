@@ -141,11 +141,14 @@ def check_writable(run: Run, cfg: DictConfig) -> None:
         if isinstance(callback, pl.callbacks.ModelCheckpoint) and callback.dirpath:
             targets.append((f"callbacks.{name}.dirpath", Path(callback.dirpath)))
     for key, directory in targets:
+        created = [p for p in (directory, *directory.parents) if not p.exists()]
         try:
             directory.mkdir(parents=True, exist_ok=True)
             fd, probe = tempfile.mkstemp(dir=directory, prefix=".write-test-")
             os.close(fd)
             os.unlink(probe)
+            for path in created:  # leave no empty directory behind: the run creates its own
+                path.rmdir()
         except OSError as err:
             reason = f"[Errno {err.errno}] {err.strerror}" if err.errno else str(err)
             raise ConfigError(
