@@ -135,6 +135,9 @@ def _report(err: BaseException, cfg: DictConfig, out: Path | None, multirun: boo
     if signum is not None:
         step, checkpoint = getattr(err, "step", None), getattr(err, "checkpoint", None)
         note = _interrupted_note(signum, step, checkpoint, cfg, out)
+        if out is not None and rundir.spawned_by_owner(out):
+            _wait_for_launcher()  # Lightning's launcher SIGKILLs itself when a child exits non-zero first
+            sys.exit(128 + signum)
         if out is not None:
             rundir.mark_failed(out, err, note)
         print(f"\n{note}", file=sys.stderr, flush=True)
@@ -162,6 +165,17 @@ def _report(err: BaseException, cfg: DictConfig, out: Path | None, multirun: boo
     print(f"{message}\n\nSet the environment variable HYDRA_FULL_ERROR=1 for a complete stack trace.",
           file=sys.stderr, flush=True)
     sys.exit(1)
+
+
+def _wait_for_launcher(timeout: float = 15.0) -> None:
+    """Wait (a little) for the launching process to exit before this DDP child does: Lightning's
+    launcher watches its children and kills itself when one exits non-zero, which would cut its
+    own ``FAILED`` note and exit status short."""
+    import time
+
+    parent, deadline = os.getppid(), time.monotonic() + timeout
+    while os.getppid() == parent and time.monotonic() < deadline:
+        time.sleep(0.1)
 
 
 def _signal_of(err: BaseException) -> int | None:

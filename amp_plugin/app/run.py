@@ -82,6 +82,10 @@ def train(cfg: DictConfig, settings: PrecisionSettings | None = None) -> dict[st
             _final_validation(run)
             metrics.update(run.trainer.callback_metrics)
     except BaseException as err:
+        interrupted = _interrupted(run, err)
+        if interrupted is not None:
+            mark_failed(output_dir, interrupted)
+            raise interrupted from None
         setup_error = _setup_error(err, run, cfg)
         mark_failed(output_dir, setup_error or err)
         if setup_error is not None:
@@ -113,6 +117,19 @@ def _final_validation(run: Run) -> None:
                    default=None)
     if last_val != trainer.global_step:
         trainer.validate(module, verbose=False)
+
+
+def _interrupted(run: Run, err: BaseException) -> BaseException | None:
+    """The :class:`~amp_plugin.lightning.interrupt.RunInterrupted` a signal caused, also when Lightning's
+    ``SIGTERMException`` (a ``SystemExit`` with status 0) ended the run before it was raised."""
+    from amp_plugin.lightning.interrupt import GracefulInterrupt, RunInterrupted
+
+    if isinstance(err, RunInterrupted):
+        return err
+    if type(err).__name__ != "SIGTERMException":
+        return None
+    pending = next((c.pending for c in run.trainer.callbacks if isinstance(c, GracefulInterrupt)), None)
+    return pending
 
 
 def _setup_error(err: BaseException, run: Run, cfg: DictConfig) -> ConfigError | None:

@@ -28,7 +28,7 @@ from pathlib import Path
 from amp_plugin.app.validation import ConfigError
 
 __all__ = ["FAILED_FILE", "OWNER_ENV", "RESOLVER", "RunDirError", "check_reuse", "claim", "clear_outputs", "mark_failed", "outputs_in", "register_resolver",
-           "release", "run_id", "secondary_rank"]
+           "release", "run_id", "secondary_rank", "spawned_by_owner"]
 
 RESOLVER = "amp_run_id"
 FAILED_FILE = "FAILED"
@@ -70,6 +70,12 @@ def secondary_rank() -> bool:
         return int(world) > 1 and int(rank) != 0
     except ValueError:
         return False
+
+
+def spawned_by_owner(directory: str | os.PathLike[str]) -> bool:
+    """Whether this process was started by the process that holds ``directory`` (a DDP child of it)."""
+    path = os.path.realpath(directory)
+    return os.environ.get(OWNER_ENV) == path and path not in _held
 
 
 def _shared_with_this_run(path: str) -> bool:
@@ -183,7 +189,7 @@ def check_reuse(directory: str | os.PathLike[str], ckpt_path: str | None, overwr
         RunDirError: the directory holds a run and this one neither resumes it nor overwrites it.
     """
     directory = Path(directory)
-    if os.environ.get(OWNER_ENV) == os.path.realpath(directory) and os.path.realpath(directory) not in _held:
+    if spawned_by_owner(directory):
         return  # a DDP child of the run that checked it
     if secondary_rank() or not directory.is_dir():
         return

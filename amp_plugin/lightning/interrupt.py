@@ -5,11 +5,15 @@ sends SIGINT. Lightning's own SIGTERM handler only sets ``trainer.received_sigte
 raises ``SIGTERMException``, a ``SystemExit`` with no code (exit status 0) and no checkpoint.
 
 :class:`GracefulInterrupt` instead, at the end of the step during which the signal arrived
-(the point where ``ModelCheckpoint`` saves), writes ``last.ckpt`` at that step and raises
-:class:`RunInterrupted`, which carries the signal, the step and the checkpoint path; the app
-turns it into a ``FAILED`` note with the resume command and exit status ``128 + signal``
-(143 for SIGTERM, 130 for SIGINT). Under DDP every rank sees the request at the same step (one
-all-reduce per step), so all ranks save and stop together. A second SIGINT stops at once.
+(the point where ``ModelCheckpoint`` saves), writes ``last.ckpt`` at that step, lets Lightning
+log the step, and then stops the run with :class:`RunInterrupted` (before a validation or the
+next step, whichever comes first), which carries the signal, the step and the checkpoint path.
+If Lightning's ``SIGTERMException`` ends the run first, :attr:`GracefulInterrupt.pending` holds
+the same information. The app turns it into a ``FAILED`` note with the resume command and exit
+status ``128 + signal`` (143 for SIGTERM, 130 for SIGINT). Under DDP every rank sees the
+request at the same step (one all-reduce per step), so all ranks save and stop together. A
+second SIGINT stops at once, without a checkpoint. A signal during the last step lets the run
+finish.
 """
 
 from __future__ import annotations
@@ -76,11 +80,12 @@ class GracefulInterrupt(Callback):
     def __init__(self, filename: str = "last.ckpt") -> None:
         self.filename = filename
         self.requested: int | None = None  # the signal to stop for
+        self.pending: RunInterrupted | None = None  # saved, about to stop
         self._previous_sigint: Any = None
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self.requested = None
+        self.requested, self.pending = None, None
         if stage == "fit" and threading.current_thread() is threading.main_thread():
             self._previous_sigint = signal.signal(signal.SIGINT, self._on_sigint)
 
@@ -108,9 +113,26 @@ class GracefulInterrupt(Callback):
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
+        if self.pending is not None:
+            return
         signum = self._stop_signal(trainer)
-        if not signum:
+        if not signum or _last_step(trainer):
             return
         path = os.path.join(checkpoint_dir(trainer), self.filename)
         trainer.save_checkpoint(path, weights_only=False)
-        raise RunInterrupted(signum, trainer.global_step, path)
+        self.pending = RunInterrupted(signum, trainer.global_step, path)
+
+    @override
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.pending is not None and not trainer.sanity_checking:
+            raise self.pending
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        if self.pending is not None:
+            raise self.pending
+
+
+def _last_step(trainer: pl.Trainer) -> bool:
+    return trainer.max_steps != -1 and trainer.global_step >= trainer.max_steps
