@@ -121,11 +121,14 @@ def _final_validation(run: Run) -> None:
 
 def _interrupted(run: Run, err: BaseException) -> BaseException | None:
     """The :class:`~amp_plugin.lightning.interrupt.RunInterrupted` a signal caused, also when Lightning's
-    ``SIGTERMException`` (a ``SystemExit`` with status 0) ended the run before it was raised."""
+    ``SIGTERMException`` (a ``SystemExit`` with status 0) ended the run before it was raised; or the
+    ``KeyboardInterrupt`` that Lightning turned into ``sys.exit(1)``."""
     from amp_plugin.lightning.interrupt import GracefulInterrupt, RunInterrupted
 
     if isinstance(err, RunInterrupted):
         return err
+    if isinstance(err, SystemExit) and isinstance(err.__context__, KeyboardInterrupt):
+        return err.__context__  # Lightning turns Ctrl+C into sys.exit(1)
     if type(err).__name__ != "SIGTERMException":
         return None
     pending = next((c.pending for c in run.trainer.callbacks if isinstance(c, GracefulInterrupt)), None)

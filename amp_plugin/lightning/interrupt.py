@@ -4,20 +4,23 @@ SLURM and Kubernetes pre-empt a job with SIGTERM, then SIGKILL a grace period la
 sends SIGINT. Lightning's own SIGTERM handler only sets ``trainer.received_sigterm`` and later
 raises ``SIGTERMException``, a ``SystemExit`` with no code (exit status 0) and no checkpoint.
 
-:class:`GracefulInterrupt` instead, at the end of the step during which the signal arrived
-(the point where ``ModelCheckpoint`` saves), writes ``last.ckpt`` at that step, lets Lightning
-log the step, and then stops the run with :class:`RunInterrupted` (before a validation or the
+:class:`GracefulInterrupt` replaces the SIGTERM and SIGINT handlers while training runs (Lightning
+restores the previous ones when it tears down). At the end of the step during which a signal
+arrived (the point where ``ModelCheckpoint`` saves), it writes ``last.ckpt`` at that step, lets
+Lightning log the step, and then stops the run with :class:`RunInterrupted` (before a validation or the
 next step, whichever comes first), which carries the signal, the step and the checkpoint path.
 If Lightning's ``SIGTERMException`` ends the run first, :attr:`GracefulInterrupt.pending` holds
 the same information. The app turns it into a ``FAILED`` note with the resume command and exit
-status ``128 + signal`` (143 for SIGTERM, 130 for SIGINT). Under DDP every rank sees the
-request at the same step (one all-reduce per step), so all ranks save and stop together. A
-second SIGINT stops at once, without a checkpoint. A signal during the last step lets the run
+status ``128 + signal`` (143 for SIGTERM, 130 for SIGINT). Under DDP a SIGTERM to the launching
+process is passed on to the ranks it started (as Lightning's handler does), and every rank
+sees the request at the same step (one all-reduce per step), so all ranks save and stop
+together. A second SIGINT stops at once, without a checkpoint. A signal during the last step lets the run
 finish.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import sys
@@ -81,27 +84,32 @@ class GracefulInterrupt(Callback):
         self.filename = filename
         self.requested: int | None = None  # the signal to stop for
         self.pending: RunInterrupted | None = None  # saved, about to stop
-        self._previous_sigint: Any = None
 
     @override
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # After Lightning registered its own handlers (it restores the previous ones at teardown).
+        # Its SIGTERM handler would also make validation raise in the middle of a batch loop,
+        # on each rank at its own batch; this one leaves the stop to the end of a training step.
         self.requested, self.pending = None, None
-        if stage == "fit" and threading.current_thread() is threading.main_thread():
-            self._previous_sigint = signal.signal(signal.SIGINT, self._on_sigint)
+        if threading.current_thread() is not threading.main_thread():
+            return
+        launcher = trainer.strategy.launcher
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, functools.partial(self._on_signal, launcher))
 
-    @override
-    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if self._previous_sigint is not None and threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGINT, self._previous_sigint)
-            self._previous_sigint = None
-
-    def _on_sigint(self, signum: int, frame: Any) -> None:
-        if self.requested is not None:  # asked twice: stop now, without a checkpoint
+    def _on_signal(self, launcher: Any, signum: int, frame: Any) -> None:
+        if self.requested is not None and signum == signal.SIGINT:  # asked twice: stop now, no checkpoint
             signal.signal(signal.SIGINT, signal.default_int_handler)
             raise KeyboardInterrupt
-        self.requested = signal.SIGINT
-        print("\nInterrupted (SIGINT): stopping after this step and saving a checkpoint. "
-              "Press Ctrl+C again to stop at once, without one.", file=sys.stderr, flush=True)
+        first = self.requested is None
+        self.requested = self.requested or signum
+        if first and signum == signal.SIGTERM and launcher is not None and hasattr(launcher, "kill"):
+            launcher.kill(signum)  # DDP children started by Lightning stop with us (as Lightning's handler does)
+        if first:
+            name = signal.Signals(signum).name
+            again = " Press Ctrl+C again to stop at once, without one." if signum == signal.SIGINT else ""
+            print(f"\n{name} received: stopping after this step and saving a checkpoint.{again}", file=sys.stderr,
+                  flush=True)
 
     def _stop_signal(self, trainer: pl.Trainer) -> int:
         signum = self.requested or (signal.SIGTERM if trainer.received_sigterm else 0)
