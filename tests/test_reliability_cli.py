@@ -181,16 +181,18 @@ def test_persistent_overflow_stops_cleanly_with_the_last_good_state_saved(runs):
             "(step 4, 3 steps skipped in a row)") in stderr
     assert "Try: a lower learning rate" in stderr and "on_min_scale='skip'" in stderr
     assert f"saved to {checkpoint}" in stderr
+    assert "It holds step 0, the last healthy state; resuming from it restarts the loss scale" in stderr
+    assert f"ckpt_path={checkpoint} hydra.run.dir={run}" in stderr  # the command that resumes from it
     assert "Traceback" not in stderr and "HYDRA_FULL_ERROR=1" in stderr
     assert "FAILED" in result["listing"] and "summary.json" not in result["listing"]
     assert "LossScaleCollapseError" in (run / "FAILED").read_text()
     assert not (run / "training_curves.csv").exists()
 
+    # Not the collapsed state (step 4, scale 1, 3 skips in a row): the state training started from,
+    # since no periodic healthy save (every 50 steps) came before the collapse.
     saved = load(checkpoint)
-    assert saved["global_step"] == 4
-    assert saved["amp_plugin"]["scaler"]["scale"] == 1.0 and saved["amp_plugin"]["scaler"]["skipped_steps"] == 3
-    # Steps 2, 3 and 4 were skipped: the saved weights are those after the two good steps.
-    assert_same_weights(saved, load(ok(runs["two_steps"]) / "checkpoints" / "last.ckpt"))
+    assert saved["global_step"] == 0 and saved["amp_plugin_recovery"]["reason"] == "start"
+    assert saved["amp_plugin"]["scaler"]["scale"] == 4.0 and saved["amp_plugin"]["scaler"]["skipped_steps"] == 0
 
 
 def test_on_min_scale_skip_keeps_going(runs):
@@ -213,8 +215,8 @@ def test_resuming_the_collapsed_run_in_bf16_warns_on_the_console(runs):
     assert "loss-scaler state is not restored" in result["stderr"]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["resumed_from"] == "collapse/checkpoints/last-good.ckpt"
-    assert (summary["global_step"], summary["steps"], summary["scaler"]) == (8, 4, "none")
-    assert "resumed at step 4" in result["stdout"]
+    assert (summary["global_step"], summary["steps"], summary["scaler"]) == (8, 8, "none")
+    assert "resumed at step 0" in result["stdout"]
 
 
 def test_resuming_with_other_scaler_settings_warns_and_continues_the_scale(runs):

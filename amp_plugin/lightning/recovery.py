@@ -3,13 +3,14 @@
 ``last-good.ckpt`` (:data:`LAST_GOOD`) is what to resume from after a
 :class:`~amp_plugin.LossScaleCollapseError`. The state at the collapse is not it: the scale sits
 at its floor after a streak of skipped steps, and a divergence that led there may already be in
-the weights. :class:`RecoveryCheckpoint` therefore writes ``last-good.ckpt`` every
-``every_n_steps`` steps, and only when the state is healthy: every weight finite, and no step
-skipped in the last ``healthy_steps`` steps. An unhealthy state keeps the previous file.
+the weights. :class:`RecoveryCheckpoint` therefore writes ``last-good.ckpt`` when training starts
+(the state it starts from), then every ``every_n_steps`` steps, and only when the state is
+healthy: every weight finite, and no step skipped in the last ``healthy_steps`` steps. An
+unhealthy state keeps the previous file.
 
 When the scale collapses, the plugin calls :func:`save_last_good`: it keeps that file, and only
-without one (a collapse before the first healthy save, or no such callback) writes the current
-state, whose weights are those before the streak of skipped steps.
+without one (no such callback) writes the current state, whose weights are those before the
+streak of skipped steps.
 
 A checkpoint written here carries ``checkpoint["amp_plugin_recovery"]`` (:data:`RECOVERY_KEY`):
 resuming from it starts the loss scale again at the configured ``init_scale``
@@ -68,7 +69,7 @@ def is_recovery_checkpoint(checkpoint: dict[str, Any], path: str | None = None) 
 
 
 class RecoveryCheckpoint(Callback):
-    """Write ``last-good.ckpt`` every ``every_n_steps`` steps while the run is healthy.
+    """Write ``last-good.ckpt`` when training starts, then every ``every_n_steps`` steps while the run is healthy.
 
     Args:
         every_n_steps: how often to consider a save (optimizer steps).
@@ -92,7 +93,12 @@ class RecoveryCheckpoint(Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # The state training starts from (fresh, or the checkpoint resumed) is the first healthy
+        # one: a run that diverges before the first periodic save still has one to go back to.
         self._clean_steps = 0
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        if scaler is not None and scaler.is_enabled() and self._all_finite(trainer, pl_module):
+            self.save(trainer, os.path.join(_directory(trainer), LAST_GOOD), reason="start")
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
@@ -103,12 +109,17 @@ class RecoveryCheckpoint(Callback):
         self._clean_steps = 0 if scaler.last_step_skipped else self._clean_steps + 1
         if trainer.global_step % self.every_n_steps or self._clean_steps < self.healthy_steps:
             return
-        finite = torch.stack([torch.isfinite(p.detach()).all() for p in pl_module.parameters()]).all()
-        if trainer.world_size > 1:  # the save is a collective: all ranks decide together
-            flag = torch.tensor(0.0 if bool(finite) else 1.0, device=trainer.strategy.root_device)
-            finite = trainer.strategy.reduce(flag, reduce_op="max").item() == 0
-        if bool(finite):
+        if self._all_finite(trainer, pl_module):
             self.save(trainer, os.path.join(_directory(trainer), LAST_GOOD), reason="healthy")
+
+    @staticmethod
+    def _all_finite(trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
+        flags = [torch.isfinite(p.detach()).all() for p in pl_module.parameters()]
+        finite = bool(torch.stack(flags).all()) if flags else True
+        if trainer.world_size > 1:  # the save is a collective: all ranks decide together
+            flag = torch.tensor(0.0 if finite else 1.0, device=trainer.strategy.root_device)
+            finite = trainer.strategy.reduce(flag, reduce_op="max").item() == 0
+        return finite
 
     def save(self, trainer: pl.Trainer, path: str, reason: str) -> None:
         """Write the trainer's state to ``path``, marked as a recovery checkpoint."""
