@@ -47,7 +47,8 @@ def test_a_disk_that_fills_while_saving_stops_with_the_file_and_the_fix(tmp_path
                 *QUIET, f"hydra.run.dir={run_dir}"], tmp_path, preexec_fn=_file_size_limit(64 * 1024))
     assert proc.returncode == 1, proc.stderr[-3000:]
     no_traceback(proc)
-    assert (f"Training stopped: Could not write the checkpoint {run_dir}/checkpoints/epoch0-step2.ckpt: "
+    # The first checkpoint is the recovery checkpoint of the starting state.
+    assert (f"Training stopped: Could not write the checkpoint {run_dir}/checkpoints/last-good.ckpt: "
             "[Errno 27] File too large. Fix: the file size limit is reached") in proc.stderr
     assert not list((run_dir / "checkpoints").iterdir())  # no partial file left behind
     assert "CheckpointWriteError" in (run_dir / "FAILED").read_text()
@@ -133,6 +134,8 @@ def test_compare_names_damaged_files_and_refuses_a_file_as_out(tmp_path):
     assert f"warning: {summary}: cannot read the summary" in proc.stderr
     assert f"warning: {sweep / '2' / 'training_curves.csv'}, line 2: could not convert" in proc.stderr
     assert "UNREADABLE" in proc.stdout and (sweep / "compare.csv").is_file()
+    proc = compare(str(sweep / "2"), "--no-plot", cwd=tmp_path)  # a run whose curves alone are damaged
+    assert proc.returncode == 1 and "could not convert" in proc.stderr
 
     out = tmp_path / "a_file"
     out.write_text("")

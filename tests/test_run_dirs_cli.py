@@ -100,5 +100,6 @@ def test_a_finished_run_is_never_overwritten_silently(tmp_path):
     assert results["overwrite"]["code"] in (0, None), results["overwrite"]["stderr"][-3000:]
     summary = json.loads((replaced / "summary.json").read_text())
     assert summary["seed"] == 3
-    assert sorted(p.name for p in (replaced / "checkpoints").iterdir()) == ["epoch0-step4.ckpt", "last.ckpt"]
+    assert sorted(p.name for p in (replaced / "checkpoints").iterdir()) == ["epoch0-step4.ckpt", "last-good.ckpt",
+                                                                        "last.ckpt"]
     assert torch.load(summary["paths"]["last_checkpoint"], weights_only=False)["global_step"] == 4

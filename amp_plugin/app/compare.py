@@ -5,6 +5,11 @@ Finds every run directory below the given paths (a directory holding ``summary.j
 precision, scaler, final loss and metric, skipped steps, loss-scale end value, wall time)
 and writes ``compare.csv`` and ``compare.png`` (all runs' loss, loss scale and skipped
 steps on shared axes) into the first directory given, or ``--out``.
+
+A damaged file never stops the comparison with a traceback: an unreadable ``summary.json``
+lists its run as UNREADABLE, an unreadable ``training_curves.csv`` leaves that run out of the
+plot, each with a warning naming the file, and the exit status is then 1. A file given as
+``--out`` is refused (exit status 2).
 """
 
 from __future__ import annotations
@@ -88,7 +93,11 @@ def collect_runs(paths: Sequence[str | Path]) -> list[dict[str, Any]]:
     return runs
 
 
+_skipped: list[str] = []  # what could not be read, for main's exit status
+
+
 def _warn(message: str) -> None:
+    _skipped.append(message)
     print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
@@ -182,6 +191,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", help="directory for compare.csv and compare.png (default: the first dir)")
     parser.add_argument("--no-plot", action="store_true", help="only print the table and write compare.csv")
     args = parser.parse_args(argv)
+    _skipped.clear()
     try:
         runs = collect_runs(args.dirs)
     except FileNotFoundError as err:
@@ -205,7 +215,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: cannot write into {out}: {err.strerror or err}", file=sys.stderr)
         return 2
     print("\nwrote " + ", ".join(str(p) for p in written))
-    return 0 if all(run.get("status") == "ok" for run in runs) else 1
+    # 1 when a run failed or a file could not be read: the table or the plot is not the whole story.
+    return 0 if all(run.get("status") == "ok" for run in runs) and not _skipped else 1
 
 
 if __name__ == "__main__":
