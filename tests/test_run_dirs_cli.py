@@ -103,3 +103,22 @@ def test_a_finished_run_is_never_overwritten_silently(tmp_path):
     assert sorted(p.name for p in (replaced / "checkpoints").iterdir()) == ["epoch0-step4.ckpt", "last-good.ckpt",
                                                                         "last.ckpt"]
     assert torch.load(summary["paths"]["last_checkpoint"], weights_only=False)["global_step"] == 4
+
+
+def test_tensorboard_resumed_in_place_hides_what_the_interrupted_run_logged_after_the_checkpoint(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    common = ["logger=tensorboard", "trainer.log_every_n_steps=1", "callbacks.model_checkpoint.every_n_train_steps=2",
+              "callbacks.model_checkpoint.save_top_k=-1", *QUIET]
+    results = run_batch(tmp_path, [
+        {"kind": "run", "name": "first", "dir": "tb", "args": [*common, "trainer.max_steps=5"]},
+        # As if the run had been killed after step 5: resume from its step-2 checkpoint, in place.
+        {"kind": "python", "code": "import os; os.remove('tb/summary.json')"},
+        {"kind": "run", "name": "resumed", "dir": "tb",
+         "args": [*common, "trainer.max_steps=6", f"ckpt_path={tmp_path}/tb/checkpoints/epoch0-step2.ckpt"]},
+    ])
+    assert results["resumed"]["code"] in (0, None), results["resumed"]["stderr"][-3000:]
+    events = EventAccumulator(str(tmp_path / "tb" / "logs"))
+    events.Reload()
+    steps = [event.step for event in events.Scalars("train/loss")]
+    assert steps == list(range(6))  # 2, 3 and 4 of the first run are purged, each step once
