@@ -382,7 +382,8 @@ def interrupt(work: Path, signum: int) -> dict[str, Any]:
     command = note.split("resume with ", 1)[1].splitlines()[0] if "resume with " in note else None
     b = subprocess.run(command, shell=True, env=_env(), capture_output=True, text=True, timeout=600) \
         if command else None
-    ok = proc.returncode == 128 + signum and step is not None and b is not None and b.returncode == 0
+    ok = a.returncode == 0 and proc.returncode == 128 + signum and step is not None and b is not None \
+        and b.returncode == 0
     lost = not ok or train_steps(victim) != list(range(3 * K))
     exact = ok and same_state(full / "checkpoints" / "last.ckpt", victim / "checkpoints" / "last.ckpt")
     where = f"at step {step.group(1)}" if step else "(no step recorded)"

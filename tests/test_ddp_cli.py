@@ -95,7 +95,7 @@ def test_ddp_ranks_share_their_run_directory_refuse_another_run_and_stop_togethe
 
     run_dir = tmp_path / "ddp"
     log = tmp_path / "ddp.log"
-    ddp = start(["trainer.accelerator=cpu", "trainer.devices=2", "trainer.strategy=ddp", "trainer.max_steps=60",
+    ddp = start(["trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2", "trainer.max_steps=60",
                  *QUIET, *throttle(2, 0.25), f"hydra.run.dir={run_dir}"], tmp_path, log)
     try:
         wait_until(lambda: logged_steps(log), ddp)

@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from _cli_procs import QUIET, ROOT, env, run
+from _cli_procs import QUIET, env, run
 from amp_plugin.app.plots import write_history
 
 TINY = ["recipe=underflow_demo", "trainer.max_steps=3", *QUIET]
@@ -43,8 +43,9 @@ def _file_size_limit(limit: int):
 @pytest.mark.slow
 def test_a_disk_that_fills_while_saving_stops_with_the_file_and_the_fix(tmp_path):
     run_dir = tmp_path / "run"
-    proc = run(["trainer.max_steps=6", "callbacks.model_checkpoint.every_n_train_steps=2", "trainer.limit_val_batches=1",
-                *QUIET, f"hydra.run.dir={run_dir}"], tmp_path, preexec_fn=_file_size_limit(64 * 1024))
+    proc = run(["trainer.max_steps=6", "callbacks.model_checkpoint.every_n_train_steps=2",
+                "trainer.limit_val_batches=1", *QUIET, f"hydra.run.dir={run_dir}"], tmp_path,
+               preexec_fn=_file_size_limit(64 * 1024))
     assert proc.returncode == 1, proc.stderr[-3000:]
     no_traceback(proc)
     # The first checkpoint is the recovery checkpoint of the starting state.
@@ -73,7 +74,8 @@ def read_only(path: Path):
         subprocess.run(["chattr", "-i", str(path)], check=True)
 
 
-@pytest.mark.parametrize("sub, key", [("logs", "logger.save_dir"), ("checkpoints", "callbacks.model_checkpoint.dirpath")])
+@pytest.mark.parametrize("sub, key", [("logs", "logger.save_dir"),
+                                      ("checkpoints", "callbacks.model_checkpoint.dirpath")])
 def test_a_read_only_log_or_checkpoint_directory_is_found_before_training(tmp_path, sub, key):
     run_dir = tmp_path / "run"
     with read_only(run_dir / sub):
@@ -149,8 +151,9 @@ def test_compare_names_damaged_files_and_refuses_a_file_as_out(tmp_path):
 @pytest.mark.slow
 def test_a_sweep_job_that_crashes_is_listed_and_the_sweep_goes_on(tmp_path):
     sweep = tmp_path / "sweep"
-    proc = run(["-m", "recipe=underflow_demo", "trainer.max_steps=2,3", *QUIET, "+callbacks.boom._target_=_cli_procs.Boom",
-                "+callbacks.boom.at_step=2", f"hydra.sweep.dir={sweep}"], tmp_path)
+    proc = run(["-m", "recipe=underflow_demo", "trainer.max_steps=2,3", *QUIET,
+                "+callbacks.boom._target_=_cli_procs.Boom", "+callbacks.boom.at_step=2", f"hydra.sweep.dir={sweep}"],
+               tmp_path)
     assert proc.returncode == 1
     no_traceback(proc)
     assert "Job failed: RuntimeError: boom at step 2" in proc.stderr

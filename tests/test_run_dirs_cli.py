@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from _cli_batch import run_batch
-from _cli_procs import QUIET, logged_steps, run, start, throttle, wait_until
+from _cli_procs import QUIET, run, start, throttle, wait_until
 from omegaconf import OmegaConf
 
 TINY = ["recipe=underflow_demo", "trainer.max_steps=3", *QUIET]

@@ -145,7 +145,8 @@ def _interrupted_note(signum: int, step: int | None, checkpoint: str | None, cfg
         lines.append(f"  resume with {resume_command(cfg, checkpoint, out)}")
     else:
         last = out / "checkpoints" / "last.ckpt" if out is not None else None
-        where = "before training started" if step is None and not (last and last.is_file()) else "outside a training step"
+        started = step is not None or (last is not None and last.is_file())
+        where = "outside a training step" if started else "before training started"
         lines.append(f"Interrupted by {name} {where}; no new checkpoint was written.")
         if last is not None and last.is_file():
             lines.append(f"  latest checkpoint {last}")

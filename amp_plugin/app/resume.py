@@ -202,7 +202,8 @@ class ResumeSettings(Callback):
         schedulers = checkpoint.get("lr_schedulers") or []
         for config, saved in zip(trainer.lr_scheduler_configs, schedulers):
             fresh = list(getattr(config.scheduler, "base_lrs", []))
-            if "base_lrs" in saved and len(fresh) == len(saved["base_lrs"]) and not _same(list(saved["base_lrs"]), fresh):
+            old_base = list(saved.get("base_lrs") or [])
+            if "base_lrs" in saved and len(fresh) == len(old_base) and not _same(old_base, fresh):
                 if "_last_lr" in saved and len(saved["_last_lr"]) == len(fresh):
                     saved["_last_lr"] = [last * new / old if old else last
                                          for last, new, old in zip(saved["_last_lr"], fresh, saved["base_lrs"])]

@@ -27,8 +27,8 @@ from pathlib import Path
 
 from amp_plugin.app.validation import ConfigError
 
-__all__ = ["FAILED_FILE", "OWNER_ENV", "RESOLVER", "RunDirError", "check_reuse", "claim", "clear_outputs", "mark_failed", "outputs_in", "register_resolver",
-           "release", "run_id", "secondary_rank", "spawned_by_owner"]
+__all__ = ["FAILED_FILE", "OWNER_ENV", "RESOLVER", "RunDirError", "check_reuse", "claim", "clear_outputs",
+           "mark_failed", "outputs_in", "register_resolver", "release", "run_id", "secondary_rank", "spawned_by_owner"]
 
 RESOLVER = "amp_run_id"
 FAILED_FILE = "FAILED"

@@ -4,18 +4,18 @@ SLURM and Kubernetes pre-empt a job with SIGTERM, then SIGKILL a grace period la
 sends SIGINT. Lightning's own SIGTERM handler only sets ``trainer.received_sigterm`` and later
 raises ``SIGTERMException``, a ``SystemExit`` with no code (exit status 0) and no checkpoint.
 
-:class:`GracefulInterrupt` replaces the SIGTERM and SIGINT handlers while training runs (Lightning
-restores the previous ones when it tears down). At the end of the step during which a signal
-arrived (the point where ``ModelCheckpoint`` saves), it writes ``last.ckpt`` at that step, lets
-Lightning log the step, and then stops the run with :class:`RunInterrupted` (before a validation or the
-next step, whichever comes first), which carries the signal, the step and the checkpoint path.
-If Lightning's ``SIGTERMException`` ends the run first, :attr:`GracefulInterrupt.pending` holds
-the same information. The app turns it into a ``FAILED`` note with the resume command and exit
-status ``128 + signal`` (143 for SIGTERM, 130 for SIGINT). Under DDP a SIGTERM to the launching
-process is passed on to the ranks it started (as Lightning's handler does), and every rank
-sees the request at the same step (one all-reduce per step), so all ranks save and stop
-together. A second SIGINT stops at once, without a checkpoint. A signal during the last step lets the run
-finish.
+:class:`GracefulInterrupt` replaces the SIGTERM and SIGINT handlers while training runs
+(Lightning restores the previous ones when it tears down). At the end of the step during which
+a signal arrived (the point where ``ModelCheckpoint`` saves), it writes ``last.ckpt`` at that
+step, lets Lightning log the step, and then stops the run with :class:`RunInterrupted` (before
+a validation or the next step, whichever comes first), which carries the signal, the step and
+the checkpoint path. If Lightning's ``SIGTERMException`` ends the run first,
+:attr:`GracefulInterrupt.pending` holds the same information. The app turns it into a
+``FAILED`` note with the resume command and exit status ``128 + signal`` (143 for SIGTERM, 130
+for SIGINT). Under DDP a SIGTERM to the launching process is passed on to the ranks it started
+(as Lightning's handler does), and every rank sees the request at the same step (one
+all-reduce per step), so all ranks save and stop together. A second SIGINT stops at once,
+without a checkpoint. A signal during the last step lets the run finish.
 """
 
 from __future__ import annotations

@@ -49,8 +49,9 @@ def save_last_good(trainer: Any) -> str:
     """The recovery checkpoint's path, once the loss scale has collapsed.
 
     Keeps the healthy ``last-good.ckpt`` that :class:`RecoveryCheckpoint` wrote (in this run, or
-    in the run it resumed in the same directory); without one, saves the trainer's current state there (skipped steps change no weight, so its weights
-    are those of the last real step).
+    in the run it resumed in the same directory). Without that callback, saves the trainer's
+    current state there: skipped steps change no weight, so its weights are those of the last
+    real step.
     """
     callback = _recovery_callback(trainer)
     path = os.path.join(_directory(trainer), LAST_GOOD)
