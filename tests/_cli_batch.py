@@ -1,7 +1,8 @@
 """Run many ``train.py`` command lines in ONE subprocess, through the real ``@hydra.main`` entry.
 
 A table of command lines then costs one torch/Lightning import instead of one per row. Each
-op is ``{"kind": "run", "name": ..., "args": [...]}`` (its run directory is ``<work>/<name>``)
+op is ``{"kind": "run", "name": ..., "args": [...]}`` (its run directory is ``<work>/<name>``,
+or ``<work>/<dir>`` with a ``"dir"`` key: several runs into one directory)
 or ``{"kind": "python", "code": ...}`` (executed in the work directory, e.g. to prepare files
 from an earlier run). Each run's result: ``code`` (the SystemExit status the process would
 have exited with), ``stdout``, ``stderr``, ``listing`` (the run directory's files, or None)
@@ -28,7 +29,7 @@ for op in json.load(open(ops_file)):
     if op["kind"] == "python":
         exec(op["code"], {})
         continue
-    run_dir = os.path.abspath(op["name"])
+    run_dir = os.path.abspath(op.get("dir", op["name"]))
     sys.argv = ["train.py", *op["args"], f"hydra.run.dir={run_dir}"]
     out, err, code = io.StringIO(), io.StringIO(), 0
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), warnings.catch_warnings():

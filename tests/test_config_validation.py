@@ -102,7 +102,8 @@ def test_every_preset_and_recipe_instantiates(preset, recipe):
     else:
         assert not plugin.scaler.is_enabled()
     assert type(run.module).__module__ == f"amp_plugin.recipes.{recipe}"
-    assert [type(c).__name__ for c in run.callbacks] == ["LossScaleMonitor", "ModelCheckpoint", "PreflightChecks"]
+    assert [type(c).__name__ for c in run.callbacks] == ["LossScaleMonitor", "ModelCheckpoint", "RecoveryCheckpoint",
+                                                         "PreflightChecks"]
     assert run.trainer.precision_plugin is plugin
 
 

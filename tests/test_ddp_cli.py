@@ -81,3 +81,37 @@ def test_ddp_on_two_cpu_processes_trains_and_both_ranks_skip_a_one_rank_overflow
     saved = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
     for name, value in ranks[1]["params"].items():
         assert torch.equal(saved[name], value), name
+
+
+@pytest.mark.slow
+def test_ddp_ranks_share_their_run_directory_refuse_another_run_and_stop_together_on_sigterm(tmp_path):
+    """The launching process holds the directory's lock for its ranks; a second run is refused; a
+    SIGTERM to the launcher stops both ranks after the same step, with one checkpoint and exit 143."""
+    import re
+    import signal
+    import time
+
+    from _cli_procs import QUIET, logged_steps, run, start, throttle, wait_until
+
+    run_dir = tmp_path / "ddp"
+    log = tmp_path / "ddp.log"
+    ddp = start(["trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2", "trainer.max_steps=60",
+                 *QUIET, *throttle(2, 0.25), f"hydra.run.dir={run_dir}"], tmp_path, log)
+    try:
+        wait_until(lambda: logged_steps(log), ddp)
+        second = run(["recipe=underflow_demo", "trainer.max_steps=3", *QUIET, f"hydra.run.dir={run_dir}"], tmp_path)
+        assert second.returncode == 1 and f"hydra.run.dir={run_dir} is in use" in second.stderr, second.stderr[-2000:]
+        time.sleep(1.0)
+        ddp.send_signal(signal.SIGTERM)
+        ddp.wait(timeout=120)
+    finally:
+        if ddp.poll() is None:
+            ddp.kill()
+    assert ddp.returncode == 143, log.read_text()[-3000:]
+    note = (run_dir / "FAILED").read_text()
+    match = re.search(r"Interrupted by SIGTERM at step (\d+)", note)
+    assert match, note + log.read_text()[-3000:]
+    step = int(match.group(1))
+    assert torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == step
+    assert f"ckpt_path={run_dir}/checkpoints/last.ckpt hydra.run.dir={run_dir}" in note
+    assert "Traceback" not in log.read_text()

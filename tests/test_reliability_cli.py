@@ -1,4 +1,4 @@
-"""Faults, a collapsing loss scale, changed setups on resume and bad input, through ``train.py``.
+"""Faults, a collapsing loss scale, non-finite weights, changed setups on resume and bad input, through ``train.py``.
 
 Every command line below goes through train.py's real entry point (``@hydra.main`` ->
 ``run_job``), all of them in ONE subprocess (``_cli_batch.run_batch``), so the table costs one torch and
@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from _cli_batch import run_batch
+from omegaconf import OmegaConf
 
 QUICK = ["trainer.enable_progress_bar=false", "trainer.limit_val_batches=1", "plot=false"]
 FAULTS = ["+fault.inject_inf_at=[3,7]", "+fault.inject_nan_at=[10]", "+fault.nan_loss_at=[5]",
@@ -34,6 +35,23 @@ RUNS: dict[str, list[str]] = {
                                    "trainer.max_steps=14", *QUICK],
     "resume_static_scaler": ["scaler=static", "ckpt_path=faults/checkpoints/last.ckpt", "trainer.max_steps=14",
                              *QUICK],
+    # No scaler to skip it: a NaN loss at step 3 poisons the weights; checkpoints every 2 steps.
+    "nan_fp32": ["precision=fp32", "+fault.nan_loss_at=[3]", "trainer.max_steps=10",
+                 "callbacks.model_checkpoint.every_n_train_steps=2", *QUICK],
+    # A NaN batch at the last step: skipped, but the logged train/loss is NaN.
+    "nan_last_step": ["+fault.nan_input_at=[2]", "trainer.max_steps=3", *QUICK],
+    # One overflow at step 1 (scale 4 -> 2), healthy saves at steps 5 and 10, then a collapse.
+    "collapse_after_healthy": ["+fault.inject_inf_at=[1]", "+fault.inject_inf_from=12", "scaler.init_scale=4",
+                               "scaler.min_scale=1", "trainer.max_steps=30",
+                               "callbacks.recovery_checkpoint.every_n_steps=5",
+                               "callbacks.recovery_checkpoint.healthy_steps=3", *QUICK],
+    "resume_recovery": ["scaler.init_scale=4", "ckpt_path=collapse_after_healthy/checkpoints/last-good.ckpt",
+                        "trainer.max_steps=14", *QUICK],
+    "lr_base": ["trainer.max_steps=4", *QUICK],
+    "resume_new_lr": ["recipe.lr=0.1", "recipe.weight_decay=0.01", "ckpt_path=lr_base/checkpoints/last.ckpt",
+                      "trainer.max_steps=6", *QUICK],
+    "final_step": ["recipe=underflow_demo", "trainer.max_steps=7", "callbacks.model_checkpoint.every_n_train_steps=3",
+                   *QUICK],
 }
 
 # Bad command lines (on top of tests/test_config_validation.py's table), then strings stderr
@@ -67,6 +85,24 @@ BAD = [
     (["precision=half"], ["precision/half", "bf16_autocast"]),
     (["trainer.max_steps=1.5"], ["trainer.max_steps", "1.5", "Integer"]),
     (["recipe.batch_size=big"], ["recipe.batch_size='big'", "an integer"]),
+    (["recipe.batch_size=0"], ["recipe.batch_size=0", "integer >= 1"]),
+    (["recipe.lr=-1"], ["recipe.lr=-1", "finite number > 0"]),
+    (["recipe.lr=nan"], ["recipe.lr=nan", "finite number > 0"]),
+    (["recipe=underflow_demo", "ckpt_path=faults/checkpoints/last.ckpt", "trainer.max_steps=20"],
+     ["ckpt_path='faults/checkpoints/last.ckpt' is not allowed: its weights do not fit",
+      "UnderflowDemoRecipe", "unexpected net.1.weight", "trained with"]),
+    (["recipe.hidden_sizes=[64,64]", "ckpt_path=faults/checkpoints/last.ckpt", "trainer.max_steps=20"],
+     ["its weights do not fit", "net.1.weight is [128, 64] there and [64, 64] here"]),
+    (["recipe=char_gpt", "+fault.nan_input_at=[1]"],
+     ["fault.nan_input_at=[1] is not allowed", "no floating-point tensor", "fault.nan_loss_at"]),
+]
+
+# Found while Lightning sets the run up, before the first step: one message, no checkpoint or metric.
+SETUP_BAD = [
+    (["trainer.val_check_interval=1000", "trainer.max_steps=5"],
+     ["trainer.val_check_interval=1000 is not allowed", "number of the training batches (23)"]),
+    (["recipe.optimizer=sgd", "ckpt_path=lr_base/checkpoints/last.ckpt", "trainer.max_steps=6"],
+     ["cannot be resumed with recipe.optimizer='sgd' (the checkpoint's run had 'adamw')", "another optimizer"]),
 ]
 
 # Writes the checkpoint files the bad rows need, from the "faults" run before it.
@@ -85,6 +121,7 @@ def runs(tmp_path_factory) -> dict[str, dict]:
     ops = [{"kind": "run", "name": name, "args": args} for name, args in RUNS.items()]
     ops.append({"kind": "python", "code": _PREPARE})
     ops += [{"kind": "run", "name": f"bad{i}", "args": args} for i, (args, _) in enumerate(BAD)]
+    ops += [{"kind": "run", "name": f"setup_bad{i}", "args": [*args, *QUICK]} for i, (args, _) in enumerate(SETUP_BAD)]
     return run_batch(work, ops)
 
 
@@ -144,16 +181,18 @@ def test_persistent_overflow_stops_cleanly_with_the_last_good_state_saved(runs):
             "(step 4, 3 steps skipped in a row)") in stderr
     assert "Try: a lower learning rate" in stderr and "on_min_scale='skip'" in stderr
     assert f"saved to {checkpoint}" in stderr
+    assert "It holds step 0, the last healthy state; resuming from it restarts the loss scale" in stderr
+    assert f"ckpt_path={checkpoint} hydra.run.dir={run}" in stderr  # the command that resumes from it
     assert "Traceback" not in stderr and "HYDRA_FULL_ERROR=1" in stderr
     assert "FAILED" in result["listing"] and "summary.json" not in result["listing"]
     assert "LossScaleCollapseError" in (run / "FAILED").read_text()
     assert not (run / "training_curves.csv").exists()
 
+    # Not the collapsed state (step 4, scale 1, 3 skips in a row): the state training started from,
+    # since no periodic healthy save (every 50 steps) came before the collapse.
     saved = load(checkpoint)
-    assert saved["global_step"] == 4
-    assert saved["amp_plugin"]["scaler"]["scale"] == 1.0 and saved["amp_plugin"]["scaler"]["skipped_steps"] == 3
-    # Steps 2, 3 and 4 were skipped: the saved weights are those after the two good steps.
-    assert_same_weights(saved, load(ok(runs["two_steps"]) / "checkpoints" / "last.ckpt"))
+    assert saved["global_step"] == 0 and saved["amp_plugin_recovery"]["reason"] == "start"
+    assert saved["amp_plugin"]["scaler"]["scale"] == 4.0 and saved["amp_plugin"]["scaler"]["skipped_steps"] == 0
 
 
 def test_on_min_scale_skip_keeps_going(runs):
@@ -176,8 +215,8 @@ def test_resuming_the_collapsed_run_in_bf16_warns_on_the_console(runs):
     assert "loss-scaler state is not restored" in result["stderr"]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["resumed_from"] == "collapse/checkpoints/last-good.ckpt"
-    assert (summary["global_step"], summary["steps"], summary["scaler"]) == (8, 4, "none")
-    assert "resumed at step 4" in result["stdout"]
+    assert (summary["global_step"], summary["steps"], summary["scaler"]) == (8, 8, "none")
+    assert "resumed at step 0" in result["stdout"]
 
 
 def test_resuming_with_other_scaler_settings_warns_and_continues_the_scale(runs):
@@ -205,6 +244,86 @@ def test_bad_input_never_starts_a_run(runs, index):
     if result["listing"] is not None:  # Hydra made the directory: nothing in it looks like a run
         assert not set(result["listing"]) & {"checkpoints", "logs", "summary.json", "training_curves.csv"}
         assert "FAILED" in result["listing"]
+
+
+@pytest.mark.parametrize("index", range(len(SETUP_BAD)), ids=[" ".join(a) for a, _ in SETUP_BAD])
+def test_bad_input_found_at_setup_stops_before_the_first_step(runs, index):
+    result, expected = runs[f"setup_bad{index}"], SETUP_BAD[index][1]
+    stderr = result["stderr"]
+    assert result["code"] == 1
+    assert "Invalid configuration: " in stderr, stderr[-3000:]
+    for part in expected:
+        assert part in stderr
+    assert "Traceback" not in stderr + result["stdout"]
+    run = Path(result["dir"])
+    assert not (run / "checkpoints").exists() or not any((run / "checkpoints").iterdir())
+    assert not (run / "logs" / "metrics.csv").exists() and "summary.json" not in result["listing"]
+
+
+# ---------------------------------------------------------------------------------- non-finite values
+def strict_json(path: Path) -> dict:
+    def refuse(constant: str) -> None:
+        raise ValueError(f"{path} holds {constant}, which is not JSON")
+
+    return json.loads(path.read_text(), parse_constant=refuse)
+
+
+def test_nan_weights_without_a_scaler_stop_the_run_and_keep_finite_checkpoints(runs):
+    result = runs["nan_fp32"]
+    run = Path(result["dir"])
+    assert result["code"] == 1
+    stderr = result["stderr"]
+    assert "Training stopped: Non-finite values at step 3: the weights are no longer finite" in stderr
+    assert "precision=fp32 no loss scaler skips such a step" in stderr and "recipe.lr" in stderr
+    assert "Traceback" not in stderr and "summary.json" not in result["listing"]
+    assert "NonFiniteError" in (run / "FAILED").read_text()
+    checkpoints = sorted((run / "checkpoints").glob("*.ckpt"))
+    assert [load(p)["global_step"] for p in checkpoints] == [2, 2]  # epoch0-step2.ckpt, last.ckpt
+    for path in checkpoints:
+        assert all(torch.isfinite(t).all() for t in load(path)["state_dict"].values()), path
+
+
+def test_summary_json_is_strict_json_with_a_note_for_each_nan(runs):
+    summary = strict_json(ok(runs["nan_last_step"]) / "summary.json")
+    assert summary["final_metrics"]["train/loss"] is None
+    assert "final_metrics.train/loss was nan (written as null)" in summary["notes"]
+
+
+# ---------------------------------------------------------------------------------- recovery
+def test_the_recovery_checkpoint_is_the_last_healthy_state_and_restarts_the_scale(runs):
+    result = runs["collapse_after_healthy"]
+    assert result["code"] == 1 and "Loss scale collapsed" in result["stderr"]
+    run = Path(result["dir"])
+    saved = load(run / "checkpoints" / "last-good.ckpt")
+    # Not the collapsed state (step 13, scale 1, two skips in a row): the healthy save at step 10.
+    assert saved["global_step"] == 10 and saved["amp_plugin_recovery"]["reason"] == "healthy"
+    assert saved["amp_plugin"]["scaler"]["scale"] == 2.0 and saved["amp_plugin"]["scaler"]["consecutive_skips"] == 0
+
+    resumed = runs["resume_recovery"]
+    summary = json.loads((ok(resumed) / "summary.json").read_text())
+    assert ("collapse_after_healthy/checkpoints/last-good.ckpt is a recovery checkpoint, so the loss scale "
+            "restarts at scaler.init_scale=4 (it was 2 there)") in resumed["stdout"]
+    assert summary["loss_scale"]["start"] == 4.0 and summary["global_step"] == 14
+
+
+def test_changed_optimizer_settings_on_resume_are_applied_and_logged(runs):
+    result = runs["resume_new_lr"]
+    run = ok(result)
+    printed = result["stdout"]
+    assert "amp_plugin: resume: recipe.lr=0.1 (the checkpoint's run had 0.003): applied to the optimizer" in printed
+    assert "recipe.weight_decay=0.01 (the checkpoint's run had 0.0001): applied to the optimizer" in printed
+    group = load(run / "checkpoints" / "last.ckpt")["optimizer_states"][0]["param_groups"][0]
+    assert (group["lr"], group["weight_decay"]) == (0.1, 0.01)
+    recorded = OmegaConf.load(run / ".hydra" / "config.yaml").recipe  # what ran is what is recorded
+    assert (recorded.lr, recorded.weight_decay) == (0.1, 0.01)
+
+
+def test_the_last_checkpoint_is_at_the_final_step(runs):
+    run = ok(runs["final_step"])
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["global_step"] == 7
+    assert load(Path(summary["paths"]["last_checkpoint"]))["global_step"] == 7
+    assert load(run / "checkpoints" / "epoch0-step6.ckpt")["global_step"] == 6
 
 
 # ---------------------------------------------------------------------------------- the Python API

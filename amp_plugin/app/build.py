@@ -174,6 +174,8 @@ class Run:
         recorder: the :class:`~amp_plugin.app.report.RunRecorder` behind the summary and plot.
         injector: the :class:`~amp_plugin.callbacks.FaultInjector`, or None without ``fault.*``.
         output_dir, ckpt_path, seed, plot: the run's directory and the app keys the report repeats.
+        resume_step: the checkpoint's ``global_step`` when resuming, else None.
+        resume_in_place: whether the checkpoint lies inside ``output_dir`` (the run continues its files).
     """
 
     trainer: Any
@@ -187,6 +189,8 @@ class Run:
     ckpt_path: str | None
     seed: int
     plot: bool
+    resume_step: int | None = None
+    resume_in_place: bool = False
 
 
 def build(cfg: DictConfig, settings: PrecisionSettings | None = None, output_dir: Path | None = None) -> Run:
@@ -205,8 +209,12 @@ def build(cfg: DictConfig, settings: PrecisionSettings | None = None, output_dir
         settings = prepare(cfg)
     output_dir = output_dir or resolve_output_dir(cfg)
     # Lightning from here on.
-    from amp_plugin.app.report import RunRecorder
+    from amp_plugin.app.report import HISTORY_FILE, RunRecorder
+    from amp_plugin.app.resume import ResumeSettings, check_fits, load_checkpoint, resumes_in_place
     from amp_plugin.lightning import AtomicCheckpointIO, FaultInjector, MixedPrecisionPlugin, pl
+    from amp_plugin.lightning.final_checkpoint import FinalCheckpoint
+    from amp_plugin.lightning.interrupt import GracefulInterrupt
+    from amp_plugin.lightning.nan_guard import NonFiniteGuard
 
     make = functools.partial(instantiate, namespace=pl.__name__)
     pl.seed_everything(cfg.seed, workers=True, verbose=False)  # before the recipe initialises its weights
@@ -214,16 +222,29 @@ def build(cfg: DictConfig, settings: PrecisionSettings | None = None, output_dir
     if not isinstance(module, pl.LightningModule):
         raise ConfigError(f"recipe._target_={cfg.recipe._target_!r} is not allowed: it must be a "
                           f"{pl.__name__}.LightningModule subclass.")
+    resume_step = None
+    if cfg.ckpt_path is not None:
+        checkpoint = load_checkpoint(cfg.ckpt_path)
+        check_fits(module, checkpoint, cfg.ckpt_path)
+        resume_step = int(checkpoint.get("global_step", 0))
     plugin = MixedPrecisionPlugin.from_settings(settings)
     callbacks = [make(f"callbacks.{name}", node) for name, node in _entries(cfg.callbacks)]
-    loggers = [make(f"logger.{name}" if name else "logger", node) for name, node in _entries(cfg.logger)]
+    in_place = resumes_in_place(cfg.ckpt_path, output_dir)
+    loggers = [make(f"logger.{name}" if name else "logger", node, **_logger_extra(node, in_place, resume_step))
+               for name, node in _entries(cfg.logger)]
     fault = cfg.get("fault") or {}
     injector = construct("fault", FaultInjector, fault) if any(v is not None for v in fault.values()) else None
-    recorder = RunRecorder()
+    if injector is not None and injector.nan_input_at:
+        _check_float_inputs(module, fault)
+    recorder = RunRecorder(history_path=output_dir / HISTORY_FILE, continue_history=in_place)
+    # The guard first: a non-finite step stops the run before any callback saves it. The
+    # interrupt last: the step's rows are recorded before its checkpoint is written.
+    own_first = [NonFiniteGuard(), *([injector] if injector else [])]
+    own_last = [FinalCheckpoint(), ResumeSettings(cfg, cfg.ckpt_path), recorder, GracefulInterrupt()]
     trainer = make(
         "trainer", cfg.trainer,
         plugins=[plugin, AtomicCheckpointIO()],
-        callbacks=[*([injector] if injector else []), *callbacks, recorder],
+        callbacks=[*own_first, *callbacks, *own_last],
         logger=loggers or False,
         default_root_dir=str(output_dir),
         enable_checkpointing=any(isinstance(c, pl.callbacks.ModelCheckpoint) for c in callbacks),
@@ -235,7 +256,43 @@ def build(cfg: DictConfig, settings: PrecisionSettings | None = None, output_dir
         except ValueError as err:
             raise ConfigError(_naming_key("fault", _plain(fault), err)) from err
     return Run(trainer=trainer, module=module, plugin=plugin, callbacks=callbacks, loggers=loggers, recorder=recorder,
-               injector=injector, output_dir=output_dir, ckpt_path=cfg.ckpt_path, seed=cfg.seed, plot=cfg.plot)
+               injector=injector, output_dir=output_dir, ckpt_path=cfg.ckpt_path, seed=cfg.seed, plot=cfg.plot,
+               resume_step=resume_step, resume_in_place=in_place)
+
+
+def _logger_extra(node: Any, in_place: bool, resume_step: int | None) -> dict[str, Any]:
+    """TensorBoard resumed in place: ``purge_step`` hides the events the interrupted run logged after
+    the checkpoint (the resumed run writes a new event file next to the old one)."""
+    target = str(node.get("_target_", "")) if OmegaConf.is_dict(node) else ""
+    if in_place and resume_step is not None and target.endswith("TensorBoardLogger") and "purge_step" not in node:
+        return {"purge_step": resume_step}
+    return {}
+
+
+def _check_float_inputs(module: Any, fault: Any) -> None:
+    """``fault.nan_input_at`` writes a NaN into the batch's first float tensor: the recipe must have one."""
+    import torch
+
+    from amp_plugin.lightning.callbacks.fault_injection import _first_floating
+
+    try:
+        batch = next(iter(module.train_dataloader()))
+    except Exception:  # the recipe needs its trainer to build data: the injector says it at the step
+        return
+    if _first_floating(batch) is None:
+        dtypes = sorted({str(t.dtype) for t in _tensors(batch, torch)})
+        raise ConfigError(
+            f"fault.nan_input_at={show(fault.nan_input_at)} is not allowed: recipe {type(module).__name__}'s "
+            f"batches hold no floating-point tensor ({', '.join(dtypes) or 'no tensors'}), so there is no input to "
+            "write a NaN into. Use fault.nan_loss_at or fault.inject_nan_at instead."
+        )
+
+
+def _tensors(batch: Any, torch: Any) -> list[Any]:
+    if isinstance(batch, torch.Tensor):
+        return [batch]
+    items = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else ()
+    return [t for item in items for t in _tensors(item, torch)]
 
 
 def log_every_n_steps(trainer: DictConfig) -> int:

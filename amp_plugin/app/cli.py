@@ -1,16 +1,19 @@
 """Command-line entry points: ``train.py`` and the ``amp-train`` console script.
 
 Both compose the same configs (``configs/train.yaml`` and its groups) and call
-:func:`run_job`, which turns a bad config (:class:`~amp_plugin.app.validation.ConfigError`) or a
-collapsed loss scale into one short message on stderr and exit status 1, with no traceback.
-``HYDRA_FULL_ERROR=1`` shows the full traceback instead. A value that the schemas reject while
+:func:`run_job`, which turns a bad config (:class:`~amp_plugin.app.validation.ConfigError`), a
+refused run directory, or a run that stopped (a collapsed loss scale, non-finite weights, a
+checkpoint that could not be written) into one short message on stderr and exit status 1, with
+no traceback, and a ``FAILED`` note in the run directory; SIGTERM and SIGINT end it with 143 and
+130 and a note that says how to resume (:mod:`amp_plugin.app.outcome`). ``HYDRA_FULL_ERROR=1``
+shows the full traceback instead. A value that the schemas reject while
 Hydra composes the config (a wrong type, an unknown key, a value outside a choice) never reaches
 :func:`run_job`: Hydra prints its message (the key, the value, the allowed values) and exits
 with status 1.
 
 Where ``amp-train`` finds the configs, first match wins:
 
-1. ``$AMP_PLUGIN_CONFIG_DIR``;
+1. ``$AMP_PLUGIN_CONFIG_DIR`` (when set, it must hold ``train.yaml``);
 2. ``configs/`` of the source checkout the package was imported from (``pip install -e .``);
 3. ``amp_plugin/app/configs`` inside an installed wheel (packaged from the same ``configs/``).
 
@@ -27,27 +30,37 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
+from amp_plugin.app import rundir
 from amp_plugin.app.build import prepare
+from amp_plugin.app.outcome import report_end
 from amp_plugin.app.schema import register_configs
 from amp_plugin.app.validation import ConfigError
-from amp_plugin.dynamic_scaler import LossScaleCollapseError
 
-__all__ = ["SweepFailures", "config_dir", "main", "run_job"]
+__all__ = ["RunDirGuard", "SweepFailures", "config_dir", "main", "run_job"]
 
 CONFIG_NAME = "train"
 
 
 def config_dir() -> str:
-    """The directory holding ``train.yaml`` (see the module docstring for the search order)."""
+    """The directory holding ``train.yaml`` (see the module docstring for the search order).
+
+    Raises:
+        ConfigError: ``AMP_PLUGIN_CONFIG_DIR`` is set but holds no ``train.yaml``, or no configs anywhere.
+    """
     package = Path(__file__).resolve().parent
-    candidates = [os.environ.get("AMP_PLUGIN_CONFIG_DIR"), package.parents[1] / "configs", package / "configs"]
+    chosen = os.environ.get("AMP_PLUGIN_CONFIG_DIR")
+    if chosen:
+        if (Path(chosen) / f"{CONFIG_NAME}.yaml").is_file():
+            return str(Path(chosen).resolve())
+        where = "is not a directory" if not Path(chosen).is_dir() else f"holds no {CONFIG_NAME}.yaml"
+        raise ConfigError(f"AMP_PLUGIN_CONFIG_DIR={chosen} {where}. Point it at a directory holding {CONFIG_NAME}.yaml "
+                          "(a copy of the package's configs/), or unset it to use the package's own configs.")
+    candidates = [package.parents[1] / "configs", package / "configs"]
     for candidate in candidates:
-        if candidate and (Path(candidate) / f"{CONFIG_NAME}.yaml").is_file():
-            return str(Path(candidate).resolve())
-    raise FileNotFoundError(
-        "amp_plugin: no configs found (looked in " + ", ".join(str(c) for c in candidates if c)
-        + "). Set AMP_PLUGIN_CONFIG_DIR to a directory holding train.yaml."
-    )
+        if (candidate / f"{CONFIG_NAME}.yaml").is_file():
+            return str(candidate.resolve())
+    raise ConfigError("no configs found (looked in " + ", ".join(str(c) for c in candidates) + "). Set "
+                      "AMP_PLUGIN_CONFIG_DIR to a directory holding train.yaml.")
 
 
 def _hydra_runtime() -> tuple[Path | None, bool]:
@@ -62,33 +75,91 @@ def _hydra_runtime() -> tuple[Path | None, bool]:
     return Path(hydra_cfg.runtime.output_dir), hydra_cfg.mode == RunMode.MULTIRUN
 
 
+def check_environment() -> None:
+    """A rank variable left in the environment of a single process would make Lightning treat it as a
+    rank other than 0, which logs nothing (no ``metrics.csv``). Refuse it."""
+    world = os.environ.get("WORLD_SIZE") or os.environ.get("SLURM_NTASKS") or "1"
+    for key in ("LOCAL_RANK", "RANK"):
+        value = os.environ.get(key)
+        if value not in (None, "", "0") and world.strip() in ("", "1"):
+            raise ConfigError(
+                f"{key}={value} is set in the environment, but this is a single process (WORLD_SIZE is not set): "
+                f"Lightning would run it as rank {value} and write no metrics.csv. Unset {key} (a leftover of a "
+                "distributed launcher?), or start the processes with torchrun, SLURM or trainer.devices=N."
+            )
+
+
 def run_job(cfg: DictConfig) -> dict[str, Any] | None:
     """The body of a Hydra job: check and train, and report bad input without a traceback.
 
-    A single run exits with status 1 on a bad config or a collapsed loss scale. In a
-    multirun the failed job leaves its message in ``FAILED`` and the sweep goes on; the
-    process exits with status 1 at the end (:class:`SweepFailures`).
+    A single run exits with status 1 on a bad config, a refused run directory or a run that
+    stopped (see the module docstring), and with 128 + signal when SIGTERM or SIGINT stopped it.
+    In a multirun a failed job leaves its message in ``FAILED`` and the sweep goes on (any error,
+    not only the ones above); the process exits with status 1 at the end
+    (:class:`SweepFailures`). A signal stops the sweep.
     """
+    out, multirun = _hydra_runtime()
     try:
+        check_environment()
+        if out is not None:
+            rundir.claim(out)
+            rundir.check_reuse(out, cfg.ckpt_path, bool(cfg.get("overwrite", False)))
         settings = prepare(cfg)  # every check and the scaler, before importing Lightning: a typo fails fast
         from amp_plugin.app.run import train
 
         result = train(cfg, settings)
         return {k: v for k, v in result.items() if k not in ("trainer", "module", "plugin")}
-    except (ConfigError, LossScaleCollapseError) as err:
-        if os.environ.get("HYDRA_FULL_ERROR") == "1":
-            raise
-        out, multirun = _hydra_runtime()
-        if out is not None and out.is_dir() and not (out / "FAILED").exists():
-            (out / "FAILED").write_text(f"{type(err).__name__}: {err}\n")
-        kind = "Invalid configuration" if isinstance(err, ConfigError) else "Training stopped"
-        if multirun:
-            print(f"{kind}: {err}\n(This job failed; the sweep goes on.)", file=sys.stderr, flush=True)
-            return None
-        print(f"{kind}: {err}\n\nSet the environment variable HYDRA_FULL_ERROR=1 for a complete stack trace.",
-              file=sys.stderr, flush=True)
-        sys.exit(1)
+    except BaseException as err:  # noqa: BLE001 - each kind is reported or re-raised below
+        return report_end(err, cfg, out, multirun)
+    finally:
+        if out is not None:
+            rundir.release(out)
 
+
+class RunDirGuard(Callback):
+    """Hydra callback: lock the run (or sweep) directory and refuse a finished run's, before Hydra
+    writes ``.hydra/`` into it (:mod:`amp_plugin.app.rundir`)."""
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        try:
+            directory = str(config.hydra.run.dir)
+        except Exception:  # an interpolation only a running job can resolve: run_job checks it
+            return
+        self._guard(directory, config, "hydra.run.dir")
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        try:
+            directory = Path(str(config.hydra.sweep.dir))
+        except Exception:
+            return
+        try:
+            rundir.claim(directory, "hydra.sweep.dir")
+        except rundir.RunDirError as err:
+            self._refuse(str(err))
+        taken = [job for job in sorted(directory.iterdir()) if job.is_dir() and rundir.outputs_in(job)] \
+            if directory.is_dir() else []
+        if taken and not config.get("overwrite", False):
+            self._refuse(
+                f"hydra.sweep.dir={directory} already holds a sweep ({len(taken)} job directories with outputs, "
+                f"e.g. {taken[0].name}/); this sweep would overwrite or mix with it. Drop hydra.sweep.dir= for a "
+                "fresh directory, or add overwrite=true to replace it."
+            )
+        for job in taken:
+            rundir.clear_outputs(job)
+
+    def _guard(self, directory: str, config: DictConfig, key: str) -> None:
+        try:
+            rundir.claim(directory, key)
+            rundir.check_reuse(directory, config.get("ckpt_path"), bool(config.get("overwrite", False)), key)
+        except rundir.RunDirError as err:
+            self._refuse(str(err))
+
+    @staticmethod
+    def _refuse(message: str) -> None:
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise rundir.RunDirError(message)
+        print(f"Run directory refused: {message}", file=sys.stderr, flush=True)
+        sys.exit(1)
 
 class SweepFailures(Callback):
     """Hydra callback: after a multirun, list the jobs that failed and exit with status 1."""
@@ -112,7 +183,12 @@ def main() -> None:
     import hydra
 
     register_configs()
-    hydra.main(config_path=config_dir(), config_name=CONFIG_NAME, version_base="1.3")(run_job)()
+    try:
+        configs = config_dir()
+    except ConfigError as err:
+        print(f"Invalid configuration: {err}", file=sys.stderr, flush=True)
+        sys.exit(1)
+    hydra.main(config_path=configs, config_name=CONFIG_NAME, version_base="1.3")(run_job)()
 
 
 if __name__ == "__main__":

@@ -5,6 +5,11 @@ Finds every run directory below the given paths (a directory holding ``summary.j
 precision, scaler, final loss and metric, skipped steps, loss-scale end value, wall time)
 and writes ``compare.csv`` and ``compare.png`` (all runs' loss, loss scale and skipped
 steps on shared axes) into the first directory given, or ``--out``.
+
+A damaged file never stops the comparison with a traceback: an unreadable ``summary.json``
+lists its run as UNREADABLE, an unreadable ``training_curves.csv`` leaves that run out of the
+plot, each with a warning naming the file, and the exit status is then 1. A file given as
+``--out`` is refused (exit status 2).
 """
 
 from __future__ import annotations
@@ -44,7 +49,12 @@ def _overrides(run_dir: Path) -> list[str] | None:
         return None
     from omegaconf import OmegaConf
 
-    return [str(o) for o in OmegaConf.load(path) if not str(o).startswith("hydra.")]
+    try:
+        return [str(o) for o in OmegaConf.load(path) if not str(o).startswith("hydra.")]
+    except Exception as err:  # a damaged file: label the run by its directory name instead
+        _warn(f"{path}: cannot read the overrides ({' '.join(str(err).split())[:200]}); labelling the run by its "
+              "directory name.")
+        return None
 
 
 def _labels(run_dirs: Sequence[Path]) -> list[str]:
@@ -71,16 +81,51 @@ def collect_runs(paths: Sequence[str | Path]) -> list[dict[str, Any]]:
     for run_dir, label in zip(run_dirs, _labels(run_dirs)):
         summary_file = run_dir / "summary.json"
         if summary_file.is_file():
-            run = json.loads(summary_file.read_text())
+            run = _read_summary(summary_file)
             history_file = run_dir / "training_curves.csv"
-            run["history"] = plots.read_history(history_file) if history_file.is_file() else []
+            run["history"] = _read_curves(history_file) if history_file.is_file() else []
         else:
-            error = (run_dir / "FAILED").read_text().strip()
+            error = (run_dir / "FAILED").read_text(errors="replace").strip()
             run = {"status": "failed", "error": error, "history": []}
         run["dir"] = str(run_dir)
         run["label"] = label
         runs.append(run)
     return runs
+
+
+_skipped: list[str] = []  # what could not be read, for main's exit status
+
+
+def _warn(message: str) -> None:
+    _skipped.append(message)
+    print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
+def _read_summary(path: Path) -> dict[str, Any]:
+    """A run's summary; an unreadable one (truncated, not JSON, missing fields) becomes a failed row."""
+    try:
+        run = json.loads(path.read_text(errors="replace"))
+        if not isinstance(run, dict):
+            raise ValueError("not a JSON object")
+        if run.get("status") == "ok":
+            missing = [k for k in ("precision", "scaler", "recipe", "steps", "skipped_steps", "loss_scale",
+                                   "wall_time_s") if k not in run]
+            if missing:
+                raise ValueError(f"no {', '.join(missing)}")
+        return run
+    except (ValueError, OSError) as err:
+        reason = " ".join(str(err).split())
+        _warn(f"{path}: cannot read the summary ({reason}); the run is listed as unreadable.")
+        return {"status": "unreadable", "error": f"{path}: unreadable summary.json ({reason})"}
+
+
+def _read_curves(path: Path) -> list[dict[str, float]]:
+    """A run's training curves; an unreadable file is skipped (the run stays in the table)."""
+    try:
+        return plots.read_history(path)
+    except (ValueError, OSError, UnicodeDecodeError) as err:
+        _warn(f"{' '.join(str(err).split())}; its curves are left out of the plot.")
+        return []
 
 
 def _num(value: Any, digits: int = 4) -> str:
@@ -99,7 +144,8 @@ def _rows(runs: Sequence[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
     table = []
     for run in runs:
         if run.get("status") != "ok":
-            table.append([run["label"], "FAILED"] + ["-"] * (len(header) - 2))
+            table.append([run["label"], "FAILED" if run.get("status") == "failed" else "UNREADABLE"]
+                         + ["-"] * (len(header) - 2))
             continue
         final = run.get("final_metrics", {})
         table.append([
@@ -120,7 +166,8 @@ def format_table(runs: Sequence[dict[str, Any]]) -> str:
     lines.insert(1, "  ".join("-" * w for w in widths))
     for run in runs:
         if run.get("status") != "ok":
-            lines.append(f"FAILED {run['label']}: {' '.join(run.get('error', '').split())[:300]}")
+            kind = "FAILED" if run.get("status") == "failed" else "UNREADABLE"
+            lines.append(f"{kind} {run['label']}: {' '.join(str(run.get('error', '')).split())[:300]}")
     return "\n".join(lines)
 
 
@@ -144,6 +191,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", help="directory for compare.csv and compare.png (default: the first dir)")
     parser.add_argument("--no-plot", action="store_true", help="only print the table and write compare.csv")
     args = parser.parse_args(argv)
+    _skipped.clear()
     try:
         runs = collect_runs(args.dirs)
     except FileNotFoundError as err:
@@ -152,15 +200,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not runs:
         print(f"error: no runs (directories with summary.json) found under {' '.join(args.dirs)}", file=sys.stderr)
         return 1
-    print(format_table(runs))
     out = Path(args.out or args.dirs[0])
-    out.mkdir(parents=True, exist_ok=True)
-    written = [write_csv(runs, out / "compare.csv")]
-    ok = [(run["label"], run["history"]) for run in runs if run.get("status") == "ok" and run["history"]]
-    if ok and not args.no_plot:
-        written.append(plots.plot_compare(ok, out / "compare.png", title=f"{len(ok)} runs"))
+    if out.exists() and not out.is_dir():
+        print(f"error: --out {out} is a file; give a directory for compare.csv and compare.png", file=sys.stderr)
+        return 2
+    print(format_table(runs))
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        written = [write_csv(runs, out / "compare.csv")]
+        ok = [(run["label"], run["history"]) for run in runs if run.get("status") == "ok" and run["history"]]
+        if ok and not args.no_plot:
+            written.append(plots.plot_compare(ok, out / "compare.png", title=f"{len(ok)} runs"))
+    except OSError as err:
+        print(f"error: cannot write into {out}: {err.strerror or err}", file=sys.stderr)
+        return 2
     print("\nwrote " + ", ".join(str(p) for p in written))
-    return 0 if all(run.get("status") == "ok" for run in runs) else 1
+    # 1 when a run failed or a file could not be read: the table or the plot is not the whole story.
+    return 0 if all(run.get("status") == "ok" for run in runs) and not _skipped else 1
 
 
 if __name__ == "__main__":

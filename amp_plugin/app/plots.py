@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import csv
 import math
+import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -35,18 +36,34 @@ def write_history(rows: Sequence[Mapping[str, float]], path: str | Path) -> Path
     extra = sorted({k for row in rows for k in row} - set(_FIRST_COLUMNS))
     columns = list(_FIRST_COLUMNS) + extra
     path = Path(path)
-    with path.open("w", newline="") as f:
+    temp = path.with_name(f".{path.name}.tmp")
+    with temp.open("w", newline="") as f:  # then renamed into place: a reader never sees half a file
         writer = csv.writer(f)
         writer.writerow(columns)
         for row in rows:
             writer.writerow(["" if _missing(row.get(c)) else _cell(c, row[c]) for c in columns])
+    os.replace(temp, path)
     return path
 
 
 def read_history(path: str | Path) -> list[dict[str, float]]:
-    """Read :func:`write_history`'s CSV back (empty cells become NaN)."""
+    """Read :func:`write_history`'s CSV back (empty cells become NaN).
+
+    Raises:
+        ValueError: the file is not such a CSV (a cell that is not a number, no ``step`` column);
+            the message names the file and the line.
+    """
+    rows = []
     with Path(path).open(newline="") as f:
-        return [{k: float(v) if v != "" else math.nan for k, v in row.items()} for row in csv.DictReader(f)]
+        reader = csv.DictReader(f)
+        if reader.fieldnames is None or "step" not in reader.fieldnames:
+            raise ValueError(f"{path}: not a training-curves CSV (no 'step' column in its header)")
+        for row in reader:
+            try:
+                rows.append({k: float(v) if v not in ("", None) else math.nan for k, v in row.items() if k is not None})
+            except ValueError as err:
+                raise ValueError(f"{path}, line {reader.line_num}: {err}") from None
+    return rows
 
 
 def _missing(value: float | None) -> bool:

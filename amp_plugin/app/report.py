@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -21,19 +20,19 @@ import torch
 from typing_extensions import override
 
 from amp_plugin.app import plots
+from amp_plugin.app.rundir import FAILED_FILE, mark_failed
 from amp_plugin.lightning import pl
 from amp_plugin.lightning._namespace import Callback
 
 if TYPE_CHECKING:
     from amp_plugin.app.build import Run
 
-__all__ = ["RunRecorder", "format_summary", "mark_failed", "summarize", "write_outputs"]
+__all__ = ["FAILED_FILE", "RunRecorder", "format_summary", "mark_failed", "summarize", "to_json", "write_outputs"]
 
 
 HISTORY_FILE = "training_curves.csv"
 PLOT_FILE = "training_curves.png"
 SUMMARY_FILE = "summary.json"
-FAILED_FILE = "FAILED"
 
 
 class RunRecorder(Callback):
@@ -42,17 +41,33 @@ class RunRecorder(Callback):
     Reads the plugin's public state (``trainer.precision_plugin.scaler``), so the summary and
     the plot work with any logger and without the monitoring callbacks. Without loss scaling
     the recorded scale is NaN (nothing to plot).
+
+    With ``history_path``, the rows so far are written there after every validation, so a run
+    that is killed keeps them. The rows also travel in checkpoints (``state_dict``). A run
+    resumed in its own directory (``continue_history``) starts from them, and ``kept`` (rows
+    read back by :func:`amp_plugin.app.resume.keep_history`) adds what the interrupted run
+    recorded up to its checkpoint; a run resumed elsewhere records its own steps only, as its
+    ``metrics.csv`` does.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, history_path: str | Path | None = None, continue_history: bool = False) -> None:
+        self.history_path = Path(history_path) if history_path is not None else None
+        self.continue_history = continue_history
+        self.kept: dict[int, dict[str, float]] = {}  # rows of an interrupted run resumed in place
         self.rows: dict[int, dict[str, float]] = {}
         self.start_scale = math.nan
         self.start_step = 0
         self.start_skipped = 0
+        self.started = False  # whether training got past Lightning's setup
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # After a resume the checkpoint's scale and counters are already restored here.
+        self.started = True
+        for step, row in self.kept.items():  # what the interrupted run recorded up to the checkpoint
+            if step <= trainer.global_step:
+                merged = self.rows.setdefault(step, {})
+                merged.update({k: v for k, v in row.items() if k not in merged})
         scaler = trainer.precision_plugin.scaler
         self.start_scale = _scale(scaler)
         self.start_skipped = scaler.skipped_steps
@@ -80,10 +95,22 @@ class RunRecorder(Callback):
         for key, value in trainer.callback_metrics.items():
             if key.startswith("val/"):
                 row[key] = _as_float(value)
+        if self.history_path is not None and trainer.is_global_zero and self.history_path.parent.is_dir():
+            plots.write_history(self.history(), self.history_path)  # a killed run keeps its curves so far
 
     def history(self) -> list[dict[str, float]]:
         """One dict per step (``step`` first), sorted by step."""
         return [{"step": float(step), **row} for step, row in sorted(self.rows.items())]
+
+    # The rows travel in checkpoints: a resumed run's training_curves.csv covers the whole run.
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"rows": {int(step): dict(row) for step, row in self.rows.items()}}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self.continue_history:
+            self.rows = {int(step): dict(row) for step, row in (state_dict.get("rows") or {}).items()}
 
 
 def _as_float(value: Any) -> float:
@@ -107,12 +134,6 @@ def _recipe_name(module: Any) -> str:
     """``amp_plugin.recipes.DigitsRecipe`` -> ``digits``: the name of the module that defines the
     recipe's class (as in configs/recipe/)."""
     return type(module).__module__.rsplit(".", 1)[-1]
-
-
-def mark_failed(output_dir: Path, err: BaseException) -> None:
-    """Leave a ``FAILED`` note in an existing run directory (Hydra creates it before the job)."""
-    if output_dir.is_dir() and int(os.environ.get("LOCAL_RANK", "0")) == 0:
-        (output_dir / FAILED_FILE).write_text(f"{type(err).__name__}: {err}\n")
 
 
 def summarize(run: Run, wall: float, metrics: Mapping[str, Any]) -> dict[str, Any]:
@@ -198,7 +219,27 @@ def write_outputs(run: Run, summary: dict[str, Any]) -> None:
     if run.plot:
         title = f"{summary['recipe']} | precision={summary['precision']} | scaler={summary['scaler']}"
         plots.plot_run(history, run.output_dir / PLOT_FILE, title=title)
-    (run.output_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+    (run.output_dir / SUMMARY_FILE).write_text(to_json(summary) + "\n")
+
+
+def to_json(summary: Mapping[str, Any]) -> str:
+    """``summary`` as strict JSON: a NaN or infinite number becomes ``null``, and ``notes`` says which."""
+    notes: list[str] = list(summary.get("notes") or [])
+
+    def clean(value: Any, where: str) -> Any:
+        if isinstance(value, float) and not math.isfinite(value):
+            notes.append(f"{where} was {value} (written as null)")
+            return None
+        if isinstance(value, Mapping):
+            return {k: clean(v, f"{where}.{k}" if where else str(k)) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [clean(v, f"{where}[{i}]") for i, v in enumerate(value)]
+        return value
+
+    cleaned = clean(dict(summary), "")
+    if notes:
+        cleaned["notes"] = notes
+    return json.dumps(cleaned, indent=2, allow_nan=False)
 
 
 def _fmt(value: float | None) -> str:

@@ -13,7 +13,7 @@ Files of a run (``cfg.output_dir``, the Hydra run directory; see also
     logs/metrics.csv          per-step metrics (CSV logger; TensorBoard event files with logger=tensorboard)
     logs/scale_events.csv     every loss-scale change (LossScaleMonitor)
     checkpoints/last.ckpt     resume with ckpt_path=... (written atomically: AtomicCheckpointIO)
-    checkpoints/last-good.ckpt  the state before a loss-scale collapse stopped the run
+    checkpoints/last-good.ckpt  the last healthy state, to resume from after a loss-scale collapse
     training_curves.csv       loss, loss scale, skipped steps and LR per step, validation metrics
     training_curves.png       the same, plotted
     summary.json              what train() returns, minus the live objects
@@ -22,16 +22,20 @@ Files of a run (``cfg.output_dir``, the Hydra run directory; see also
 
 from __future__ import annotations
 
+import os
+import tempfile
 import time
 import warnings
+from pathlib import Path
 from typing import Any
 
 import torch
 from omegaconf import DictConfig
 
-from amp_plugin.app.build import Run, build, resolve_output_dir
+from amp_plugin.app.build import Run, _entries, _naming_key, _plain, build, resolve_output_dir
 from amp_plugin.app.report import FAILED_FILE, format_summary, mark_failed, summarize, write_outputs
-from amp_plugin.app.validation import ConfigError
+from amp_plugin.app.resume import keep_history
+from amp_plugin.app.validation import ConfigError, forget_checkpoints
 from amp_plugin.lightning import pl
 from amp_plugin.settings import PrecisionSettings
 
@@ -56,9 +60,12 @@ def train(cfg: DictConfig, settings: PrecisionSettings | None = None) -> dict[st
     output_dir = resolve_output_dir(cfg)
     try:
         run = build(cfg, settings, output_dir)
+        check_writable(run, cfg)
     except ConfigError as err:
         mark_failed(output_dir, err)
         raise
+    finally:
+        forget_checkpoints()
     threads = torch.get_num_threads()
     if cfg.num_threads is not None:
         torch.set_num_threads(cfg.num_threads)
@@ -66,6 +73,8 @@ def train(cfg: DictConfig, settings: PrecisionSettings | None = None) -> dict[st
         with warnings.catch_warnings():
             # The recipes keep their data in memory; worker processes would only add start-up time.
             warnings.filterwarnings("ignore", message=r".*does not have many workers.*")
+            if run.resume_in_place and run.trainer.is_global_zero:
+                keep_history(run.loggers, run.resume_step, run.recorder)
             start = time.perf_counter()
             run.trainer.fit(run.module, ckpt_path=run.ckpt_path)
             wall = time.perf_counter() - start
@@ -73,7 +82,14 @@ def train(cfg: DictConfig, settings: PrecisionSettings | None = None) -> dict[st
             _final_validation(run)
             metrics.update(run.trainer.callback_metrics)
     except BaseException as err:
-        mark_failed(output_dir, err)
+        interrupted = _interrupted(run, err)
+        if interrupted is not None:
+            mark_failed(output_dir, interrupted)
+            raise interrupted from None
+        setup_error = _setup_error(err, run, cfg)
+        mark_failed(output_dir, setup_error or err)
+        if setup_error is not None:
+            raise setup_error from err
         raise
     finally:
         torch.set_num_threads(threads)
@@ -101,3 +117,61 @@ def _final_validation(run: Run) -> None:
                    default=None)
     if last_val != trainer.global_step:
         trainer.validate(module, verbose=False)
+
+
+def _interrupted(run: Run, err: BaseException) -> BaseException | None:
+    """The :class:`~amp_plugin.lightning.interrupt.RunInterrupted` a signal caused, also when Lightning's
+    ``SIGTERMException`` (a ``SystemExit`` with status 0) ended the run before it was raised; or the
+    ``KeyboardInterrupt`` that Lightning turned into ``sys.exit(1)``."""
+    from amp_plugin.lightning.interrupt import GracefulInterrupt, RunInterrupted
+
+    if isinstance(err, RunInterrupted):
+        return err
+    if isinstance(err, SystemExit) and isinstance(err.__context__, KeyboardInterrupt):
+        return err.__context__  # Lightning turns Ctrl+C into sys.exit(1)
+    if type(err).__name__ != "SIGTERMException":
+        return None
+    pending = next((c.pending for c in run.trainer.callbacks if isinstance(c, GracefulInterrupt)), None)
+    return pending
+
+
+def _setup_error(err: BaseException, run: Run, cfg: DictConfig) -> ConfigError | None:
+    """A Trainer argument that Lightning rejects while it sets up the run (before the first step), as
+    a :class:`ConfigError` naming the key; for example ``trainer.val_check_interval`` larger than
+    an epoch."""
+    if run.recorder.started or not isinstance(err, (ValueError, TypeError)) or isinstance(err, ConfigError):
+        return None
+    trainer = _plain(cfg.trainer)
+    message = _naming_key("trainer", trainer, err)
+    return ConfigError(message) if message.startswith("trainer.") and "=" in message.split()[0] else None
+
+
+def check_writable(run: Run, cfg: DictConfig) -> None:
+    """Every directory the run will write into can be written now, not only after an epoch.
+
+    Raises:
+        ConfigError: naming the key that sets the directory, the path and the reason.
+    """
+    targets = [("hydra.run.dir", run.output_dir)]
+    for logger in run.loggers:
+        if getattr(logger, "log_dir", None):
+            targets.append(("logger.save_dir", Path(logger.log_dir)))
+    names = [name for name, _ in _entries(cfg.callbacks)]
+    for name, callback in zip(names, run.callbacks):
+        if isinstance(callback, pl.callbacks.ModelCheckpoint) and callback.dirpath:
+            targets.append((f"callbacks.{name}.dirpath", Path(callback.dirpath)))
+    for key, directory in targets:
+        created = [p for p in (directory, *directory.parents) if not p.exists()]
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            fd, probe = tempfile.mkstemp(dir=directory, prefix=".write-test-")
+            os.close(fd)
+            os.unlink(probe)
+            for path in created:  # leave no empty directory behind: the run creates its own
+                path.rmdir()
+        except OSError as err:
+            reason = f"[Errno {err.errno}] {err.strerror}" if err.errno else str(err)
+            raise ConfigError(
+                f"{key}: the run cannot write to {directory} ({reason}). Make it writable, or point the run at "
+                f"a writable place (hydra.run.dir=..., or {key}=...)."
+            ) from err

@@ -24,6 +24,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
 from amp_plugin import dynamic_scaler
+from amp_plugin.app.rundir import register_resolver
 from amp_plugin.dynamic_scaler import DynamicLossScaler
 from amp_plugin.scaler import StaticLossScaler
 from amp_plugin.settings import PRESETS, Emulate
@@ -169,6 +170,7 @@ class TrainConf:
     fault: FaultConf = field(default_factory=FaultConf)
     output_dir: str = "${hydra:runtime.output_dir}"
     plot: bool = True
+    overwrite: bool = False  # replace the outputs of a finished run in the same directory
 
 
 def register_configs() -> None:
@@ -176,8 +178,10 @@ def register_configs() -> None:
 
     They are stored as top-level configs (``train_schema``, ``schema_precision``,
     ``schema_scaler_dynamic``, ...), not in a config group, so they never appear among the
-    choices that ``--help`` or a typo's error message lists.
+    choices that ``--help`` or a typo's error message lists. Also registers the
+    ``${amp_run_id:}`` resolver that names the default run directories.
     """
+    register_resolver()
     cs = ConfigStore.instance()
     cs.store(name="train_schema", node=TrainConf)
     cs.store(name="schema_precision", node=PrecisionConf)

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-__all__ = ["ConfigError", "show", "validate"]
+__all__ = ["ConfigError", "forget_checkpoints", "load_checkpoint", "show", "validate"]
 
 GROUPS = ("precision", "scaler", "recipe", "trainer")
 
@@ -84,6 +84,24 @@ def validate(cfg: DictConfig) -> None:
     _warn_unreachable_faults(cfg.get("fault"), trainer.max_steps)
 
 
+_checkpoints: dict[str, Any] = {}
+
+
+def load_checkpoint(path: str) -> Any:
+    """``torch.load(path)`` on the CPU, once per file version: the checks and the build share it."""
+    stat = os.stat(path)
+    key = f"{os.path.realpath(path)}:{stat.st_mtime_ns}:{stat.st_size}"
+    if key not in _checkpoints:
+        _checkpoints.clear()
+        _checkpoints[key] = torch.load(path, map_location="cpu", weights_only=False)
+    return _checkpoints[key]
+
+
+def forget_checkpoints() -> None:
+    """Drop the cached checkpoint (Lightning reads its own copy when it resumes)."""
+    _checkpoints.clear()
+
+
 def _check_checkpoint(path: str, max_steps: int) -> None:
     """``ckpt_path`` names a readable Lightning checkpoint that is not already at ``max_steps``."""
     written_by = "ckpt_path must be a checkpoint file written by an earlier run, for example " \
@@ -92,7 +110,7 @@ def _check_checkpoint(path: str, max_steps: int) -> None:
         where = "a directory" if os.path.isdir(path) else "no such file"
         raise ConfigError(f"ckpt_path={path!r} is not allowed: {where}. {written_by}")
     try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+        checkpoint = load_checkpoint(path)
     except Exception as err:
         reason = " ".join(str(err).split()).split(". ")[0][:200]  # torch's zip errors go on for sentences
         raise ConfigError(

@@ -12,11 +12,17 @@ flushes it to disk, and renames it over the target with ``os.replace``, which is
 kill at any point leaves the previous checkpoint untouched; at worst a hidden
 ``.partial-*.tmp`` file stays behind, whose name never matches ``*.ckpt`` or ``last``.
 Remote paths (``s3://`` and the like) keep Lightning's behaviour.
+
+A write that fails (a full disk, a quota, a file size limit, a read-only or vanished
+directory) raises :class:`CheckpointWriteError`, an ``OSError`` that names the file, the
+operating system's reason and what to do, instead of the ``inline_container.cc`` error
+``torch.save`` reports; the previous checkpoint is still there.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import uuid
 from typing import Any
@@ -28,7 +34,58 @@ from typing_extensions import override
 
 from amp_plugin.lightning._namespace import TorchCheckpointIO
 
-__all__ = ["AtomicCheckpointIO", "atomic_save"]
+__all__ = ["AtomicCheckpointIO", "CheckpointWriteError", "atomic_save"]
+
+_HINTS = {
+    errno.ENOSPC: "the disk is full: free space there",
+    errno.EDQUOT: "the disk quota is used up: free space or ask for more",
+    errno.EFBIG: "the file size limit is reached (ulimit -f): raise it",
+    errno.EROFS: "the file system is read-only: point the run at a writable directory",
+    errno.EACCES: "no permission to write there: make the directory writable or use another one",
+    errno.EPERM: "the directory cannot be written: make it writable or use another one",
+}
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written; the previous file at ``path`` (if any) is intact.
+
+    Attributes:
+        path: the checkpoint file.
+        cause: the underlying error (an ``OSError`` with an ``errno`` when the OS refused).
+    """
+
+    def __init__(self, path: str, cause: BaseException) -> None:
+        self.path, self.cause = path, cause
+        code = getattr(cause, "errno", None)
+        reason = f"[Errno {code}] {os.strerror(code)}" if code else " ".join(str(cause).split()) or type(cause).__name__
+        hint = _HINTS.get(code, "check that the directory exists and is writable, with space to spare")
+        previous = "the previous checkpoint there is intact" if os.path.exists(path) else "nothing was written"
+        super().__init__(code, f"Could not write the checkpoint {path}: {reason}. Fix: {hint} "
+                               f"(or choose another directory with hydra.run.dir=...); {previous}.")
+
+    def __str__(self) -> str:
+        return self.strerror or super().__str__()
+
+
+class _RecordingFile:
+    """A binary file whose ``write`` remembers the ``OSError`` it raised (``torch.save`` swallows it)."""
+
+    def __init__(self, file: Any) -> None:
+        self._file = file
+        self.error: OSError | None = None
+
+    def write(self, data: Any) -> int:
+        try:
+            return self._file.write(data)
+        except OSError as err:
+            self.error = err
+            raise
+
+    def flush(self) -> None:
+        self._file.flush()
+
+    def fileno(self) -> int:
+        return self._file.fileno()
 
 
 def _is_local(path: str | os.PathLike[str]) -> bool:
@@ -39,18 +96,23 @@ def atomic_save(obj: Any, path: str | os.PathLike[str]) -> None:
     """``torch.save(obj, path)``, all or nothing: write a sibling temp file, fsync, ``os.replace``."""
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
     # Hex digits only after the prefix: the name can never contain "last" or end in ".ckpt".
     temp = os.path.join(directory, f".partial-{os.getpid()}-{uuid.uuid4().hex}.tmp")
+    recorder: _RecordingFile | None = None
     try:
+        os.makedirs(directory, exist_ok=True)
         with open(temp, "wb") as f:
-            torch.save(obj, f)
+            recorder = _RecordingFile(f)
+            torch.save(obj, recorder)
             f.flush()
             os.fsync(f.fileno())
         os.replace(temp, path)
-    except BaseException:
+    except BaseException as err:
         with contextlib.suppress(OSError):
             os.unlink(temp)
+        cause = recorder.error if recorder is not None and recorder.error is not None else err
+        if isinstance(cause, OSError) and not isinstance(cause, CheckpointWriteError):
+            raise CheckpointWriteError(path, cause) from err
         raise
     with contextlib.suppress(OSError):  # make the rename itself durable (not possible everywhere)
         fd = os.open(directory, os.O_RDONLY)

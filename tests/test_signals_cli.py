@@ -1,0 +1,65 @@
+"""SIGTERM and SIGINT stop ``train.py`` the way a cluster scheduler expects.
+
+A pre-empted run (SIGTERM, as SLURM and Kubernetes send it) or an interrupted one (SIGINT,
+Ctrl+C) finishes its step, saves a checkpoint at that step, writes ``FAILED`` naming the signal,
+the step and the exact resume command, and exits with 128 + the signal (143, 130). Running that
+command resumes in place and keeps the logs of both parts, without duplicated or missing steps.
+"""
+
+from __future__ import annotations
+
+import csv
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from _cli_procs import QUIET, env, logged_steps, start, throttle, wait_until
+
+STEPS = 40
+
+
+def metric_steps(run_dir: Path) -> list[int]:
+    with open(run_dir / "logs" / "metrics.csv", newline="") as f:
+        return [int(row["step"]) for row in csv.DictReader(f) if row.get("train/loss")]
+
+
+def interrupt(tmp_path: Path, signum: int) -> tuple[Path, str, int]:
+    """Start a throttled run, send ``signum`` after a few steps; return its dir, FAILED and exit status."""
+    run_dir = tmp_path / signal.Signals(signum).name
+    log = tmp_path / f"{run_dir.name}.log"
+    proc = start([f"trainer.max_steps={STEPS}", "trainer.log_every_n_steps=1", "trainer.limit_val_batches=2",
+                  *QUIET, *throttle(2, 0.25), f"hydra.run.dir={run_dir}"], tmp_path, log)
+    wait_until(lambda: logged_steps(log), proc)  # training starts now
+    time.sleep(1.5)  # a few (throttled) steps in
+    proc.send_signal(signum)
+    proc.wait(timeout=120)
+    return run_dir, (run_dir / "FAILED").read_text() if (run_dir / "FAILED").exists() else "", proc.returncode
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum, status", [(signal.SIGTERM, 143), (signal.SIGINT, 130)], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_saves_a_checkpoint_exits_128_plus_n_and_the_resume_command_continues(tmp_path, signum, status):
+    run_dir, note, code = interrupt(tmp_path, signum)
+    name = signal.Signals(signum).name
+    assert code == status, note + (tmp_path / f"{name}.log").read_text()[-3000:]
+    match = re.search(rf"Interrupted by {name} at step (\d+): the run stopped after that step and saved a "
+                      r"checkpoint\.", note)
+    assert match, note
+    step = int(match.group(1))
+    checkpoint = run_dir / "checkpoints" / "last.ckpt"
+    assert f"checkpoint  {checkpoint}" in note and f"Exit status {status} (128 + {name})" in note
+    assert torch.load(checkpoint, weights_only=False)["global_step"] == step
+    assert "Traceback" not in (tmp_path / f"{name}.log").read_text()
+    assert not (run_dir / "summary.json").exists()
+
+    command = note.split("resume with ", 1)[1].splitlines()[0]
+    assert f"ckpt_path={checkpoint}" in command and f"hydra.run.dir={run_dir}" in command
+    resumed = subprocess.run(command, shell=True, env=env(), capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"steps        {STEPS - step} (resumed at step {step})" in resumed.stdout
+    assert not (run_dir / "FAILED").exists()
+    assert metric_steps(run_dir) == list(range(STEPS))  # both parts, each step once
