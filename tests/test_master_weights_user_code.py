@@ -264,12 +264,15 @@ def test_sparse_embedding_gradients_train_like_fp32(optimizer, scaled):
         ref_opt.step()
         if scaled:
             scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+            assert opt.master_params()[0].grad.is_sparse
             scaler.step(opt)
             scaler.update()
         else:
             loss.backward()
+            opt.sync_grads()
+            assert opt.master_params()[0].grad.is_sparse
             opt.step()
-        assert opt.master_params()[0].grad.is_sparse
         ref_opt.zero_grad()
         opt.zero_grad()
     assert torch.equal(opt.master_params()[0], ref.weight.detach())
