@@ -223,6 +223,14 @@ class MasterWeightOptimizer(Optimizer):
         """The model's parameters, in the same order as :meth:`master_params`."""
         return list(self._model_params)
 
+    def master_tensors(self) -> list[torch.Tensor]:
+        """The tensors that store the half-precision parameters' masters, beyond the model's
+        own weights: their FP32 :class:`MasterParameter`s, or, with ``master="bf16_split"``,
+        the int16 extensions (the masters' low 16 bits). What memory accounting should count."""
+        if self.master == "bf16_split":
+            return [r.low_bits for r in self._records]
+        return list(self._half_masters)
+
     @torch.no_grad()
     def fp32_masters(self) -> list[torch.Tensor]:
         """The FP32 master values of the half-precision parameters, in model order: copies,
