@@ -50,10 +50,12 @@ def unscale_fits(half_grads: list[torch.Tensor], out: list[torch.Tensor]) -> boo
     return all(t.device.type == "cpu" and t.is_contiguous() and not t.is_sparse for t in (*half_grads, *out))
 
 
+_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
 def kernel_grad(grad: torch.Tensor) -> bool:
     """Whether the kernels read this gradient directly: dense, contiguous, on the CPU, FP16/BF16/FP32."""
-    return (not grad.is_sparse and grad.device.type == "cpu" and grad.is_contiguous()
-            and (grad.dtype in _HALF or grad.dtype is torch.float32))
+    return grad.is_cpu and not grad.is_sparse and grad.dtype in _KERNEL_DTYPES and grad.is_contiguous()
 
 
 def unscale_into(ops: Any, half_grads: list[torch.Tensor], out: list[torch.Tensor], found_inf: torch.Tensor,
@@ -134,42 +136,44 @@ def adam_step(
     Gradients: ``grad_of[id(master)]`` for the half-precision parameters' masters, an FP32
     gradient (used as it is) or the model's FP16/BF16 gradient (multiplied by ``inv_scale``
     as it is read); a master absent from ``grad_of`` is not stepped. Parameters that are
-    their own master use their ``.grad``. Returns ``None``, having changed nothing, when a
+    their own master use their ``.grad``. Returns ``None``, having stepped nothing, when a
     gradient does not suit the kernel (sparse, not contiguous, another dtype: a hook may have
     replaced it); the caller then steps the stock way. Otherwise returns the
     ``(model_param, master)`` pairs it updated but did not write into the model (a model
     parameter that is not contiguous): the caller copies those. Initialises the state as
     ``torch.optim.Adam(fused=True)`` does.
     """
-    grouped = []  # one look at each parameter's gradient: (group, params, grads)
+    calls = []  # one look at each parameter's gradient and state, then the kernel per group
+    adamw_default = isinstance(optimizer, torch.optim.AdamW)
+    state_of = optimizer.state
+    unwritten = []
+    float32 = torch.float32
     for group in optimizer.param_groups:
-        params, grads = [], []
+        params, grads, exp_avgs, exp_avg_sqs, steps, models = [], [], [], [], [], []
         for p in group["params"]:
-            g = grad_of.get(id(p)) if id(p) in model_of else p.grad
+            key = id(p)
+            model = model_of.get(key)
+            g = p.grad if model is None else grad_of.get(key)
             if g is None:
                 continue
-            if not kernel_grad(g) or (g.dtype is not torch.float32 and id(p) not in model_of):
+            if not kernel_grad(g) or (model is None and g.dtype is not float32):
                 return None
+            state = state_of[p]
+            if not state:
+                state = _state(optimizer, p)
             params.append(p)
             grads.append(g)
-        if params:
-            grouped.append((group, params, grads))
-    unwritten = []
-    adamw_default = isinstance(optimizer, torch.optim.AdamW)
-    for group, params, grads in grouped:
-        exp_avgs, exp_avg_sqs, steps, models = [], [], [], []
-        for p in params:
-            state = _state(optimizer, p)
             exp_avgs.append(state["exp_avg"])
             exp_avg_sqs.append(state["exp_avg_sq"])
             steps.append(state["step"])
-            model = model_of.get(id(p))
             if model is not None and not model.is_contiguous():
                 unwritten.append((model, p))
                 model = None
             models.append(model)
-        ops.adam_step_(params, grads, exp_avgs, exp_avg_sqs, steps, models, *_hyper(group, adamw_default),
-                       float(inv_scale))
+        if params:
+            calls.append((params, grads, exp_avgs, exp_avg_sqs, steps, models, _hyper(group, adamw_default)))
+    for params, grads, exp_avgs, exp_avg_sqs, steps, models, hyper in calls:
+        ops.adam_step_(params, grads, exp_avgs, exp_avg_sqs, steps, models, *hyper, float(inv_scale))
     return unwritten
 
 

@@ -1,11 +1,16 @@
 // Fused CPU kernels for FP32 master weights over an FP16/BF16 model.
 //
-// unscale_into_: one pass per tensor that reads the half-precision gradient, writes the
-//   unscaled FP32 master gradient and flags any inf/NaN (stock torch needs a copy pass and an
-//   unscale pass over the FP32 copy).
-// adam_step_: Adam/AdamW on the FP32 masters (torch.optim's fused Adam update, in float with
-//   double-precision step constants) that also writes each updated weight, rounded to the
-//   model's dtype, in the same pass (stock torch needs a separate copy-back pass).
+// nonfinite_check_: the inf/NaN check of the step decision; reads the half-precision
+//   gradients only (2 bytes per element).
+// adam_step_: Adam/AdamW on the FP32 masters (torch.optim's fused Adam update, bit for bit)
+//   in one pass per tensor: reads the gradient (FP32, or the model's FP16/BF16 gradient times
+//   the unscale factor), the master and its moments, writes them back and writes the updated
+//   weight, rounded to the model's dtype, into the model. Stock torch needs four passes
+//   (copy the half gradients to FP32, unscale, Adam, copy back).
+// adam_step_split_: the same update for BF16 masters kept as the model's BF16 weight (the high
+//   16 bits of the FP32 master) plus a 16-bit extension (the low 16 bits).
+// unscale_into_: FP32 master gradients materialized from half gradients (copy and unscale in
+//   one pass), for when something reads them.
 //
 // Built on first use by amp_plugin/fused/__init__.py with torch.utils.cpp_extension.load;
 // the ops appear as torch.ops.amp_plugin.*.
@@ -21,6 +26,7 @@
 #include <cstring>
 #include <optional>
 #include <type_traits>
+#include <vector>
 
 #if defined(__AVX2__) && defined(__F16C__)
 #define AMP_PLUGIN_SIMD 1
@@ -76,15 +82,6 @@ inline float to_float(Half h) {
   }
 }
 
-template <typename Half>
-inline Half from_float(float f) {
-  if constexpr (std::is_same_v<Half, _Float16>) {
-    return static_cast<_Float16>(f);  // round to nearest even
-  } else {
-    return float_to_bf16(f);
-  }
-}
-
 // Block conversions between the half type and float; with stream=true the stores into the
 // big output (FP32 master grads, the model's half weights) are non-temporal.
 template <typename Half>
@@ -131,75 +128,6 @@ void store_floats(const float* src, float* dst, int64_t n, bool stream) {
   }
 #endif
   std::memcpy(dst + i, src + i, sizeof(float) * (n - i));
-}
-
-#if defined(AMP_PLUGIN_SIMD)
-template <typename Half>
-inline __m128i pack8(const float* src) {
-  const __m256 x = _mm256_loadu_ps(src);
-  if constexpr (std::is_same_v<Half, _Float16>) {
-    return _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  } else {  // float_to_bf16, eight at a time
-    const __m256i u = _mm256_castps_si256(x);
-    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
-    const __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
-    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), _mm256_castps_si256(nan));
-    return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
-  }
-}
-#endif
-
-#if defined(AMP_PLUGIN_AVX512)
-template <typename Half>
-inline __m256i pack16(const float* src) {
-  const __m512 x = _mm512_loadu_ps(src);
-  if constexpr (std::is_same_v<Half, _Float16>) {
-    return _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  } else {  // float_to_bf16, sixteen at a time
-    const __m512i u = _mm512_castps_si512(x);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
-    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-    r = _mm512_mask_blend_epi32(nan, r, _mm512_set1_epi32(0x7fc0));
-    return _mm512_cvtepi32_epi16(r);  // every lane is below 2**16: the truncation is exact
-  }
-}
-#endif
-
-template <typename Half>
-void from_float_block(const float* src, Half* dst, int64_t n, bool stream) {
-  int64_t i = 0;
-#if defined(AMP_PLUGIN_AVX512)
-  if (stream) {
-    for (; i < n && reinterpret_cast<uintptr_t>(dst + i) % 32 != 0; ++i) {
-      dst[i] = from_float<Half>(src[i]);
-    }
-    for (; i + 16 <= n; i += 16) {
-      _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i), pack16<Half>(src + i));
-    }
-  } else {
-    for (; i + 16 <= n; i += 16) {
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), pack16<Half>(src + i));
-    }
-  }
-#elif defined(AMP_PLUGIN_SIMD)
-  if (stream) {
-    for (; i < n && reinterpret_cast<uintptr_t>(dst + i) % 16 != 0; ++i) {
-      dst[i] = from_float<Half>(src[i]);
-    }
-    for (; i + 8 <= n; i += 8) {
-      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i), pack8<Half>(src + i));
-    }
-  } else {
-    for (; i + 8 <= n; i += 8) {
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), pack8<Half>(src + i));
-    }
-  }
-#endif
-  for (; i < n; ++i) {
-    dst[i] = from_float<Half>(src[i]);
-  }
 }
 
 // Non-temporal stores are weakly ordered: each thread that issued them fences before its
@@ -326,26 +254,65 @@ bool any_nonfinite(const uint16_t* x, int64_t n) {
   return bad != 0;
 }
 
+// A piece of one tensor's elements, [begin, end): the kernels split all their tensors into
+// such spans and run them in one parallel region, so small tensors cost no region of their
+// own and the threads share the work of every tensor evenly.
+struct Span {
+  size_t tensor;
+  int64_t begin;
+  int64_t end;
+};
+
+std::vector<Span> spans_of(const std::vector<int64_t>& numels, int64_t chunk) {
+  std::vector<Span> spans;
+  for (size_t t = 0; t < numels.size(); ++t) {
+    for (int64_t b = 0; b < numels[t]; b += chunk) {
+      spans.push_back({t, b, std::min(numels[t], b + chunk)});
+    }
+  }
+  return spans;
+}
+
+// Run fn(span) for every span: in one parallel region, or on this thread when there is
+// little work (below kGrain elements: waking the other threads would cost more).
+template <typename Fn>
+void for_spans(const std::vector<Span>& spans, int64_t total, Fn fn) {
+  if (total < kGrain) {
+    for (const Span& span : spans) {
+      fn(span);
+    }
+    fence_streams();
+    return;
+  }
+  at::parallel_for(0, static_cast<int64_t>(spans.size()), 1, [&](int64_t first, int64_t last) {
+    for (int64_t s = first; s < last; ++s) {
+      fn(spans[s]);
+    }
+    fence_streams();  // a task that streamed fences before it ends (cheap when it did not)
+  });
+}
+
 // found_inf = 1 if any element of any tensor is inf/NaN (never cleared). Reads only.
 void nonfinite_check_(at::TensorList grads, const at::Tensor& found_inf) {
   check_scalar(found_inf, "nonfinite_check_: found_inf");
+  std::vector<int64_t> numels;
+  int64_t total = 0;
   for (const at::Tensor& g : grads) {
     TORCH_CHECK(g.device().is_cpu() && g.is_contiguous() &&
                     (g.scalar_type() == at::kHalf || g.scalar_type() == at::kBFloat16),
                 "nonfinite_check_: expected contiguous float16/bfloat16 CPU tensors, got ", g.scalar_type());
+    numels.push_back(g.numel());
+    total += g.numel();
   }
   std::atomic<uint32_t> found{0};
-  for (const at::Tensor& g : grads) {
-    const uint16_t* x = reinterpret_cast<const uint16_t*>(g.const_data_ptr());
-    const bool f16 = g.scalar_type() == at::kHalf;
-    at::parallel_for(0, g.numel(), 4 * kGrain, [&](int64_t begin, int64_t end) {
-      const bool bad = f16 ? any_nonfinite<_Float16>(x + begin, end - begin)
-                           : any_nonfinite<BF16Bits>(x + begin, end - begin);
-      if (bad) {
-        found.store(1, std::memory_order_relaxed);
-      }
-    });
-  }
+  for_spans(spans_of(numels, 4 * kGrain), total, [&](const Span& span) {
+    const at::Tensor& g = grads[span.tensor];
+    const uint16_t* x = reinterpret_cast<const uint16_t*>(g.const_data_ptr()) + span.begin;
+    const int64_t n = span.end - span.begin;
+    if (g.scalar_type() == at::kHalf ? any_nonfinite<_Float16>(x, n) : any_nonfinite<BF16Bits>(x, n)) {
+      found.store(1, std::memory_order_relaxed);
+    }
+  });
   if (found.load()) {
     found_inf.fill_(1.0);
   }
@@ -679,47 +646,94 @@ constexpr int64_t kTorchVectorWidth = 8;
 // the FP32 arrays, and 16-byte-aligned stores into an aligned model tensor.
 constexpr int64_t kUnit = 64;
 
-// One tensor, split across threads: the widest vectors first, then narrower ones, then single
-// elements with the vector roundings, and torch's tail roundings on the last numel % 8.
+// One span of a tensor: the widest vectors first, then narrower ones, then single elements
+// with the vector roundings, and torch's tail roundings on the tensor's last numel % 8.
 template <bool kL2, class Grad, class Master>
-void adam_tensor(int64_t numel, const Grad& grad, const Master& master, float* m, float* v, const AdamConstants& c,
-                 bool stream) {
+void adam_span(int64_t begin, int64_t end, int64_t numel, const Grad& grad, const Master& master, float* m, float* v,
+               const AdamConstants& c) {
   const int64_t vector_end = numel - numel % kTorchVectorWidth;
-  const int64_t units = (numel + kUnit - 1) / kUnit;
-  at::parallel_for(0, units, std::max<int64_t>(1, kGrain / kUnit), [&](int64_t first, int64_t last) {
-    const int64_t begin = first * kUnit, end = std::min(numel, last * kUnit);
-    const int64_t limit = std::min(end, vector_end);
-    int64_t i = begin;
+  const int64_t limit = std::min(end, vector_end);
+  int64_t i = begin;
 #if defined(AMP_PLUGIN_AVX512)
-    i = adam_vectors<V16, kL2>(i, limit, grad, master, m, v, c);
+  i = adam_vectors<V16, kL2>(i, limit, grad, master, m, v, c);
 #endif
 #if defined(AMP_PLUGIN_SIMD)
-    i = adam_vectors<V8, kL2>(i, limit, grad, master, m, v, c);
+  i = adam_vectors<V8, kL2>(i, limit, grad, master, m, v, c);
 #endif
-    adam_scalars<kL2, false>(i, limit, grad, master, m, v, c);
-    adam_scalars<kL2, true>(std::max(begin, limit), end, grad, master, m, v, c);
-    if (stream) {
-      fence_streams();
-    }
-  });
+  adam_scalars<kL2, false>(i, limit, grad, master, m, v, c);
+  adam_scalars<kL2, true>(std::max(begin, limit), end, grad, master, m, v, c);
 }
 
+// One tensor's update: what it reads and writes, and its constants.
+struct AdamJob {
+  int64_t numel;
+  const void* grad;
+  at::ScalarType grad_dtype;  // kFloat: used as it is; kHalf/kBFloat16: times inv_scale
+  float inv_scale;
+  float* p;  // the FP32 master, or nullptr for a split master (hi, lo)
+  void* model;
+  at::ScalarType model_dtype;  // kHalf/kBFloat16: write the rounded master there; kFloat: no model
+  bool stream;                 // non-temporal stores into the model
+  uint16_t* hi;
+  uint16_t* lo;
+  float* m;
+  float* v;
+  AdamConstants c;
+  bool l2;
+};
+
 template <bool kL2, class Master>
-void adam_dispatch_grad(const at::Tensor& grad, float inv_scale, int64_t numel, const Master& master, float* m,
-                        float* v, const AdamConstants& c, bool stream) {
-  switch (grad.scalar_type()) {
+void adam_job_grad(const AdamJob& job, int64_t begin, int64_t end, const Master& master) {
+  switch (job.grad_dtype) {
     case at::kFloat:
-      adam_tensor<kL2>(numel, GradF32{grad.const_data_ptr<float>()}, master, m, v, c, stream);
+      adam_span<kL2>(begin, end, job.numel, GradF32{static_cast<const float*>(job.grad)}, master, job.m, job.v, job.c);
       break;
     case at::kHalf:
-      adam_tensor<kL2>(numel, GradHalf<_Float16>{static_cast<const _Float16*>(grad.const_data_ptr()), inv_scale},
-                       master, m, v, c, stream);
+      adam_span<kL2>(begin, end, job.numel, GradHalf<_Float16>{static_cast<const _Float16*>(job.grad), job.inv_scale},
+                     master, job.m, job.v, job.c);
       break;
     default:
-      adam_tensor<kL2>(numel, GradHalf<BF16Bits>{static_cast<const BF16Bits*>(grad.const_data_ptr()), inv_scale},
-                       master, m, v, c, stream);
+      adam_span<kL2>(begin, end, job.numel, GradHalf<BF16Bits>{static_cast<const BF16Bits*>(job.grad), job.inv_scale},
+                     master, job.m, job.v, job.c);
       break;
   }
+}
+
+template <bool kL2>
+void adam_job_master(const AdamJob& job, int64_t begin, int64_t end) {
+  if (job.p == nullptr) {
+    adam_job_grad<kL2>(job, begin, end, MasterSplit{job.hi, job.lo});
+  } else if (job.model_dtype == at::kHalf) {
+    auto* model = static_cast<_Float16*>(job.model);
+    job.stream ? adam_job_grad<kL2>(job, begin, end, MasterF32<_Float16, true>{job.p, model})
+               : adam_job_grad<kL2>(job, begin, end, MasterF32<_Float16>{job.p, model});
+  } else if (job.model_dtype == at::kBFloat16) {
+    auto* model = static_cast<BF16Bits*>(job.model);
+    job.stream ? adam_job_grad<kL2>(job, begin, end, MasterF32<BF16Bits, true>{job.p, model})
+               : adam_job_grad<kL2>(job, begin, end, MasterF32<BF16Bits>{job.p, model});
+  } else {
+    adam_job_grad<kL2>(job, begin, end, MasterF32<void>{job.p, nullptr});
+  }
+}
+
+// Every job, in spans of kAdamChunk elements (whole kUnits) run in one parallel region.
+constexpr int64_t kAdamChunk = 1 << 16;
+
+void run_adam_jobs(const std::vector<AdamJob>& jobs) {
+  std::vector<int64_t> numels;
+  int64_t total = 0;
+  for (const AdamJob& job : jobs) {
+    numels.push_back(job.numel);
+    total += job.numel;
+  }
+  for_spans(spans_of(numels, kAdamChunk), total, [&](const Span& span) {
+    const AdamJob& job = jobs[span.tensor];
+    if (job.l2) {
+      adam_job_master<true>(job, span.begin, span.end);
+    } else {
+      adam_job_master<false>(job, span.begin, span.end);
+    }
+  });
 }
 
 AdamConstants adam_constants(const at::Tensor& state_step, double lr, double beta1, double beta2, double weight_decay,
@@ -798,36 +812,28 @@ void adam_step_(at::TensorList params, at::TensorList grads, at::TensorList exp_
     }
   }
   const bool stream_big = model_bytes >= kStreamBytes;
-  const float inv_scale = static_cast<float>(grad_inv_scale);
+  std::vector<AdamJob> jobs;
   for (size_t t = 0; t < n; ++t) {
     const at::Tensor& p = params[t];
-    const AdamConstants c = adam_constants(state_steps[t], lr, beta1, beta2, weight_decay, eps, adamw, maximize);
-    const bool l2 = !adamw && weight_decay != 0;
     const std::optional<at::Tensor> model = model_params.get(t);
     const bool has_model = model.has_value() && model->defined();
-    void* model_data = has_model ? model->data_ptr() : nullptr;
-    // Non-temporal stores need aligned addresses: every task starts kUnit elements apart.
-    const bool stream = stream_big && reinterpret_cast<uintptr_t>(model_data) % 64 == 0;
-    float* pp = p.data_ptr<float>();
-    float* mp = exp_avgs[t].data_ptr<float>();
-    float* vp = exp_avg_sqs[t].data_ptr<float>();
-    auto run = [&](const auto& master) {
-      if (l2) {
-        adam_dispatch_grad<true>(grads[t], inv_scale, p.numel(), master, mp, vp, c, stream);
-      } else {
-        adam_dispatch_grad<false>(grads[t], inv_scale, p.numel(), master, mp, vp, c, stream);
-      }
-    };
-    if (!has_model) {
-      run(MasterF32<void>{pp, nullptr});
-    } else if (model->scalar_type() == at::kHalf) {
-      auto* model_half = static_cast<_Float16*>(model_data);
-      stream ? run(MasterF32<_Float16, true>{pp, model_half}) : run(MasterF32<_Float16>{pp, model_half});
-    } else {
-      auto* model_bf16 = static_cast<BF16Bits*>(model_data);
-      stream ? run(MasterF32<BF16Bits, true>{pp, model_bf16}) : run(MasterF32<BF16Bits>{pp, model_bf16});
-    }
+    AdamJob job{};
+    job.numel = p.numel();
+    job.grad = grads[t].const_data_ptr();
+    job.grad_dtype = grads[t].scalar_type();
+    job.inv_scale = static_cast<float>(grad_inv_scale);
+    job.p = p.data_ptr<float>();
+    job.model = has_model ? model->data_ptr() : nullptr;
+    job.model_dtype = has_model ? model->scalar_type() : at::kFloat;
+    // Non-temporal stores need aligned addresses: every span starts kUnit elements apart.
+    job.stream = stream_big && has_model && reinterpret_cast<uintptr_t>(job.model) % 64 == 0;
+    job.m = exp_avgs[t].data_ptr<float>();
+    job.v = exp_avg_sqs[t].data_ptr<float>();
+    job.c = adam_constants(state_steps[t], lr, beta1, beta2, weight_decay, eps, adamw, maximize);
+    job.l2 = !adamw && weight_decay != 0;
+    jobs.push_back(job);
   }
+  run_adam_jobs(jobs);
 }
 
 // The same step for BF16 masters stored as two 16-bit halves: the model's BF16 weight (the
@@ -851,19 +857,23 @@ void adam_step_split_(at::TensorList weights, at::TensorList low_bits, at::Tenso
     check_grad(grads[t], w.numel(), "adam_step_split_");
     check_moments(w, exp_avgs[t], exp_avg_sqs[t], state_steps[t], "adam_step_split_");
   }
-  const float inv_scale = static_cast<float>(grad_inv_scale);
+  std::vector<AdamJob> jobs;
   for (size_t t = 0; t < n; ++t) {
-    const at::Tensor& w = weights[t];
-    const AdamConstants c = adam_constants(state_steps[t], lr, beta1, beta2, weight_decay, eps, adamw, maximize);
-    const MasterSplit master{static_cast<uint16_t*>(w.data_ptr()), static_cast<uint16_t*>(low_bits[t].data_ptr())};
-    float* mp = exp_avgs[t].data_ptr<float>();
-    float* vp = exp_avg_sqs[t].data_ptr<float>();
-    if (!adamw && weight_decay != 0) {
-      adam_dispatch_grad<true>(grads[t], inv_scale, w.numel(), master, mp, vp, c, false);
-    } else {
-      adam_dispatch_grad<false>(grads[t], inv_scale, w.numel(), master, mp, vp, c, false);
-    }
+    AdamJob job{};
+    job.numel = weights[t].numel();
+    job.grad = grads[t].const_data_ptr();
+    job.grad_dtype = grads[t].scalar_type();
+    job.inv_scale = static_cast<float>(grad_inv_scale);
+    job.hi = static_cast<uint16_t*>(weights[t].data_ptr());
+    job.lo = static_cast<uint16_t*>(low_bits[t].data_ptr());
+    job.model_dtype = at::kFloat;
+    job.m = exp_avgs[t].data_ptr<float>();
+    job.v = exp_avg_sqs[t].data_ptr<float>();
+    job.c = adam_constants(state_steps[t], lr, beta1, beta2, weight_decay, eps, adamw, maximize);
+    job.l2 = !adamw && weight_decay != 0;
+    jobs.push_back(job);
   }
+  run_adam_jobs(jobs);
 }
 
 }  // namespace

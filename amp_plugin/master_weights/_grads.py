@@ -80,12 +80,13 @@ def eager_unscale(grads: list[torch.Tensor], like: list[torch.Tensor], inv_scale
     """Multi-tensor copy of dense half ``grads`` (one device) into FP32 views shaped like
     ``like``, all in one new flat buffer; then, with ``inv_scale``, torch's unscale with the
     inf check into ``found``. Three kernel launches, whatever the number of tensors."""
-    flat = torch.empty(sum(t.numel() for t in like), dtype=torch.float32, device=like[0].device)
+    device = like[0].device
+    flat = torch.empty(sum(t.numel() for t in like), dtype=torch.float32, device=device)
     views = list(torch._utils._unflatten_dense_tensors(flat, like))
     torch._foreach_copy_(views, grads)
     if inv_scale is not None:
         if found is None:
-            found = torch.zeros((), dtype=torch.float32, device=flat.device)
+            found = torch.zeros((), dtype=torch.float32, device=device)
         torch._amp_foreach_non_finite_check_and_unscale_(views, found, inv_scale)
     return views
 

@@ -315,7 +315,7 @@ class MasterWeightOptimizer(Optimizer):
                 continue
             if grad.is_sparse:
                 sparse.append(i)
-            elif ops is not None and grad.device.type == "cpu" and grad.is_contiguous() and grad.dtype in _HALF:
+            elif ops is not None and grad.is_cpu and grad.dtype in _HALF and grad.is_contiguous():
                 checked.append(grad)  # stays pending
             else:
                 eager.setdefault(grad.device, []).append(i)
@@ -500,23 +500,25 @@ class MasterWeightOptimizer(Optimizer):
         half gradient; and the indices of those pending ones."""
         grad_of: dict[int, torch.Tensor] = {}
         pending: list[int] = []
-        touched = session.touched
-        for i, master in enumerate(self._half_masters):
-            slot = GRAD_SLOT.__get__(master)
+        touched, seen, versions, eager = session.touched, session.grads, session.versions, session.eager
+        slot_of = GRAD_SLOT.__get__
+        for i, (model, master) in enumerate(zip(self._half_models, self._half_masters)):
+            slot = slot_of(master)
             if slot is not None:
                 grad_of[id(master)] = slot
                 continue
-            if session.grads[i] is None or i in touched:
+            if seen[i] is None or i in touched:
                 continue
-            grad = session.current(i)
-            if grad is None:
+            grad = model.grad
+            if grad is not seen[i] or grad._version != versions[i]:
+                self._warn_grads_changed()
+                if grad is None:
+                    continue
+            elif i in eager:
+                grad_of[id(master)] = eager[i]
                 continue
-            eager = session.eager.get(i)
-            if eager is not None and not session.changed(i, grad):
-                grad_of[id(master)] = eager
-            else:
-                grad_of[id(master)] = grad
-                pending.append(i)
+            grad_of[id(master)] = grad
+            pending.append(i)
         return grad_of, pending
 
     def _to_fp32(self, session: GradSession, grad_of: dict[int, torch.Tensor], pending: list[int]) -> None:
