@@ -30,7 +30,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import bench_convergence as conv  # noqa: E402  (next to this script)
+import bench_convergence as conv  # next to this script
 
 CONFIGS = ("fp32", "bf16", "bf16_split")
 

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from amp_plugin import DynamicLossScaler, MasterWeightOptimizer
-from amp_plugin.master_weights._split import join
 
 OPTIMIZERS = {  # fused=True: the update bf16_split computes (on FP32 masters: the reference)
     "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, fused=True),
@@ -59,7 +58,7 @@ def test_split_masters_are_fp32_masters_and_the_weight_is_the_master_truncated(n
     for master, weight, rounded in zip(masters, halves, [p for p in fp32_net.parameters() if p.dtype != torch.float32]):
         assert torch.equal(weight.float(), truncate(master))  # split: truncated
         assert torch.equal(rounded, master.bfloat16())  # FP32 masters: rounded to nearest
-    assert not torch.equal(halves[0], [p for p in fp32_net.parameters()][0])  # the two differ somewhere
+    assert not torch.equal(halves[0], fp32_net[0].weight)  # the two differ somewhere
     for a, b in zip(split_net[1].parameters(), fp32_net[1].parameters()):  # FP32 LayerNorm: its own master
         assert torch.equal(a, b)
 

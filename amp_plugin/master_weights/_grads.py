@@ -28,7 +28,7 @@ from amp_plugin.master_weights._parameter import GRAD_SLOT
 if TYPE_CHECKING:
     from amp_plugin.master_weights._optimizer import MasterWeightOptimizer
 
-__all__ = ["GradSession", "MasterGradWarning", "unscaled_copy", "eager_unscale"]
+__all__ = ["GradSession", "MasterGradWarning", "eager_unscale", "unscaled_copy"]
 
 
 class MasterGradWarning(UserWarning):
@@ -95,7 +95,7 @@ class GradSession:
     """One step's gradients for one :class:`~amp_plugin.MasterWeightOptimizer` (see the module
     docstring). Indices are positions in the optimizer's half-precision pairs."""
 
-    __slots__ = ("owner", "inv", "grads", "versions", "eager", "touched", "ops")
+    __slots__ = ("eager", "grads", "inv", "ops", "owner", "touched", "versions")
 
     def __init__(self, owner: MasterWeightOptimizer, inv: Callable[[torch.device], torch.Tensor] | None,
                  grads: list[torch.Tensor | None], ops: Any | None) -> None:

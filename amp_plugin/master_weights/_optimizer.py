@@ -3,7 +3,6 @@ FP32 masters (see the package docstring)."""
 
 from __future__ import annotations
 
-import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -14,7 +13,12 @@ from torch.optim import Optimizer
 from amp_plugin import fused as _fused
 from amp_plugin.fused import adam as _adam
 from amp_plugin.master_weights import _split
-from amp_plugin.master_weights._grads import GradSession, eager_unscale, unscaled_copy, warn_grads_changed
+from amp_plugin.master_weights._grads import (
+    GradSession,
+    eager_unscale,
+    unscaled_copy,
+    warn_grads_changed,
+)
 from amp_plugin.master_weights._multi_tensor import torch_adam_step
 from amp_plugin.master_weights._parameter import (
     GRAD_SLOT,
@@ -26,9 +30,19 @@ from amp_plugin.master_weights._parameter import (
     refresh,
     resync,
 )
+from amp_plugin.master_weights._refusals import (
+    already_wrapped,
+    by_device_dtype,
+    check_fused_possible,
+    check_split_possible,
+    flag,
+    refuse_dtensors,
+    unscale_in_place,
+    upcast_state,
+)
 from amp_plugin.scaler import unscale_grouped
 
-__all__ = ["MasterWeightOptimizer", "MASTER_KINDS", "FUSED_MODES"]
+__all__ = ["FUSED_MODES", "MASTER_KINDS", "MasterWeightOptimizer"]
 
 _HALF = (torch.float16, torch.bfloat16)
 MASTER_KINDS = ("fp32", "bf16_split")
@@ -156,13 +170,13 @@ class MasterWeightOptimizer(Optimizer):
                 "weights. Run LBFGS on an FP32 model without MasterWeightOptimizer, or use a first-order "
                 "optimizer (SGD, Adam, AdamW) with master weights."
             )
-        _refuse_dtensors(optimizer)
+        refuse_dtensors(optimizer)
         if optimizer in WRAPPED or any(p in MASTER_TENSORS for g in optimizer.param_groups for p in g["params"]):
-            raise ValueError(_already_wrapped(type(optimizer).__name__))
+            raise ValueError(already_wrapped(type(optimizer).__name__))
         if fused is True or fused == "torch":  # checked before the optimizer's parameters are swapped for masters
-            _check_fused_possible(optimizer, fused)
+            check_fused_possible(optimizer, fused)
         if master == "bf16_split":
-            _check_split_possible(optimizer)
+            check_split_possible(optimizer)
         # torch.optim.Optimizer.__init__ would rebuild param_groups; share the inner ones instead.
         self.optimizer = optimizer
         self.defaults = optimizer.defaults
@@ -260,11 +274,11 @@ class MasterWeightOptimizer(Optimizer):
             )
         if any(p in MASTER_TENSORS for p in group["params"]):
             self.optimizer.param_groups.pop()
-            raise ValueError(_already_wrapped("the new group"))
+            raise ValueError(already_wrapped("the new group"))
         try:
-            _refuse_dtensors(self.optimizer)
+            refuse_dtensors(self.optimizer)
             if self.master == "bf16_split":
-                _check_split_possible(self.optimizer)
+                check_split_possible(self.optimizer)
         except (TypeError, ValueError):
             self.optimizer.param_groups.pop()
             raise
@@ -305,9 +319,9 @@ class MasterWeightOptimizer(Optimizer):
         freed after the step; sparse ones are upcast and coalesced first. No host sync.
         """
         if self.master == "bf16_split":  # the BF16 gradients are unscaled in place, exactly
-            return _unscale_in_place(self.optimizer, inv_scale_on)
+            return unscale_in_place(self.optimizer, inv_scale_on)
         session = self._begin_session(inv_scale_on)
-        found = unscale_grouped(_by_device_dtype(self._own_grads()), inv_scale_on)
+        found = unscale_grouped(by_device_dtype(self._own_grads()), inv_scale_on)
         ops = self._kernel_ops()
         checked, eager, sparse = [], {}, []
         for i, grad in enumerate(session.grads):
@@ -320,16 +334,16 @@ class MasterWeightOptimizer(Optimizer):
             else:
                 eager.setdefault(grad.device, []).append(i)
         if checked:
-            _adam.nonfinite_check(ops, checked, _flag(found, torch.device("cpu")))
+            _adam.nonfinite_check(ops, checked, flag(found, torch.device("cpu")))
         masters = self._half_masters
         for device, index in eager.items():
             views = eager_unscale([session.grads[i] for i in index], [masters[i] for i in index],
-                                  inv_scale_on(device), _flag(found, device))
+                                  inv_scale_on(device), flag(found, device))
             session.eager.update(zip(index, views))
         for i in sparse:
             grad = session.grads[i]
             out = unscaled_copy(grad, None)
-            torch._amp_foreach_non_finite_check_and_unscale_([out._values()], _flag(found, grad.device),
+            torch._amp_foreach_non_finite_check_and_unscale_([out._values()], flag(found, grad.device),
                                                              inv_scale_on(grad.device))
             session.eager[i] = out
         return found
@@ -447,7 +461,7 @@ class MasterWeightOptimizer(Optimizer):
                     self.optimizer.state[master] = self.optimizer.state.pop(p)
                 if master in self.optimizer.state:
                     old = self.optimizer.state[master]
-                    self.optimizer.state[master] = {k: _upcast_state(v, p) for k, v in old.items()}
+                    self.optimizer.state[master] = {k: upcast_state(v, p) for k, v in old.items()}
                 params[i] = master
                 self._half_models.append(p)
                 self._half_masters.append(master)
@@ -640,81 +654,3 @@ class MasterWeightOptimizer(Optimizer):
         for model_p, record in zip(self._half_models, self._records):
             if model_p._version != record.version or model_p.data_ptr() != record.ptr:
                 resync(model_p, record)
-
-
-def _check_fused_possible(optimizer: Optimizer, fused: bool | str) -> None:
-    if fused == "torch":
-        reason = _adam.adam_ineligible(optimizer, masters_to_come=True, device_type=None)
-    else:
-        reason = _adam.adam_ineligible(optimizer, masters_to_come=True)
-        if reason is None and _adam.has_step_hooks(optimizer):
-            reason = "the wrapped optimizer has step hooks, which the fused step would bypass"
-        if reason is None and _fused.kernels() is None:
-            reason = f"the kernels are unavailable ({_fused.unavailable_reason()})"
-    if reason is not None:
-        raise ValueError(f"fused={fused!r} is not possible here: {reason}. Use fused=None or False.")
-
-
-def _check_split_possible(optimizer: Optimizer) -> None:
-    reason = _adam.adam_ineligible(optimizer, masters_to_come=True, device_type=None)
-    if reason is None:
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                if p.dtype is torch.float16:
-                    reason = ("it needs a BF16 model (the high half of an FP32 number is a BF16 number, not an "
-                              f"FP16 one), but a parameter of shape {tuple(p.shape)} is float16")
-                    break
-    if reason is not None:
-        raise ValueError(f"master='bf16_split' is not possible here: {reason}. Use master='fp32'.")
-
-
-def _refuse_dtensors(optimizer: Optimizer) -> None:
-    try:
-        from torch.distributed.tensor import DTensor
-    except Exception:  # torch built without distributed
-        return
-    if any(isinstance(p, DTensor) for g in optimizer.param_groups for p in g["params"]):
-        raise TypeError(
-            "optimizer has DTensor parameters (FSDP2's fully_shard, or tensor parallelism): MasterWeightOptimizer "
-            "is not allowed there, and not needed: under FSDP2 the sharded FP32 parameters are the masters and "
-            "MixedPrecisionPolicy(param_dtype=torch.bfloat16 or torch.float16) runs the forward and backward in "
-            "half precision. Build the optimizer over the FP32 sharded parameters and use it as it is."
-        )
-
-
-def _already_wrapped(what: str) -> str:
-    return (
-        f"{what} is already wrapped: its parameters are the FP32 masters of a MasterWeightOptimizer (or "
-        "it was wrapped before), so a second wrapper would update masters that never reach the model. Use "
-        "the MasterWeightOptimizer you already built (it is a torch.optim.Optimizer: give it to the LR "
-        "scheduler, return it from configure_optimizers) instead of its .optimizer, or build a new "
-        "optimizer over the model's parameters and wrap it once."
-    )
-
-
-def _upcast_state(value: Any, param: torch.Tensor) -> Any:
-    if not torch.is_tensor(value):
-        return value
-    if value.shape == param.shape and value.dim() > 0:  # per-element state: laid out like the master
-        return value.to(torch.float32 if value.dtype in _HALF else value.dtype, memory_format=torch.contiguous_format)
-    return value.float() if value.dtype in _HALF else value
-
-
-def _flag(found: dict[torch.device, torch.Tensor], device: torch.device) -> torch.Tensor:
-    flag = found.get(device)
-    if flag is None:
-        flag = found[device] = torch.zeros((), dtype=torch.float32, device=device)
-    return flag
-
-
-def _by_device_dtype(grads: list[torch.Tensor]) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
-    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for grad in grads:
-        groups.setdefault((grad.device, grad.dtype), []).append(grad)
-    return groups
-
-
-def _unscale_in_place(optimizer: Optimizer, inv_scale_on: InvScaleOn) -> dict[torch.device, torch.Tensor]:
-    from amp_plugin.scaler import _unscale_in_place as unscale
-
-    return unscale(optimizer, inv_scale_on)

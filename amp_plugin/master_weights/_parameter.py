@@ -141,7 +141,7 @@ class Record:
     master (int16, shaped like the parameter) and the parameter itself the high 16.
     """
 
-    __slots__ = ("master", "low_bits", "version", "ptr")
+    __slots__ = ("low_bits", "master", "ptr", "version")
 
     def __init__(self, master: MasterParameter | None, low_bits: torch.Tensor | None, version: int, ptr: int) -> None:
         self.master = master

@@ -44,7 +44,10 @@ def step_with_torch_ops(optimizer: torch.optim.Optimizer, low_bits_of: dict[int,
     """One step of ``optimizer`` (Adam/AdamW; BF16 parameters split with ``low_bits_of``)
     with torch's fused Adam kernel on FP32 masters joined for the step, then split back:
     the reference for the CPU kernel, and the path for tensors it cannot take."""
-    from amp_plugin.fused.adam import _hyper, _state  # the same state layout and hyperparameters
+    from amp_plugin.fused.adam import (  # the same state layout and hyperparameters
+        _hyper,
+        _state,
+    )
 
     adamw_default = isinstance(optimizer, torch.optim.AdamW)
     for group in optimizer.param_groups:
