@@ -15,7 +15,8 @@ fixed number of steps per seed, one validation at the end) in three configuratio
   built), its LR scheduler moved to the wrapper.
 
 Prints, per recipe, the mean and standard deviation over seeds of the validation metrics and
-of the training loss over the last 10% of the steps.
+of the training loss over the last 10% of the steps, and the same for the paired difference
+``bf16_split - bf16`` (seed by seed: the seeds' spread cancels).
 """
 
 from __future__ import annotations
@@ -100,6 +101,15 @@ def main() -> None:
                 cells.append(f"{mean:.4f} ± {std:.4f}")
             errors = sum(r["error"] is not None for r in rows)
             print(f"| {config} | " + " | ".join(cells) + f" | {errors} |")
+        by_seed = {(r["config"], r["seed"]): r["metrics"] for r in runs if r["recipe"] == recipe}
+        cells = []
+        for metric in metrics:
+            diffs = [by_seed[("bf16_split", s)][metric] - by_seed[("bf16", s)][metric] for s in args.seeds
+                     if metric in by_seed.get(("bf16_split", s), {}) and metric in by_seed.get(("bf16", s), {})]
+            mean = statistics.fmean(diffs) if diffs else float("nan")
+            std = statistics.stdev(diffs) if len(diffs) > 1 else 0.0
+            cells.append(f"{mean:+.4f} ± {std:.4f}")
+        print("| bf16_split - bf16, paired | " + " | ".join(cells) + " | |")
 
 
 if __name__ == "__main__":

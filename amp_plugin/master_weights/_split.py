@@ -13,6 +13,11 @@ bias that rounding does not have (rounding errs by at most half an ulp, either w
 masters themselves, and so the optimizer's trajectory given the same gradients, are those of
 an FP32 master; the forward pass sees slightly different (smaller-magnitude) weights.
 
+Measured on this project's recipes (``benchmarks/bench_split_master.py``: the ``bf16``
+preset with and without ``master="bf16_split"``, 300 steps, 6 seeds, paired by seed) the
+effect is within seed noise: ``char_gpt`` validation loss +0.013 +- 0.023 (about 0.6%),
+``digits`` validation accuracy -0.001 +- 0.003.
+
 These helpers do it with torch ops (any device); the CPU kernel ``adam_step_split_`` does
 the same in one pass.
 """
