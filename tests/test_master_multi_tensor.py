@@ -119,7 +119,8 @@ def test_the_number_of_kernel_launches_does_not_grow_with_the_parameters(mode):
     few, many = top_level_ops(1, mode), top_level_ops(6, mode)
     assert few == many
     if mode == "torch":
-        assert few["aten::_fused_adamw_"] == 1 and few["aten::_foreach_copy_"] == 2
+        assert few["aten::_fused_adamw_"] == 1 and few["aten::_foreach_copy_"] == 1  # Adam, the copy back
+        assert few["aten::_foreach_mul"] == 1  # the FP32 copies of the half gradients
         assert few["aten::_amp_foreach_non_finite_check_and_unscale_"] == 1
         assert few.get("aten::item", 0) + few.get("aten::_local_scalar_dense", 0) <= 2  # the skip decision
     else:

@@ -126,22 +126,21 @@ def _state(optimizer: Optimizer, p: torch.Tensor, like: torch.Tensor | None = No
 
 @torch.no_grad()
 def adam_step(
-    ops: Any, optimizer: Optimizer, grad_of: dict[int, torch.Tensor], model_of: dict[int, torch.Tensor],
-    inv_scale: float = 1.0,
+    ops: Any, optimizer: Optimizer, grads: list[torch.Tensor | None], index_of: dict[int, int],
+    models: list[torch.Tensor], inv_scale: float = 1.0,
 ) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
     """One Adam/AdamW step of ``optimizer`` (over FP32 masters) that also writes each updated
-    master, rounded, into its model parameter (``model_of[id(master)]``; masters that are
-    their own parameter are absent).
+    master, rounded, into its model parameter.
 
-    Gradients: ``grad_of[id(master)]`` for the half-precision parameters' masters, an FP32
-    gradient (used as it is) or the model's FP16/BF16 gradient (multiplied by ``inv_scale``
-    as it is read); a master absent from ``grad_of`` is not stepped. Parameters that are
-    their own master use their ``.grad``. Returns ``None``, having stepped nothing, when a
-    gradient does not suit the kernel (sparse, not contiguous, another dtype: a hook may have
-    replaced it); the caller then steps the stock way. Otherwise returns the
-    ``(model_param, master)`` pairs it updated but did not write into the model (a model
-    parameter that is not contiguous): the caller copies those. Initialises the state as
-    ``torch.optim.Adam(fused=True)`` does.
+    ``index_of[id(master)]`` is a half-precision parameter's position in ``grads`` and
+    ``models`` (masters that are their own parameter are absent: they use their ``.grad``).
+    ``grads[i]`` is an FP32 gradient (used as it is) or the model's FP16/BF16 gradient
+    (multiplied by ``inv_scale`` as it is read); ``None``: not stepped. Returns ``None``,
+    having stepped nothing, when a gradient does not suit the kernel (sparse, not contiguous,
+    another dtype: a hook may have replaced it); the caller then steps the stock way.
+    Otherwise returns the ``(model_param, master)`` pairs it updated but did not write into
+    the model (a model parameter that is not contiguous): the caller copies those.
+    Initialises the state as ``torch.optim.Adam(fused=True)`` does.
     """
     calls = []  # one look at each parameter's gradient and state, then the kernel per group
     adamw_default = isinstance(optimizer, torch.optim.AdamW)
@@ -149,31 +148,32 @@ def adam_step(
     unwritten = []
     float32 = torch.float32
     for group in optimizer.param_groups:
-        params, grads, exp_avgs, exp_avg_sqs, steps, models = [], [], [], [], [], []
+        params, group_grads, exp_avgs, exp_avg_sqs, steps, group_models = [], [], [], [], [], []
         for p in group["params"]:
-            key = id(p)
-            model = model_of.get(key)
-            g = p.grad if model is None else grad_of.get(key)
+            i = index_of.get(id(p))
+            g = p.grad if i is None else grads[i]
             if g is None:
                 continue
-            if not kernel_grad(g) or (model is None and g.dtype is not float32):
+            if not kernel_grad(g) or (i is None and g.dtype is not float32):
                 return None
             state = state_of[p]
             if not state:
                 state = _state(optimizer, p)
             params.append(p)
-            grads.append(g)
+            group_grads.append(g)
             exp_avgs.append(state["exp_avg"])
             exp_avg_sqs.append(state["exp_avg_sq"])
             steps.append(state["step"])
+            model = None if i is None else models[i]
             if model is not None and not model.is_contiguous():
                 unwritten.append((model, p))
                 model = None
-            models.append(model)
+            group_models.append(model)
         if params:
-            calls.append((params, grads, exp_avgs, exp_avg_sqs, steps, models, _hyper(group, adamw_default)))
-    for params, grads, exp_avgs, exp_avg_sqs, steps, models, hyper in calls:
-        ops.adam_step_(params, grads, exp_avgs, exp_avg_sqs, steps, models, *hyper, float(inv_scale))
+            calls.append((params, group_grads, exp_avgs, exp_avg_sqs, steps, group_models,
+                          _hyper(group, adamw_default)))
+    for params, group_grads, exp_avgs, exp_avg_sqs, steps, group_models, hyper in calls:
+        ops.adam_step_(params, group_grads, exp_avgs, exp_avg_sqs, steps, group_models, *hyper, float(inv_scale))
     return unwritten
 
 

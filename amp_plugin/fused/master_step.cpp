@@ -505,7 +505,7 @@ struct V16 {
   static void store_h2(void* p, H x, H y, bool stream) {
     const __m512i xy = _mm512_inserti64x4(_mm512_castsi256_si512(x), y, 1);
     if (stream) {
-      _mm512_stream_si512(p, xy);
+      _mm512_stream_si512(static_cast<__m512i*>(p), xy);
     } else {
       _mm512_storeu_si512(p, xy);
     }

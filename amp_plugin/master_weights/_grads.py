@@ -6,9 +6,9 @@ the unscale factor per device. Each half parameter's FP32 master gradient is the
 
 - *pending*: nothing stored; it is ``model_grad * inv_scale``. The fused CPU step reads the
   half gradient and the factor directly. A Python read of ``master.grad`` materializes it.
-- *eager*: computed already (an FP32 view into one flat buffer per device), by the
-  multi-tensor unscale (``torch._amp_foreach_non_finite_check_and_unscale_`` needs an FP32
-  tensor to write), or for a gradient the kernels cannot read. Handed out on the first read.
+- *eager*: computed already (a new FP32 tensor), by the multi-tensor unscale
+  (``torch._amp_foreach_non_finite_check_and_unscale_`` needs an FP32 tensor to write), or for
+  a gradient the kernels cannot read. Handed out on the first read.
 - *materialized*: in the master's ``grad`` slot (read, or set by user code); the step uses
   it as it is then. ``None`` there (set by user code) leaves the parameter out of the step.
 
@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from amp_plugin.master_weights._parameter import GRAD_SLOT
+from amp_plugin.master_weights._parameter import set_grad
 
 if TYPE_CHECKING:
     from amp_plugin.master_weights._optimizer import MasterWeightOptimizer
@@ -74,21 +74,27 @@ def unscaled_copy(grad: torch.Tensor, inv_scale: torch.Tensor | None, ops: Any |
     return out
 
 
+_ONES: dict[torch.device, torch.Tensor] = {}
+
+
 @torch.no_grad()
-def eager_unscale(grads: list[torch.Tensor], like: list[torch.Tensor], inv_scale: torch.Tensor | None,
+def eager_unscale(grads: list[torch.Tensor], inv_scale: torch.Tensor | None,
                   found: torch.Tensor | None) -> list[torch.Tensor]:
-    """Multi-tensor copy of dense half ``grads`` (one device) into FP32 views shaped like
-    ``like``, all in one new flat buffer; then, with ``inv_scale``, torch's unscale with the
-    inf check into ``found``. Three kernel launches, whatever the number of tensors."""
-    device = like[0].device
-    flat = torch.empty(sum(t.numel() for t in like), dtype=torch.float32, device=device)
-    views = list(torch._utils._unflatten_dense_tensors(flat, like))
-    torch._foreach_copy_(views, grads)
+    """New FP32 copies of dense half ``grads`` (one device), laid out like them; then, with
+    ``inv_scale``, torch's unscale with the inf check into ``found``. Two ops whatever the
+    number of tensors: the copies come from ``torch._foreach_mul`` by a one-element FP32 one
+    (type promotion: an exact upcast into new tensors), so no per-tensor allocation or view
+    is dispatched from Python."""
+    device = grads[0].device
+    one = _ONES.get(device)
+    if one is None:
+        one = _ONES[device] = torch.ones(1, dtype=torch.float32, device=device)
+    out = list(torch._foreach_mul(grads, [one] * len(grads)))
     if inv_scale is not None:
         if found is None:
             found = torch.zeros((), dtype=torch.float32, device=device)
-        torch._amp_foreach_non_finite_check_and_unscale_(views, found, inv_scale)
-    return views
+        torch._amp_foreach_non_finite_check_and_unscale_(out, found, inv_scale)
+    return out
 
 
 class GradSession:
@@ -137,7 +143,7 @@ class GradSession:
         if grad is None:
             return None
         out = self.fp32(index, grad)
-        GRAD_SLOT.__set__(master, out)
+        set_grad(master, out)
         self.touched.add(index)
         return out
 
@@ -149,7 +155,7 @@ class GradSession:
         """Free every master gradient of this session; nothing is pending any more."""
         masters = self.owner._half_masters
         for index in self.touched:
-            GRAD_SLOT.__set__(masters[index], None)
+            set_grad(masters[index], None)
         for index, grad in enumerate(self.grads):
             if grad is not None:
                 master = masters[index]

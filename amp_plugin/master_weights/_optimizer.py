@@ -21,7 +21,6 @@ from amp_plugin.master_weights._grads import (
 )
 from amp_plugin.master_weights._multi_tensor import torch_adam_step
 from amp_plugin.master_weights._parameter import (
-    GRAD_SLOT,
     MASTER_TENSORS,
     MASTERS,
     WRAPPED,
@@ -29,6 +28,7 @@ from amp_plugin.master_weights._parameter import (
     Record,
     refresh,
     resync,
+    set_grad,
 )
 from amp_plugin.master_weights._refusals import (
     already_wrapped,
@@ -188,7 +188,7 @@ class MasterWeightOptimizer(Optimizer):
         self._half_masters: list[Any] = []  # ...their MasterParameters (master="fp32")...
         self._records: list[Record] = []  # ...and their records
         self._own: list[torch.Tensor] = []  # FP32 parameters: their own master
-        self._model_of: dict[int, torch.Tensor] = {}  # id(master) -> its half-precision model param
+        self._index_of: dict[int, int] = {}  # id(master) -> its position among the half-precision params
         self._low_bits_of: dict[int, torch.Tensor] = {}  # master="bf16_split": id(param) -> its low 16 bits
         self._session: GradSession | None = None
         self._warned_grads = False
@@ -314,37 +314,38 @@ class MasterWeightOptimizer(Optimizer):
 
         Contiguous CPU half gradients are only read (amp_plugin's inf-check kernel); the FP32
         master gradient is materialized if read, and the fused step reads the half gradient.
-        The others (another device, ``fused=False`` or ``"torch"``, not contiguous) are copied
-        into FP32 and unscaled with torch's multi-tensor kernels, one flat buffer per device,
-        freed after the step; sparse ones are upcast and coalesced first. No host sync.
+        The others (another device, ``fused=False`` or ``"torch"``) are copied into FP32 and
+        unscaled with torch's multi-tensor ops (two per device), freed after the step; sparse
+        or strided ones one by one (sparse ones upcast and coalesced first). No host sync.
         """
         if self.master == "bf16_split":  # the BF16 gradients are unscaled in place, exactly
             return unscale_in_place(self.optimizer, inv_scale_on)
         session = self._begin_session(inv_scale_on)
         found = unscale_grouped(by_device_dtype(self._own_grads()), inv_scale_on)
         ops = self._kernel_ops()
-        checked, eager, sparse = [], {}, []
+        checked, eager, single = [], [], []
         for i, grad in enumerate(session.grads):
             if grad is None:
                 continue
-            if grad.is_sparse:
-                sparse.append(i)
-            elif ops is not None and grad.is_cpu and grad.dtype in _HALF and grad.is_contiguous():
-                checked.append(grad)  # stays pending
+            if grad.is_sparse or not grad.is_contiguous():
+                single.append(i)  # one by one: a coalesced sparse copy, or a contiguous one
+            elif ops is not None and grad.is_cpu and grad.dtype in _HALF:
+                checked.append(grad)  # stays pending: the step reads it
             else:
-                eager.setdefault(grad.device, []).append(i)
+                eager.append(i)
         if checked:
             _adam.nonfinite_check(ops, checked, flag(found, torch.device("cpu")))
-        masters = self._half_masters
-        for device, index in eager.items():
-            views = eager_unscale([session.grads[i] for i in index], [masters[i] for i in index],
-                                  inv_scale_on(device), flag(found, device))
-            session.eager.update(zip(index, views))
-        for i in sparse:
-            grad = session.grads[i]
+        grads = session.grads
+        devices = {grads[i].device for i in eager}
+        for device in devices:
+            index = eager if len(devices) == 1 else [i for i in eager if grads[i].device == device]
+            copies = eager_unscale([grads[i] for i in index], inv_scale_on(device), flag(found, device))
+            session.eager.update(zip(index, copies))
+        for i in single:
+            grad = grads[i]
             out = unscaled_copy(grad, None)
-            torch._amp_foreach_non_finite_check_and_unscale_([out._values()], flag(found, grad.device),
-                                                             inv_scale_on(grad.device))
+            torch._amp_foreach_non_finite_check_and_unscale_([out._values() if out.is_sparse else out],
+                                                             flag(found, grad.device), inv_scale_on(grad.device))
             session.eager[i] = out
         return found
 
@@ -469,7 +470,7 @@ class MasterWeightOptimizer(Optimizer):
                 if split:
                     self._low_bits_of[id(p)] = record.low_bits
                 else:
-                    self._model_of[id(master)] = p
+                    self._index_of[id(master)] = len(self._half_models) - 1
             else:
                 master = p
                 self._own.append(p)
@@ -483,8 +484,8 @@ class MasterWeightOptimizer(Optimizer):
         grads = [p.grad for p in self._half_models]
         session = self._session = GradSession(self, inv_scale_on, grads, self._kernel_ops())
         for i, (master, grad) in enumerate(zip(self._half_masters, grads)):
-            if GRAD_SLOT.__get__(master) is not None:  # set outside a step: the model's gradient replaces it
-                GRAD_SLOT.__set__(master, None)
+            if master._amp_grad is not None:  # set outside a step: the model's gradient replaces it
+                set_grad(master, None)
             master._amp_pending = None if grad is None else (session, i)
         return session
 
@@ -508,85 +509,78 @@ class MasterWeightOptimizer(Optimizer):
                 grads.append(g._values() if g.is_sparse else g)
         return grads
 
-    def _step_grads(self, session: GradSession) -> tuple[dict[int, torch.Tensor], list[int]]:
-        """What the step uses per half parameter: ``{id(master): gradient}`` with FP32
-        gradients (materialized, set, computed ahead) and, for the pending ones, the model's
-        half gradient; and the indices of those pending ones."""
-        grad_of: dict[int, torch.Tensor] = {}
+    def _step_grads(self, session: GradSession) -> tuple[list[torch.Tensor | None], list[int]]:
+        """What the step uses per half parameter (by index): an FP32 gradient (materialized,
+        set, computed ahead) or, for the pending ones, the model's half gradient; ``None``:
+        not stepped. And the indices of the pending ones."""
+        grads: list[torch.Tensor | None] = []
         pending: list[int] = []
         touched, seen, versions, eager = session.touched, session.grads, session.versions, session.eager
-        slot_of = GRAD_SLOT.__get__
         for i, (model, master) in enumerate(zip(self._half_models, self._half_masters)):
-            slot = slot_of(master)
-            if slot is not None:
-                grad_of[id(master)] = slot
-                continue
-            if seen[i] is None or i in touched:
+            slot = master._amp_grad
+            if slot is not None or seen[i] is None or i in touched:
+                grads.append(slot)
                 continue
             grad = model.grad
             if grad is not seen[i] or grad._version != versions[i]:
                 self._warn_grads_changed()
-                if grad is None:
-                    continue
+                if grad is not None:
+                    pending.append(i)
             elif i in eager:
-                grad_of[id(master)] = eager[i]
-                continue
-            grad_of[id(master)] = grad
-            pending.append(i)
-        return grad_of, pending
-
-    def _to_fp32(self, session: GradSession, grad_of: dict[int, torch.Tensor], pending: list[int]) -> None:
-        """Replace the pending half gradients in ``grad_of`` by FP32 master gradients: one
-        multi-tensor copy (and unscale) per device; sparse or odd ones one by one."""
-        by_device: dict[torch.device, list[int]] = {}
-        masters = self._half_masters
-        for i in pending:
-            grad = grad_of[id(masters[i])]
-            if grad.is_sparse or grad.dtype not in _HALF:
-                grad_of[id(masters[i])] = unscaled_copy(grad, session.inv_on(grad.device), session.ops)
+                grad = eager[i]
             else:
-                by_device.setdefault(grad.device, []).append(i)
-        for device, index in by_device.items():
-            views = eager_unscale([grad_of[id(masters[i])] for i in index], [masters[i] for i in index],
-                                  session.inv_on(device), None)
-            for i, view in zip(index, views):
-                grad_of[id(masters[i])] = view
+                pending.append(i)
+            grads.append(grad)
+        return grads, pending
+
+    def _to_fp32(self, session: GradSession, grads: list[torch.Tensor | None], pending: list[int],
+                 only_unreadable: bool = False) -> None:
+        """Replace the pending half gradients in ``grads`` by FP32 master gradients: one
+        multi-tensor copy (and unscale) per device, sparse or strided ones one by one
+        (``only_unreadable``: just those the CPU kernel cannot read)."""
+        batch: list[int] = []
+        for i in pending:
+            grad = grads[i]
+            if grad.is_sparse or not grad.is_contiguous() or grad.dtype not in _HALF or (
+                    only_unreadable and not grad.is_cpu):
+                grads[i] = unscaled_copy(grad, session.inv_on(grad.device), session.ops)
+            elif not only_unreadable:
+                batch.append(i)
+        for device in {grads[i].device for i in batch}:
+            index = [i for i in batch if grads[i].device == device]
+            for i, copy in zip(index, eager_unscale([grads[i] for i in index], session.inv_on(device), None)):
+                grads[i] = copy
 
     # ------------------------------------------------------------------ internals: the step
     def _step(self, session: GradSession, kwargs: dict[str, Any]) -> Any:
-        grad_of, pending = self._step_grads(session)
+        grads, pending = self._step_grads(session)
         path = self._path(kwargs)
-        written: list[tuple[torch.Tensor, torch.Tensor]] | None = None
-        result = None
+        masters, models = self._half_masters, self._half_models
         if path == "kernels":
-            masters = self._half_masters
-            for i in pending:  # a gradient the kernel cannot read (not contiguous): an FP32 copy
-                grad = grad_of[id(masters[i])]
-                if not _adam.kernel_grad(grad):
-                    grad_of[id(masters[i])] = unscaled_copy(grad, session.inv_on(grad.device), session.ops)
+            self._to_fp32(session, grads, pending, only_unreadable=True)
             inv = session.inv_on(torch.device("cpu"))
-            unwritten = _adam.adam_step(self._kernel_ops(), self.optimizer, grad_of, self._model_of,
+            unwritten = _adam.adam_step(self._kernel_ops(), self.optimizer, grads, self._index_of, models,
                                         1.0 if inv is None else float(inv))
             if unwritten is not None:
                 self.optimizer._opt_called = True  # what an LR scheduler's step tracking records
                 self._copy_into_model(unwritten)
-                self._record_versions(grad_of)
+                self._record_versions(grads)
                 return None
-        self._to_fp32(session, grad_of, pending)
+            pending = [i for i in pending if grads[i] is not None and grads[i].dtype in _HALF]
+        self._to_fp32(session, grads, pending)
+        result = None
         if path == "torch":
-            written = torch_adam_step(self.optimizer, grad_of, self._model_of)
+            torch_adam_step(self.optimizer, grads, self._index_of)
             self.optimizer._opt_called = True
-        else:
-            masters = self._half_masters
-            for master in masters:
-                g = grad_of.get(id(master))
-                if g is not None and GRAD_SLOT.__get__(master) is not g:
-                    GRAD_SLOT.__set__(master, g)
-            session.touched.update(range(len(masters)))
+        else:  # the wrapped optimizer's own step reads the masters' .grad
+            touched = session.touched
+            for i, (master, grad) in enumerate(zip(masters, grads)):
+                if grad is not None and master._amp_grad is not grad:
+                    set_grad(master, grad)
+                    touched.add(i)
             result = self.optimizer.step(**kwargs)
-            written = [(self._model_of[id(m)], m) for m in masters if id(m) in grad_of]
-        self._copy_into_model(written)
-        self._record_versions(grad_of)
+        self._copy_into_model([(models[i], masters[i]) for i, grad in enumerate(grads) if grad is not None])
+        self._record_versions(grads)
         return result
 
     def _step_split(self, kwargs: dict[str, Any]) -> None:
@@ -617,9 +611,9 @@ class MasterWeightOptimizer(Optimizer):
             with torch.no_grad():
                 torch._foreach_copy_(list(models), list(masters))
 
-    def _record_versions(self, grad_of: dict[int, torch.Tensor]) -> None:
-        for model_p, master, record in zip(self._half_models, self._half_masters, self._records):
-            if id(master) in grad_of:
+    def _record_versions(self, grads: list[torch.Tensor | None]) -> None:
+        for model_p, grad, record in zip(self._half_models, grads, self._records):
+            if grad is not None:
                 record.version = model_p._version
 
     def _kernel_ops(self) -> Any | None:

@@ -58,6 +58,7 @@ class MasterParameter(torch.nn.Parameter):
 
     _amp_model: Any  # weakref.ref to the model parameter
     _amp_pending: tuple[_Session, int] | None
+    _amp_grad: torch.Tensor | None  # what the grad slot holds, as this class wrote it (read without a C call)
 
     @staticmethod
     def of(model_param: torch.Tensor) -> MasterParameter:
@@ -68,6 +69,7 @@ class MasterParameter(torch.nn.Parameter):
         master = torch.Tensor._make_subclass(MasterParameter, data, model_param.requires_grad)
         master._amp_model = weakref.ref(model_param)
         master._amp_pending = None
+        master._amp_grad = None
         return master
 
     def model_param(self) -> torch.Tensor | None:
@@ -77,11 +79,10 @@ class MasterParameter(torch.nn.Parameter):
     # ------------------------------------------------------------------ grad
     @property
     def grad(self) -> torch.Tensor | None:  # type: ignore[override]
-        g = GRAD_SLOT.__get__(self)
+        g = self._amp_grad
         if g is None:
             pending = self._amp_pending
-            if pending is not None:
-                g = pending[0].materialize(pending[1])
+            g = pending[0].materialize(pending[1]) if pending is not None else GRAD_SLOT.__get__(self)
         return g
 
     @grad.setter
@@ -90,7 +91,7 @@ class MasterParameter(torch.nn.Parameter):
         if pending is not None:
             self._amp_pending = None
             pending[0].override(pending[1])
-        GRAD_SLOT.__set__(self, value)
+        set_grad(self, value)
 
     @grad.deleter
     def grad(self) -> None:
@@ -125,6 +126,12 @@ class MasterParameter(torch.nn.Parameter):
 
     def __repr__(self) -> str:
         return "MasterParameter containing:\n" + torch.Tensor.__repr__(self.data)
+
+
+def set_grad(master: MasterParameter, value: torch.Tensor | None) -> None:
+    """Write a master's grad slot (and the copy the ``grad`` property reads)."""
+    GRAD_SLOT.__set__(master, value)
+    master._amp_grad = value
 
 
 class Record:
