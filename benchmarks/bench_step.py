@@ -13,8 +13,15 @@ CPU time, which the other jobs on a shared machine disturb less):
 - ours, torch multi-tensor (fused="torch"): the CUDA path on CPU tensors: multi-tensor copy
              and unscale into transient FP32 grads, torch's fused AdamW, multi-tensor copy back.
 - ours, stock torch ops (fused=False): the same copy and unscale, then AdamW's own step().
+- ours, AdamW(foreach=True): what another optimizer gets: the inf check and the FP32 copies
+             from amp_plugin's kernels, then the optimizer's own step(), then a copy back.
 - lightning: Lightning `16-mixed`'s path: torch.amp.GradScaler + default AdamW (foreach) on
              N FP32 params: unscale_, step, update.
+
+Paths that make FP32 gradients each step (all but "ours") allocate them anew: on the CPU,
+glibc returns big freed blocks to the kernel, so each step faults their pages in again (as it
+does for AdamW(foreach=True)'s own temporaries); ``MALLOC_MMAP_THRESHOLD_`` and
+``MALLOC_TRIM_THRESHOLD_`` set high keep them in the process instead.
 
 ``--mix``: the parameters as a transformer holds them (per block: attention and MLP
 matrices, their biases, two norms), not ``--chunks`` equal tensors.
@@ -249,11 +256,12 @@ def main() -> None:
     floor_params = make_params(sizes, torch.float32, device)
     floor_opt = torch.optim.AdamW(floor_params, lr=1e-3, fused=True)
 
-    def master_weight_path(fused):
+    def master_weight_path(fused, adamw_fused=True):
         params = make_params(sizes, torch.float16, device)
         for p in params:
             p.grad.mul_(2.0**10)  # grads as a scaled backward leaves them
-        opt = MasterWeightOptimizer(torch.optim.AdamW(params, lr=1e-3, fused=True), fused=fused)
+        inner = torch.optim.AdamW(params, lr=1e-3, **({"fused": True} if adamw_fused else {"foreach": True}))
+        opt = MasterWeightOptimizer(inner, fused=fused)
         scaler = DynamicLossScaler(init_scale=2.0**10)
 
         def step() -> None:
@@ -279,7 +287,9 @@ def main() -> None:
 
     paths = {"floor (fused AdamW, FP32)": floor, "ours (FP16 + FP32 masters)": master_weight_path(None),
              "ours, torch multi-tensor (fused=\"torch\")": master_weight_path("torch"),
-             "ours, stock torch ops (fused=False)": master_weight_path(False), "Lightning 16-mixed path": lightning}
+             "ours, stock torch ops (fused=False)": master_weight_path(False),
+             "ours, AdamW(foreach=True) (its own step)": master_weight_path(None, adamw_fused=False),
+             "Lightning 16-mixed path": lightning}
     for fn in paths.values():  # warm up: allocate state
         fn()
     times: dict[str, list[float]] = {name: [] for name in paths}

@@ -48,9 +48,9 @@ def table_rows(text: str) -> list[list[str]]:
 def test_bench_step_prints_the_paths_the_traffic_floor_and_the_stages():
     out = run("bench_step.py", "--params", "0.2", "--chunks", "4", "--repeats", "2", "--threads", "1", "--stages")
     names = [row[0] for row in table_rows(out)]
-    assert names[:5] == ["floor (fused AdamW, FP32)", "ours (FP16 + FP32 masters)",
+    assert names[:6] == ["floor (fused AdamW, FP32)", "ours (FP16 + FP32 masters)",
                          'ours, torch multi-tensor (fused="torch")', "ours, stock torch ops (fused=False)",
-                         "Lightning 16-mixed path"]
+                         "ours, AdamW(foreach=True) (its own step)", "Lightning 16-mixed path"]
     assert sum(name.startswith("memory-traffic floor") for name in names) == 2
     assert re.search(r"ours / Lightning 16-mixed path: [0-9.]+x", out)
     stages = [name for name in names if name[0].isdigit()]

@@ -9,8 +9,8 @@
 //   (copy the half gradients to FP32, unscale, Adam, copy back).
 // adam_step_split_: the same update for BF16 masters kept as the model's BF16 weight (the high
 //   16 bits of the FP32 master) plus a 16-bit extension (the low 16 bits).
-// unscale_into_: FP32 master gradients materialized from half gradients (copy and unscale in
-//   one pass), for when something reads them.
+// unscale_into_, unscale_copy: FP32 master gradients materialized from half gradients (copy,
+//   unscale and inf check in one pass), for when something reads them or the step needs them.
 //
 // Built on first use by amp_plugin/fused/__init__.py with torch.utils.cpp_extension.load;
 // the ops appear as torch.ops.amp_plugin.*.
@@ -164,10 +164,9 @@ void unscale_one(const at::Tensor& half, const at::Tensor& out, float inv_scale,
     for (int64_t b = begin; b < end; b += kBlock) {
       const int64_t n = std::min(kBlock, end - b);
       to_float_block(in + b, block, n);
-      for (int64_t i = 0; i < n; ++i) {
-        const float f = block[i] * s;
-        block[i] = f;
-        bad |= nonfinite(f);
+      for (int64_t i = 0; i < n; ++i) {  // the value is checked before it is scaled, as torch's unscale does
+        bad |= nonfinite(block[i]);
+        block[i] = block[i] * s;
       }
       store_floats(block, dst + b, n, stream);
     }
@@ -180,7 +179,7 @@ void unscale_one(const at::Tensor& half, const at::Tensor& out, float inv_scale,
   });
 }
 
-// out[i] = float(half_grads[i]) * inv_scale; found_inf = 1 if any result is inf/NaN.
+// out[i] = float(half_grads[i]) * inv_scale; found_inf = 1 if any half value is inf/NaN.
 void unscale_into_(at::TensorList half_grads, at::TensorList out, const at::Tensor& found_inf,
                    const at::Tensor& inv_scale) {
   TORCH_CHECK(half_grads.size() == out.size(), "unscale_into_: list lengths differ");
@@ -204,6 +203,19 @@ void unscale_into_(at::TensorList half_grads, at::TensorList out, const at::Tens
   if (found.load()) {
     found_inf.fill_(1.0);
   }
+}
+
+// New contiguous FP32 tensors float(half_grads[i]) * inv_scale (the FP32 master gradients
+// a step materializes), in one op whatever their number; found_inf as unscale_into_.
+std::vector<at::Tensor> unscale_copy(at::TensorList half_grads, const at::Tensor& found_inf,
+                                     const at::Tensor& inv_scale) {
+  std::vector<at::Tensor> out;
+  out.reserve(half_grads.size());
+  for (const at::Tensor& g : half_grads) {
+    out.push_back(at::empty(g.sizes(), g.options().dtype(at::kFloat)));
+  }
+  unscale_into_(half_grads, out, found_inf, inv_scale);
+  return out;
 }
 
 // ---------------------------------------------------------------------------------------
@@ -881,6 +893,7 @@ void adam_step_split_(at::TensorList weights, at::TensorList low_bits, at::Tenso
 TORCH_LIBRARY(amp_plugin, m) {
   m.def("unscale_into_(Tensor[] half_grads, Tensor(a!)[] out, Tensor(b!) found_inf, Tensor inv_scale) -> ()");
   m.def("nonfinite_check_(Tensor[] grads, Tensor(a!) found_inf) -> ()");
+  m.def("unscale_copy(Tensor[] half_grads, Tensor(a!) found_inf, Tensor inv_scale) -> Tensor[]");
   m.def(
       "adam_step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
       "Tensor(d!)[] state_steps, Tensor(e!)?[] model_params, float lr, float beta1, float beta2, "
@@ -894,6 +907,7 @@ TORCH_LIBRARY(amp_plugin, m) {
 TORCH_LIBRARY_IMPL(amp_plugin, CPU, m) {
   m.impl("unscale_into_", &unscale_into_);
   m.impl("nonfinite_check_", &nonfinite_check_);
+  m.impl("unscale_copy", &unscale_copy);
   m.impl("adam_step_", &adam_step_);
   m.impl("adam_step_split_", &adam_step_split_);
 }

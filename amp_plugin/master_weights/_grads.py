@@ -74,27 +74,41 @@ def unscaled_copy(grad: torch.Tensor, inv_scale: torch.Tensor | None, ops: Any |
     return out
 
 
-_ONES: dict[torch.device, torch.Tensor] = {}
+_ONES: dict[tuple[torch.device, int], torch.Tensor] = {}
 
 
 @torch.no_grad()
-def eager_unscale(grads: list[torch.Tensor], inv_scale: torch.Tensor | None,
-                  found: torch.Tensor | None) -> list[torch.Tensor]:
-    """New FP32 copies of dense half ``grads`` (one device), laid out like them; then, with
-    ``inv_scale``, torch's unscale with the inf check into ``found``. Two ops whatever the
-    number of tensors: the copies come from ``torch._foreach_mul`` by a one-element FP32 one
-    (type promotion: an exact upcast into new tensors), so no per-tensor allocation or view
-    is dispatched from Python."""
+def eager_unscale(grads: list[torch.Tensor], inv_scale: torch.Tensor | None, found: torch.Tensor | None,
+                  ops: Any | None = None) -> list[torch.Tensor]:
+    """New FP32 tensors ``grad.float() * inv_scale`` for dense half ``grads`` (one device, laid
+    out like them) with the inf check into ``found`` (``inv_scale=None``: a plain upcast).
+    One op whatever the number of tensors, two on the torch path:
+
+    - on the CPU with amp_plugin's kernels (``ops``): ``unscale_copy``, one pass;
+    - otherwise torch's: ``torch._foreach_mul`` by a one-element FP32 tensor (type promotion:
+      an exact upcast that allocates every output in one op, so no per-tensor allocation or
+      view is dispatched from Python: host work on a GPU), then
+      ``torch._amp_foreach_non_finite_check_and_unscale_``. On the CPU this mixed-dtype
+      multiply runs torch's unvectorised casting loop: several times slower than a copy.
+    """
     device = grads[0].device
-    one = _ONES.get(device)
-    if one is None:
-        one = _ONES[device] = torch.ones(1, dtype=torch.float32, device=device)
-    out = list(torch._foreach_mul(grads, [one] * len(grads)))
+    if found is None:
+        found = torch.zeros((), dtype=torch.float32, device=device)
+    if ops is not None and device.type == "cpu" and all(g.is_contiguous() for g in grads):
+        return list(ops.unscale_copy(grads, found, (inv_scale if inv_scale is not None else _one(device)).float()))
+    out = list(torch._foreach_mul(grads, [_one(device, 1)] * len(grads)))
     if inv_scale is not None:
-        if found is None:
-            found = torch.zeros((), dtype=torch.float32, device=device)
         torch._amp_foreach_non_finite_check_and_unscale_(out, found, inv_scale)
     return out
+
+
+def _one(device: torch.device, dims: int = 0) -> torch.Tensor:
+    """A cached FP32 one on ``device``: 0-dim, or (``dims=1``) of shape ``(1,)``."""
+    key = (device, dims)
+    one = _ONES.get(key)
+    if one is None:
+        one = _ONES[key] = torch.ones((1,) * dims, dtype=torch.float32, device=device)
+    return one
 
 
 class GradSession:

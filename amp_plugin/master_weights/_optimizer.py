@@ -339,7 +339,7 @@ class MasterWeightOptimizer(Optimizer):
         devices = {grads[i].device for i in eager}
         for device in devices:
             index = eager if len(devices) == 1 else [i for i in eager if grads[i].device == device]
-            copies = eager_unscale([grads[i] for i in index], inv_scale_on(device), flag(found, device))
+            copies = eager_unscale([grads[i] for i in index], inv_scale_on(device), flag(found, device), ops)
             session.eager.update(zip(index, copies))
         for i in single:
             grad = grads[i]
@@ -548,7 +548,8 @@ class MasterWeightOptimizer(Optimizer):
                 batch.append(i)
         for device in {grads[i].device for i in batch}:
             index = [i for i in batch if grads[i].device == device]
-            for i, copy in zip(index, eager_unscale([grads[i] for i in index], session.inv_on(device), None)):
+            copies = eager_unscale([grads[i] for i in index], session.inv_on(device), None, session.ops)
+            for i, copy in zip(index, copies):
                 grads[i] = copy
 
     # ------------------------------------------------------------------ internals: the step
