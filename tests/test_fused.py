@@ -48,6 +48,36 @@ def test_unscale_into_flags_non_finite_anywhere(ops, dtype, bad):
         assert found.item() == 1.0
 
 
+@pytest.mark.parametrize("dtype", HALF)
+def test_unscale_copy_makes_new_fp32_tensors_like_copy_then_unscale(ops, dtype):
+    g = torch.Generator().manual_seed(0)
+    halves = [(torch.randn(*shape, generator=g) * 3000).to(dtype) for shape in ((3, 5), (7,), ((1 << 20) + 13,))]
+    found = torch.zeros(())
+    out = ops.unscale_copy(halves, found, torch.tensor(2.0**-13))
+    expected = [h.float() for h in halves]
+    torch._amp_foreach_non_finite_check_and_unscale_(expected, torch.zeros(()), torch.tensor(2.0**-13))
+    for o, e in zip(out, expected):
+        assert o.dtype == torch.float32 and o.is_contiguous() and o.shape == e.shape and torch.equal(o, e)
+    assert found.item() == 0.0
+    halves[1][3] = float("nan")
+    ops.unscale_copy(halves, found, torch.tensor(1.0))
+    assert found.item() == 1.0
+
+
+def test_the_unscale_kernels_check_values_before_scaling_them_as_torch_does(ops):
+    """A finite half value that the factor takes past FP32's range is not an overflow of the
+    gradient: torch's unscale checks the value it reads, not the product."""
+    half = torch.full((5,), 60000.0, dtype=torch.float16)
+    inv = torch.tensor(2.0**120)
+    torch_found = torch.zeros(())
+    torch._amp_foreach_non_finite_check_and_unscale_([half.float()], torch_found, inv)
+    for run in (lambda f: ops.unscale_into_([half], [torch.empty(5)], f, inv),
+                lambda f: ops.unscale_copy([half], f, inv)):
+        found = torch.zeros(())
+        run(found)
+        assert found.item() == torch_found.item() == 0.0
+
+
 def test_unscale_into_never_clears_a_raised_flag(ops):
     found = torch.ones(())
     ops.unscale_into_([torch.ones(3, dtype=torch.float16)], [torch.empty(3)], found, torch.tensor(1.0))
