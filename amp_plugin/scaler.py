@@ -152,9 +152,11 @@ class LossScaler:
         """Divide the optimizer's gradients by the scale and record whether any is inf/NaN.
 
         An optimizer that owns master copies (:class:`~amp_plugin.MasterWeightOptimizer`)
-        reads its model's half-precision gradients and writes unscaled FP32 master gradients
-        in the same call. Other optimizers are unscaled in place. Call it at most once per
-        optimizer between ``update()`` calls (for example before clipping).
+        does it through its ``unscale_grads_``: it checks its model's half-precision
+        gradients, which stay scaled, and from then until the step its masters' ``.grad`` are
+        the unscaled FP32 gradients (made when read). Other optimizers are unscaled in place.
+        Call it at most once per optimizer between ``update()`` calls (for example before
+        clipping).
 
         On a disabled scaler there is nothing to unscale, but a master-weight optimizer still
         gets its FP32 master gradients copied from the model (``sync_grads()``), so clipping

@@ -4,15 +4,18 @@
     python benchmarks/bench_memory.py --devices 2             # FSDP2, ModelParallelStrategy, per rank
     python benchmarks/bench_memory.py --quick                 # tiny model (the smoke test)
     python benchmarks/bench_memory.py --params 64 --configs "ours fp16" "Lightning bf16-mixed" --out mem.json
+    python benchmarks/bench_memory.py --fused-adamw --configs "ours fp16" "ours bf16" "ours bf16_split"
 
 The model is a stack of blocks ``Linear(d, d) -> LayerNorm(d) -> GELU`` (``d = 1024``;
 ``--params`` millions of parameters set the depth), trained ``--steps`` AdamW steps on
-random regression data (batch 64, MSE loss in FP32) through
+random regression data (batch 64, MSE loss in FP32; ``--fused-adamw``: ``AdamW(fused=True)``) through
 ``Trainer(accelerator="cpu", max_steps=..., logger=False, enable_checkpointing=False)`` (of
 ``amp_plugin.lightning.pl``). Configurations:
 
 - ours, every preset (``amp_plugin.settings.PRESETS``), built as ``MixedPrecisionPlugin(preset)``
-  with the default scaler and emulation a user gets;
+  with the default scaler and emulation a user gets; and ``ours bf16_split``: the ``bf16`` preset
+  with the module's own ``MasterWeightOptimizer(AdamW(...), master="bf16_split")`` (BF16 masters
+  kept as the BF16 weight plus a 16-bit extension), which the plugin keeps as it is;
 - Lightning's own ``32-true``, ``16-mixed`` (with an explicit ``torch.amp.GradScaler("cpu")``:
   on CPU Lightning silently swaps ``16-mixed`` for ``bf16-mixed`` otherwise), ``bf16-mixed``
   and ``bf16-true``.
@@ -30,9 +33,11 @@ pointer; DTensors by their local shard), divided by the model's (global) paramet
 
 - ``weights``: the module's parameters and buffers (under FSDP2: this rank's shards);
 - ``grads``: their ``.grad``;
-- ``master``: optimizer parameters that are not module parameters (FP32 master copies);
-- ``master grads``: the masters' ``.grad`` and the FP32 gradient buffers
-  ``MasterWeightOptimizer`` keeps across steps;
+- ``master``: optimizer parameters that are not module parameters (FP32 master copies), and
+  whatever else ``MasterWeightOptimizer.master_tensors()`` names (``bf16_split``: the
+  extensions);
+- ``master grads``: the masters' ``.grad`` (``MasterWeightOptimizer`` frees them after each
+  step);
 - ``moments``: every tensor in the optimizer state (AdamW's two moments and its step counters).
 
 ``total`` is their sum right after the last optimizer step, gradients still present (what a
@@ -80,14 +85,16 @@ from torch import nn
 
 MMAP_THRESHOLD = 128 * 1024  # glibc's initial threshold, kept fixed (MALLOC_MMAP_THRESHOLD_)
 COMPONENTS = ("weights", "grads", "master", "master_grads", "moments")
-OURS = ("fp32", "fp16", "bf16", "fp16_autocast", "bf16_autocast", "fp16_pure", "bf16_pure")
+OURS = ("fp32", "fp16", "bf16", "fp16_autocast", "bf16_autocast", "fp16_pure", "bf16_pure", "bf16_split")
+SPLIT = "bf16_split"  # not a preset: the bf16 preset with master="bf16_split" (see the module docstring)
 LIGHTNING_1 = ("32-true", "16-mixed", "bf16-mixed", "bf16-true")
 LIGHTNING_FSDP = ("32-true", "bf16-mixed", "bf16-true")
 
 
 def config_names(devices: int) -> list[str]:
     lightning = LIGHTNING_1 if devices == 1 else LIGHTNING_FSDP
-    return [f"ours {p}" for p in OURS] + [_lightning_name(p) for p in lightning]
+    ours = OURS if devices == 1 else [p for p in OURS if p != SPLIT]  # FSDP2's shards are the masters
+    return [f"ours {p}" for p in ours] + [_lightning_name(p) for p in lightning]
 
 
 def _lightning_name(precision: str) -> str:
@@ -117,10 +124,12 @@ class Block(nn.Module):
 
 
 class Stack(pl.LightningModule):
-    def __init__(self, d: int, depth: int, steps: int, batch: int = 64, fsdp: str | None = None) -> None:
+    def __init__(self, d: int, depth: int, steps: int, batch: int = 64, fsdp: str | None = None,
+                 fused_adamw: bool = False, master: str | None = None) -> None:
         super().__init__()
         self.net = nn.Sequential(*[Block(d) for _ in range(depth)])
         self.d, self.steps, self.batch, self.fsdp = d, steps, batch, fsdp
+        self.fused_adamw, self.master = fused_adamw, master
 
     def configure_model(self) -> None:
         if self.fsdp is None:
@@ -145,7 +154,12 @@ class Stack(pl.LightningModule):
         return F.mse_loss(self(x).float(), y)
 
     def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+        optimizer = torch.optim.AdamW(self.parameters(), lr=1e-3, fused=self.fused_adamw or None)
+        if self.master is None:
+            return optimizer
+        from amp_plugin import MasterWeightOptimizer
+
+        return MasterWeightOptimizer(optimizer, master=self.master)
 
     def train_dataloader(self):
         g = torch.Generator().manual_seed(0)
@@ -190,10 +204,10 @@ def tally(module: nn.Module, optimizers: list[torch.optim.Optimizer]) -> dict[st
         masters = [p for group in opt.param_groups for p in group["params"] if id(p) not in ids]
         for p in masters:
             add("master", p)
+        for t in getattr(opt, "master_tensors", list)():  # MasterWeightOptimizer: e.g. bf16_split's extensions
+            add("master", t)
         for p in masters:
             add("master_grads", p.grad)
-        for buffer in getattr(opt, "_grad_buffers", []):  # MasterWeightOptimizer's persistent FP32 grads
-            add("master_grads", buffer)
         for state in opt.state.values():
             for value in state.values():
                 if torch.is_tensor(value):
@@ -245,7 +259,7 @@ def _plugin(name: str, devices: int) -> dict[str, Any]:
     if kind == "ours":
         from amp_plugin.lightning import MixedPrecisionPlugin
 
-        return {"plugins": [MixedPrecisionPlugin(preset)]}
+        return {"plugins": [MixedPrecisionPlugin("bf16" if preset == SPLIT else preset)]}
     if preset.startswith("16-mixed"):
         MixedPrecision = pl.plugins.precision.MixedPrecision
 
@@ -262,7 +276,8 @@ def _skipped(trainer: pl.Trainer) -> int | None:
     return scaler.skipped_steps
 
 
-def run_child(name: str, params_m: float, d: int, steps: int, devices: int, result_dir: str | None) -> dict[str, Any]:
+def run_child(name: str, params_m: float, d: int, steps: int, devices: int, result_dir: str | None,
+              fused_adamw: bool = False) -> dict[str, Any]:
     """Train one configuration in this (fresh) process and return its numbers."""
     rss_imports = _rss_mib()
     pl.seed_everything(0, verbose=False)
@@ -282,7 +297,8 @@ def run_child(name: str, params_m: float, d: int, steps: int, devices: int, resu
     # shards (Lightning calls reset_parameters after fully_shard), as a model too big for one
     # device must be; one process builds it in full.
     with trainer.init_module(empty_init=devices > 1):
-        module = Stack(d, depth, steps, fsdp=fsdp)
+        module = Stack(d, depth, steps, fsdp=fsdp, fused_adamw=fused_adamw,
+                       master=SPLIT if name == f"ours {SPLIT}" else None)
     n_params = sum(p.numel() for p in module.parameters())
     start = time.perf_counter()
     with warnings.catch_warnings():
@@ -321,6 +337,8 @@ def run_config(name: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, __file__, "--child", name, "--params", str(args.params), "--d", str(args.d),
                "--steps", str(args.steps), "--devices", str(args.devices), "--result-dir", tmp]
+        if args.fused_adamw:
+            cmd.append("--fused-adamw")
         env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
         if not args.glibc_default:
             env["MALLOC_MMAP_THRESHOLD_"] = str(MMAP_THRESHOLD)
@@ -368,6 +386,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="OMP threads per process (default: cores / devices)")
     parser.add_argument("--configs", nargs="+", metavar="CONFIG", help="a subset of the configurations")
     parser.add_argument("--quick", action="store_true", help="tiny model (width 64, 0.05M parameters), 2 steps")
+    parser.add_argument("--fused-adamw", action="store_true", help="AdamW(fused=True) instead of the default AdamW")
     parser.add_argument("--glibc-default", action="store_true",
                         help=f"keep glibc's dynamic mmap threshold (default: fixed at {MMAP_THRESHOLD} bytes)")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
@@ -376,7 +395,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.child:
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-        run_child(args.child, args.params, args.d, args.steps, args.devices, args.result_dir)
+        run_child(args.child, args.params, args.d, args.steps, args.devices, args.result_dir, args.fused_adamw)
         return
     if args.quick:
         args.params, args.d, args.steps = 0.05, 64, 2

@@ -1,17 +1,30 @@
 """Optimizer-step path: unscale + step + scale update, ours against the alternatives.
 
-    python benchmarks/bench_step.py [--params 16] [--repeats 15]
+    python benchmarks/bench_step.py [--params 16] [--repeats 15] [--mix]
 
-Same process, the three paths alternating, median of the repeats:
+Same process, the paths alternating, median of the repeats (wall time, and the process's
+CPU time, which the other jobs on a shared machine disturb less):
 
 - floor:     fused AdamW on N FP32 params (no scaling, no casts): what any FP32 run pays.
 - ours:      DynamicLossScaler + MasterWeightOptimizer(AdamW(fused=True)) over N FP16 params:
-             unscale half grads into FP32 master grads with the inf check, step, update,
-             copy masters back into the FP16 model. On the CPU this runs amp_plugin's fused
-             kernels (two passes); "ours, stock torch ops" is the same with fused=False
-             (four passes of stock torch kernels).
+             unscale_ (the inf check), step, update. On the CPU this runs amp_plugin's fused
+             kernels: a read-only inf check over the FP16 grads, then one Adam pass that reads
+             the FP16 grad times 1/scale, updates master and moments and writes the FP16 weight.
+- ours, torch multi-tensor (fused="torch"): the CUDA path on CPU tensors: multi-tensor copy
+             and unscale into transient FP32 grads, torch's fused AdamW, multi-tensor copy back.
+- ours, stock torch ops (fused=False): the same copy and unscale, then AdamW's own step().
+- ours, AdamW(foreach=True): what another optimizer gets: the inf check and the FP32 copies
+             from amp_plugin's kernels, then the optimizer's own step(), then a copy back.
 - lightning: Lightning `16-mixed`'s path: torch.amp.GradScaler + default AdamW (foreach) on
              N FP32 params: unscale_, step, update.
+
+Paths that make FP32 gradients each step (all but "ours") allocate them anew: on the CPU,
+glibc returns big freed blocks to the kernel, so each step faults their pages in again (as it
+does for AdamW(foreach=True)'s own temporaries); ``MALLOC_MMAP_THRESHOLD_`` and
+``MALLOC_TRIM_THRESHOLD_`` set high keep them in the process instead.
+
+``--mix``: the parameters as a transformer holds them (per block: attention and MLP
+matrices, their biases, two norms), not ``--chunks`` equal tensors.
 
 Also prints the memory-traffic floor: bytes a step must move divided by the measured copy
 bandwidth of this machine.
@@ -19,8 +32,10 @@ bandwidth of this machine.
 ``--stages`` adds where our path's time goes: each stage of it timed on its own (wall and
 process CPU time, stages alternating, median), against the floor, plus two stock-op
 alternatives (the inf check reading the FP16 grads; fused AdamW doing the unscale through
-its ``grad_scale``/``found_inf`` arguments). ``--compiled-prototype`` adds a prototype of
-the whole path fused by ``torch.compile`` (not what ``MasterWeightOptimizer`` does today).
+its ``grad_scale``/``found_inf`` arguments), and amp_plugin's kernels (the two passes of
+``ours``, and the base design's two: a copy-and-unscale into FP32 grads, then Adam reading
+those). ``--compiled-prototype`` adds a prototype of the whole path fused by
+``torch.compile`` (not what ``MasterWeightOptimizer`` does).
 """
 
 from __future__ import annotations
@@ -36,14 +51,43 @@ from amp_plugin import DynamicLossScaler, MasterWeightOptimizer
 from amp_plugin import fused as fused_kernels
 
 
-def make_params(numel: int, chunks: int, dtype: torch.dtype, device: str = "cpu") -> list[torch.nn.Parameter]:
+def tensor_sizes(numel: int, chunks: int, mix: bool = False) -> list[int]:
+    """``chunks`` equal sizes, or (``mix``) a transformer's: per block of width ``d``, the
+    QKV matrix and bias, the output projection and bias, two MLP matrices and biases, two
+    norms (weight and bias each), blocks of ``d = 1024`` until ``numel`` is reached."""
+    if not mix:
+        return [numel // chunks] * chunks
+    d = 1024
+    block = [3 * d * d, 3 * d, d * d, d, 4 * d * d, 4 * d, 4 * d * d, d, d, d, d, d]
+    sizes: list[int] = []
+    while sum(sizes) + sum(block) <= numel:
+        sizes += block
+    return sizes or block
+
+
+def make_params(sizes: list[int], dtype: torch.dtype, device: str = "cpu") -> list[torch.nn.Parameter]:
     g = torch.Generator().manual_seed(0)
     params = []
-    for _ in range(chunks):
-        p = torch.nn.Parameter((torch.randn(numel // chunks, generator=g) * 0.02).to(device, dtype))
-        p.grad = (torch.randn(numel // chunks, generator=g) * 1e-3).to(device, dtype)
+    for n in sizes:
+        p = torch.nn.Parameter((torch.randn(n, generator=g) * 0.02).to(device, dtype))
+        p.grad = (torch.randn(n, generator=g) * 1e-3).to(device, dtype)
         params.append(p)
     return params
+
+
+def cpu_model() -> str:
+    """The CPU's model name (lscpu), for the report."""
+    import platform
+    import subprocess
+
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
+        for line in out.splitlines():
+            if line.startswith("Model name:"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
 
 
 def _sync(device: str) -> None:
@@ -98,19 +142,18 @@ def compiled_update():
     return one_c, nonfinite_c
 
 
-def stage_breakdown(numel: int, chunks: int, repeats: int, prototype: bool = False) -> None:
+def stage_breakdown(sizes: list[int], repeats: int, prototype: bool = False) -> None:
     """Time each stage of our step path on its own, alternating, against the fused-AdamW floor."""
-    n = numel // chunks
     g = torch.Generator().manual_seed(0)
-    half_w = [(torch.randn(n, generator=g) * 0.02).half() for _ in range(chunks)]
-    half_g = [torch.randn(n, generator=g).half() for _ in range(chunks)]  # as a scaled backward leaves them
+    half_w = [(torch.randn(n, generator=g) * 0.02).half() for n in sizes]
+    half_g = [torch.randn(n, generator=g).half() for n in sizes]  # as a scaled backward leaves them
     masters = [w.float() for w in half_w]
-    master_g = [torch.empty(n) for _ in range(chunks)]
-    m, v = [torch.zeros(n) for _ in range(chunks)], [torch.zeros(n) for _ in range(chunks)]
-    steps = [torch.ones(()) for _ in range(chunks)]
+    master_g = [torch.empty(n) for n in sizes]
+    m, v = [torch.zeros(n) for n in sizes], [torch.zeros(n) for n in sizes]
+    steps = [torch.ones(()) for _ in sizes]
     fw, fg = [w.float() for w in half_w], [x.float() for x in half_g]
-    fm, fv = [torch.zeros(n) for _ in range(chunks)], [torch.zeros(n) for _ in range(chunks)]
-    fsteps = [torch.ones(()) for _ in range(chunks)]
+    fm, fv = [torch.zeros(n) for n in sizes], [torch.zeros(n) for n in sizes]
+    fsteps = [torch.ones(()) for _ in sizes]
     found, one, half_g_copy = torch.zeros(()), torch.ones(()), [x.clone() for x in half_g]
     hp = dict(lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=0.01, eps=1e-8, amsgrad=False, maximize=False)
     # inv_scale=1 keeps the tensors identical from repeat to repeat; the kernels cost the same.
@@ -128,16 +171,19 @@ def stage_breakdown(numel: int, chunks: int, repeats: int, prototype: bool = Fal
             masters, master_g, m, v, [], steps, grad_scale=one, found_inf=found, **hp),
     }
     ops = fused_kernels.kernels()
-    if ops is not None:  # amp_plugin's two passes, in place of stages 1+2 and 4+5
-        stages["fused A: unscale_into_ (stages 1+2 in one pass)"] = lambda: ops.unscale_into_(
+    if ops is not None:  # amp_plugin's two passes, in place of stages 1, 2, 4 and 5
+        stages["fused A: nonfinite_check_ (reads the FP16 grads)"] = lambda: ops.nonfinite_check_(half_g, found)
+        stages["fused B: adam_step_ (FP16 grads * 1/scale in, FP16 weights out)"] = lambda: ops.adam_step_(
+            masters, half_g, m, v, steps, half_w, 1e-3, 0.9, 0.999, 0.01, 1e-8, True, False, 1.0)
+        stages["base design A: unscale_into_ (writes FP32 grads)"] = lambda: ops.unscale_into_(
             half_g, master_g, found, one)
-        stages["fused B: adam_step_ (stages 4+5 in one pass)"] = lambda: ops.adam_step_(
+        stages["base design B: adam_step_ (FP32 grads in)"] = lambda: ops.adam_step_(
             masters, master_g, m, v, steps, half_w, 1e-3, 0.9, 0.999, 0.01, 1e-8, True, False)
     if prototype:
         try:
             one_c, nonfinite_c = compiled_update()
             p_half, p_master = [w.clone() for w in half_w], [w.float() for w in half_w]
-            p_m, p_v = [torch.zeros(n) for _ in range(chunks)], [torch.zeros(n) for _ in range(chunks)]
+            p_m, p_v = [torch.zeros(n) for n in sizes], [torch.zeros(n) for n in sizes]
             p_step, inv = [0], torch.ones(())
 
             def fused() -> None:
@@ -146,7 +192,7 @@ def stage_breakdown(numel: int, chunks: int, repeats: int, prototype: bool = Fal
                 p_step[0] += 1
                 t = p_step[0]
                 hp_t = torch.tensor([1e-3, 0.9, 0.999, 1e-8, 0.01, 1 - 0.9**t, math.sqrt(1 - 0.999**t)])
-                for i in range(chunks):
+                for i in range(len(sizes)):
                     one_c(p_half[i], half_g[i], p_master[i], p_m[i], p_v[i], inv, hp_t)
 
             t0 = time.perf_counter()
@@ -170,23 +216,27 @@ def stage_breakdown(numel: int, chunks: int, repeats: int, prototype: bool = Fal
           f"median of {repeats}\n")
     print("| stage | ms | CPU ms | CPU vs floor |")
     print("|---|---:|---:|---:|")
-    total = fused_total = 0.0
+    total = fused_total = base_total = 0.0
     for name in stages:
         w, c = statistics.median(wall[name]), statistics.median(cpu[name])
         if name[0].isdigit():
             total += c
         if name.startswith("fused"):
             fused_total += c
+        if name.startswith("base design"):
+            base_total += c
         print(f"| {name} | {w * 1e3:.1f} | {c * 1e3:.1f} | {c / floor_cpu:.2f}x |")
     print(f"| sum of stages 1-5 | | {total * 1e3:.1f} | {total / floor_cpu:.2f}x |")
     if fused_total:
         print(f"| sum of fused A + B (+ stage 3) | | {fused_total * 1e3:.1f} | {fused_total / floor_cpu:.2f}x |")
+        print(f"| sum of base design A + B | | {base_total * 1e3:.1f} | {base_total / floor_cpu:.2f}x |")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--params", type=float, default=16, help="millions of parameters")
     parser.add_argument("--chunks", type=int, default=16, help="number of parameter tensors")
+    parser.add_argument("--mix", action="store_true", help="a transformer's mix of tensor sizes instead of --chunks")
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch.set_num_threads")
     parser.add_argument("--device", default="cpu", help="cpu, or cuda to time the same paths on a GPU")
@@ -200,23 +250,28 @@ def main() -> None:
     if args.stages and device != "cpu":
         parser.error(f"--stages times CPU time per stage; it needs --device cpu, not {device!r}")
     torch.set_num_threads(args.threads)
-    numel = int(args.params * 1e6) // args.chunks * args.chunks
+    sizes = tensor_sizes(int(args.params * 1e6), args.chunks, args.mix)
+    numel = sum(sizes)
 
-    floor_params = make_params(numel, args.chunks, torch.float32, device)
+    floor_params = make_params(sizes, torch.float32, device)
     floor_opt = torch.optim.AdamW(floor_params, lr=1e-3, fused=True)
 
-    half_params = make_params(numel, args.chunks, torch.float16, device)
-    ours_opt = MasterWeightOptimizer(torch.optim.AdamW(half_params, lr=1e-3, fused=True))
-    ours_scaler = DynamicLossScaler(init_scale=2.0**10)
-    for p in half_params:
-        p.grad.mul_(2.0**10)  # grads as a scaled backward leaves them
-    stock_params = make_params(numel, args.chunks, torch.float16, device)
-    stock_opt = MasterWeightOptimizer(torch.optim.AdamW(stock_params, lr=1e-3, fused=True), fused=False)
-    stock_scaler = DynamicLossScaler(init_scale=2.0**10)
-    for p in stock_params:
-        p.grad.mul_(2.0**10)
+    def master_weight_path(fused, adamw_fused=True):
+        params = make_params(sizes, torch.float16, device)
+        for p in params:
+            p.grad.mul_(2.0**10)  # grads as a scaled backward leaves them
+        inner = torch.optim.AdamW(params, lr=1e-3, **({"fused": True} if adamw_fused else {"foreach": True}))
+        opt = MasterWeightOptimizer(inner, fused=fused)
+        scaler = DynamicLossScaler(init_scale=2.0**10)
 
-    light_params = make_params(numel, args.chunks, torch.float32, device)
+        def step() -> None:
+            scaler.unscale_(opt)
+            scaler.step(opt)
+            scaler.update()
+
+        return step
+
+    light_params = make_params(sizes, torch.float32, device)
     light_opt = torch.optim.AdamW(light_params, lr=1e-3)
     scaler_device = "cuda" if device.startswith("cuda") else "cpu"
     light_scaler = torch.amp.GradScaler(scaler_device, init_scale=1.0)  # scale 1: grads stay the same each repeat
@@ -225,31 +280,29 @@ def main() -> None:
     def floor() -> None:
         floor_opt.step()
 
-    def ours() -> None:
-        ours_scaler.unscale_(ours_opt)
-        ours_scaler.step(ours_opt)
-        ours_scaler.update()
-
-    def stock() -> None:
-        stock_scaler.unscale_(stock_opt)
-        stock_scaler.step(stock_opt)
-        stock_scaler.update()
-
     def lightning() -> None:
         light_scaler.unscale_(light_opt)
         light_scaler.step(light_opt)
         light_scaler.update()
 
-    paths = {"floor (fused AdamW, FP32)": floor, "ours (FP16 + FP32 masters)": ours,
-             "ours, stock torch ops (fused=False)": stock, "Lightning 16-mixed path": lightning}
+    paths = {"floor (fused AdamW, FP32)": floor, "ours (FP16 + FP32 masters)": master_weight_path(None),
+             "ours, torch multi-tensor (fused=\"torch\")": master_weight_path("torch"),
+             "ours, stock torch ops (fused=False)": master_weight_path(False),
+             "ours, AdamW(foreach=True) (its own step)": master_weight_path(None, adamw_fused=False),
+             "Lightning 16-mixed path": lightning}
     for fn in paths.values():  # warm up: allocate state
         fn()
     times: dict[str, list[float]] = {name: [] for name in paths}
+    cpu_times: dict[str, list[float]] = {name: [] for name in paths}
     for _ in range(args.repeats):
         for name, fn in paths.items():
+            c0 = time.process_time()
             times[name] += timed(fn, 1, device)
+            cpu_times[name].append(time.process_time() - c0)
     medians = {name: statistics.median(t) for name, t in times.items()}
+    cpu_medians = {name: statistics.median(t) for name, t in cpu_times.items()}
     base = medians["floor (fused AdamW, FP32)"]
+    cpu_base = cpu_medians["floor (fused AdamW, FP32)"]
 
     # Bytes the fused FP32 AdamW step must move: read param, grad, m, v; write param, m, v.
     floor_bytes = 7 * 4 * numel
@@ -259,23 +312,25 @@ def main() -> None:
     bw = copy_bandwidth(numel, device)
 
     where = f"{torch.get_num_threads()} threads" if device == "cpu" else torch.cuda.get_device_name(device)
-    print(f"# Optimizer-step path, {numel / 1e6:.1f}M params in {args.chunks} tensors, "
-          f"{where}, median of {args.repeats}")
+    layout = f"a transformer's mix of {len(sizes)} tensors" if args.mix else f"{len(sizes)} tensors"
+    print(f"# Optimizer-step path, {numel / 1e6:.1f}M params in {layout}, {where}, median of {args.repeats}")
+    print(f"CPU: {cpu_model()}; torch {torch.__version__}; capability {torch.backends.cpu.get_cpu_capability()}")
     print(f"command: python benchmarks/bench_step.py --params {args.params:g} --chunks {args.chunks} "
           f"--repeats {args.repeats} --threads {args.threads}{'' if device == 'cpu' else ' --device ' + device}"
-          f"{' --stages' if args.stages else ''}"
+          f"{' --mix' if args.mix else ''}{' --stages' if args.stages else ''}"
           f"{' --compiled-prototype' if args.compiled_prototype else ''}\n")
-    print("| path | ms/step | vs floor |")
-    print("|---|---:|---:|")
+    print("| path | ms/step | vs floor | CPU ms/step | CPU vs floor |")
+    print("|---|---:|---:|---:|---:|")
     for name, t in medians.items():
-        print(f"| {name} | {t * 1e3:.1f} | {t / base:.2f}x |")
+        c = cpu_medians[name]
+        print(f"| {name} | {t * 1e3:.1f} | {t / base:.2f}x | {c * 1e3:.1f} | {c / cpu_base:.2f}x |")
     print(f"| memory-traffic floor, FP32 AdamW ({floor_bytes / 1e6:.0f} MB at {bw / 1e9:.1f} GB/s) "
-          f"| {floor_bytes / bw * 1e3:.1f} | {floor_bytes / bw / base:.2f}x |")
+          f"| {floor_bytes / bw * 1e3:.1f} | {floor_bytes / bw / base:.2f}x | | |")
     print(f"| memory-traffic floor, ours ({ideal_ours_bytes / 1e6:.0f} MB) "
-          f"| {ideal_ours_bytes / bw * 1e3:.1f} | {ideal_ours_bytes / bw / base:.2f}x |")
+          f"| {ideal_ours_bytes / bw * 1e3:.1f} | {ideal_ours_bytes / bw / base:.2f}x | | |")
     print(f"\nours / Lightning 16-mixed path: {medians['ours (FP16 + FP32 masters)'] / medians['Lightning 16-mixed path']:.2f}x")
     if args.stages:
-        stage_breakdown(numel, args.chunks, args.repeats, args.compiled_prototype)
+        stage_breakdown(sizes, args.repeats, args.compiled_prototype)
 
 
 if __name__ == "__main__":

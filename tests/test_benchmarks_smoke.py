@@ -48,15 +48,17 @@ def table_rows(text: str) -> list[list[str]]:
 def test_bench_step_prints_the_paths_the_traffic_floor_and_the_stages():
     out = run("bench_step.py", "--params", "0.2", "--chunks", "4", "--repeats", "2", "--threads", "1", "--stages")
     names = [row[0] for row in table_rows(out)]
-    assert names[:4] == ["floor (fused AdamW, FP32)", "ours (FP16 + FP32 masters)",
-                         "ours, stock torch ops (fused=False)", "Lightning 16-mixed path"]
+    assert names[:6] == ["floor (fused AdamW, FP32)", "ours (FP16 + FP32 masters)",
+                         'ours, torch multi-tensor (fused="torch")', "ours, stock torch ops (fused=False)",
+                         "ours, AdamW(foreach=True) (its own step)", "Lightning 16-mixed path"]
     assert sum(name.startswith("memory-traffic floor") for name in names) == 2
     assert re.search(r"ours / Lightning 16-mixed path: [0-9.]+x", out)
     stages = [name for name in names if name[0].isdigit()]
     assert len(stages) == 5 and "sum of stages 1-5" in names
     assert [name for name in names if name.startswith("fused")] == [
-        "fused A: unscale_into_ (stages 1+2 in one pass)", "fused B: adam_step_ (stages 4+5 in one pass)"]
-    assert "sum of fused A + B (+ stage 3)" in names
+        "fused A: nonfinite_check_ (reads the FP16 grads)",
+        "fused B: adam_step_ (FP16 grads * 1/scale in, FP16 weights out)"]
+    assert "sum of fused A + B (+ stage 3)" in names and "sum of base design A + B" in names
 
 
 @pytest.mark.slow

@@ -48,6 +48,36 @@ def test_unscale_into_flags_non_finite_anywhere(ops, dtype, bad):
         assert found.item() == 1.0
 
 
+@pytest.mark.parametrize("dtype", HALF)
+def test_unscale_copy_makes_new_fp32_tensors_like_copy_then_unscale(ops, dtype):
+    g = torch.Generator().manual_seed(0)
+    halves = [(torch.randn(*shape, generator=g) * 3000).to(dtype) for shape in ((3, 5), (7,), ((1 << 20) + 13,))]
+    found = torch.zeros(())
+    out = ops.unscale_copy(halves, found, torch.tensor(2.0**-13))
+    expected = [h.float() for h in halves]
+    torch._amp_foreach_non_finite_check_and_unscale_(expected, torch.zeros(()), torch.tensor(2.0**-13))
+    for o, e in zip(out, expected):
+        assert o.dtype == torch.float32 and o.is_contiguous() and o.shape == e.shape and torch.equal(o, e)
+    assert found.item() == 0.0
+    halves[1][3] = float("nan")
+    ops.unscale_copy(halves, found, torch.tensor(1.0))
+    assert found.item() == 1.0
+
+
+def test_the_unscale_kernels_check_values_before_scaling_them_as_torch_does(ops):
+    """A finite half value that the factor takes past FP32's range is not an overflow of the
+    gradient: torch's unscale checks the value it reads, not the product."""
+    half = torch.full((5,), 60000.0, dtype=torch.float16)
+    inv = torch.tensor(2.0**120)
+    torch_found = torch.zeros(())
+    torch._amp_foreach_non_finite_check_and_unscale_([half.float()], torch_found, inv)
+    for run in (lambda f: ops.unscale_into_([half], [torch.empty(5)], f, inv),
+                lambda f: ops.unscale_copy([half], f, inv)):
+        found = torch.zeros(())
+        run(found)
+        assert found.item() == torch_found.item() == 0.0
+
+
 def test_unscale_into_never_clears_a_raised_flag(ops):
     found = torch.ones(())
     ops.unscale_into_([torch.ones(3, dtype=torch.float16)], [torch.empty(3)], found, torch.tensor(1.0))
@@ -126,6 +156,90 @@ def test_adam_step_equals_torch_fused_adam_on_every_element_tail_included(ops, a
         torch.set_num_threads(previous)
 
 
+@pytest.mark.parametrize("dtype", HALF)
+def test_nonfinite_check_flags_any_inf_or_nan_and_only_reads(ops, dtype):
+    """The inf check of the step decision reads the half gradients and nothing else: every
+    position (vector body, the 16-wide tail, a tensor of one element), each kind of value."""
+    for numel in (1, 15, 16, 17, 1000, (1 << 20) + 13):
+        for where in sorted({0, numel // 2, numel - 1}):
+            for bad in (float("inf"), float("-inf"), float("nan")):
+                g = torch.full((numel,), 3.0, dtype=dtype)
+                g[where] = bad
+                before, version = g.clone(), g._version
+                found = torch.zeros(())
+                ops.nonfinite_check_([torch.ones(3, dtype=dtype), g], found)
+                assert found.item() == 1.0, (numel, where, bad)
+                assert g._version == version and torch.equal(g.isnan(), before.isnan())
+        found = torch.zeros(())
+        ops.nonfinite_check_([torch.full((numel,), 65504.0 if dtype is torch.float16 else 3e38, dtype=dtype)], found)
+        assert found.item() == 0.0  # the largest finite values are finite
+    found = torch.ones(())
+    ops.nonfinite_check_([torch.ones(3, dtype=dtype)], found)
+    assert found.item() == 1.0  # never cleared
+    with pytest.raises(RuntimeError, match="float16/bfloat16"):
+        ops.nonfinite_check_([torch.ones(3)], torch.zeros(()))
+
+
+@pytest.mark.parametrize("grad_dtype", HALF)
+@pytest.mark.parametrize("inv_scale", [2.0**-10, 1.0, 1 / 3])
+@pytest.mark.parametrize("adamw,betas,weight_decay,maximize", ADAM_CONFIGS)
+def test_adam_step_reads_half_gradients_times_the_unscale_factor(ops, grad_dtype, inv_scale, adamw, betas,
+                                                                 weight_decay, maximize):
+    """A half gradient read with the factor s steps as the FP32 gradient half.float() * s
+    does (what copy-then-unscale stores), through torch's fused Adam: every element, the
+    scalar tail included, whatever the factor (1/3 is not a power of two)."""
+    for numel in [*range(1, 41), 4099, (1 << 20) + 13]:
+        g = torch.Generator().manual_seed(numel)
+        master = (torch.randn(numel, generator=g) * 0.02).half().float()
+        halves = [(torch.randn(numel, generator=g) * 300).to(grad_dtype) for _ in range(4)]
+        fp32 = [h.float() for h in halves]
+        torch._amp_foreach_non_finite_check_and_unscale_(fp32, torch.zeros(()), torch.tensor(inv_scale))
+        ref, ref_state = reference_adam(master, fp32, adamw, steps=4, betas=betas, weight_decay=weight_decay,
+                                        maximize=maximize)
+        m, v, step = torch.zeros(numel), torch.zeros(numel), torch.zeros(())
+        model = master.half()
+        for half in halves:
+            ops.adam_step_([master], [half], [m], [v], [step], [model], 1e-3, *betas, weight_decay, 1e-8, adamw,
+                           maximize, inv_scale)
+        for name, ours, theirs in (("param", master, ref), ("exp_avg", m, ref_state["exp_avg"]),
+                                   ("exp_avg_sq", v, ref_state["exp_avg_sq"])):
+            differ = (ours != theirs).nonzero().flatten().tolist()
+            assert not differ, f"numel={numel}: {name} differs from torch at {differ[:10]}"
+        assert torch.equal(model, master.half())
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("adamw,betas,weight_decay,maximize", ADAM_CONFIGS)
+def test_split_adam_step_is_torch_fused_adam_on_the_joined_master(ops, grad_dtype, adamw, betas, weight_decay,
+                                                                   maximize):
+    """BF16 weight + 16-bit extension: the kernel updates the FP32 master they form exactly
+    as torch's fused Adam does, and writes back its two halves (the weight: the master
+    truncated)."""
+    from amp_plugin.master_weights._split import join
+
+    for numel in [*range(1, 41), 4099, (1 << 20) + 13]:
+        g = torch.Generator().manual_seed(numel)
+        master = torch.randn(numel, generator=g) * 0.02  # full FP32 masters: both halves matter
+        grads = [(torch.randn(numel, generator=g) * 1e-2).to(grad_dtype) for _ in range(4)]
+        ref, ref_state = reference_adam(master, [x.float() for x in grads], adamw, steps=4, betas=betas,
+                                        weight_decay=weight_decay, maximize=maximize)
+        bits = master.view(torch.int32)
+        weight = (bits >> 16).to(torch.int16).view(torch.bfloat16)
+        low = bits.to(torch.int16)
+        assert torch.equal(join(weight, low), master)
+        m, v, step = torch.zeros(numel), torch.zeros(numel), torch.zeros(())
+        for grad in grads:
+            ops.adam_step_split_([weight], [low], [grad], [m], [v], [step], 1e-3, *betas, weight_decay, 1e-8, adamw,
+                                 maximize)
+        joined = join(weight, low)
+        for name, ours, theirs in (("master", joined, ref), ("exp_avg", m, ref_state["exp_avg"]),
+                                   ("exp_avg_sq", v, ref_state["exp_avg_sq"])):
+            differ = (ours != theirs).nonzero().flatten().tolist()
+            assert not differ, f"numel={numel}: {name} differs from torch at {differ[:10]}"
+        truncated = (ref.view(torch.int32) & -65536).view(torch.float32)
+        assert torch.equal(weight.float(), truncated)
+
+
 def test_adam_step_without_a_model_tensor_updates_the_master_only(ops):
     master, grad = torch.randn(100), torch.randn(100)
     ref, _ = reference_adam(master, [grad], adamw=True, steps=1)
@@ -190,7 +304,7 @@ def test_the_fused_path_trains_like_the_stock_path():
 def test_the_fused_path_is_taken_only_when_it_applies(monkeypatch):
     calls = []
     real = fused_adam.adam_step
-    monkeypatch.setattr("amp_plugin.master_weights.adam_step", lambda *a: (calls.append(1), real(*a))[1])
+    monkeypatch.setattr("amp_plugin.fused.adam.adam_step", lambda *a: (calls.append(1), real(*a))[1])
     train(None, steps=2, inf_at=())
     assert len(calls) == 2  # AdamW(fused=True)
     calls.clear()
@@ -237,8 +351,9 @@ def test_the_environment_switch_turns_the_kernels_off(monkeypatch):
 
 @pytest.mark.parametrize("contiguous", [True, False])
 def test_every_gradient_is_unscaled_exactly_once_on_either_path(contiguous):
-    """A non-contiguous half gradient sends the whole unscale down the stock path; the FP32
-    parameters (their own master) must not be unscaled a second time on the way."""
+    """A non-contiguous half gradient is copied and unscaled by torch's multi-tensor ops; the
+    FP32 parameters (their own master) must not be unscaled a second time on the way, and the
+    model's half gradients are only read."""
     model = half_model()
     opt = MasterWeightOptimizer(torch.optim.AdamW(model.parameters(), fused=True))
     scaler = DynamicLossScaler(init_scale=2.0**8)
@@ -246,13 +361,12 @@ def test_every_gradient_is_unscaled_exactly_once_on_either_path(contiguous):
     if not contiguous:
         model[0].weight.grad = model[0].weight.grad.t().contiguous().t()
     before = [p.grad.float().clone() for p in model.parameters()]
-    binds = []
-    bind = opt._bind_master_grads
-    opt._bind_master_grads = lambda: (binds.append(1), bind())[1]
+    half_before = [(p.grad, p.grad._version) for p in model.parameters() if p.dtype == torch.float16]
     scaler.unscale_(opt)
     for master, grad in zip(opt.master_params(), before):
         assert torch.equal(master.grad, grad * 2.0**-8)
-    assert len(binds) == 1  # the fallback reuses the fused path's look at the gradients
+    assert all(p.grad is g and g._version == v for p, (g, v) in
+               zip([p for p in model.parameters() if p.dtype == torch.float16], half_before))
 
 
 def test_a_gradient_the_kernel_cannot_take_sends_the_step_the_stock_way():
@@ -277,7 +391,7 @@ def test_a_non_contiguous_parameter_takes_the_stock_way_for_itself(fused_mode, m
     gradient) to stock ops instead of raising, and train exactly as the stock path."""
     calls = []
     real = fused_adam.adam_step
-    monkeypatch.setattr("amp_plugin.master_weights.adam_step", lambda *a: (calls.append(1), real(*a))[1])
+    monkeypatch.setattr("amp_plugin.fused.adam.adam_step", lambda *a: (calls.append(1), real(*a))[1])
     runs = {}
     for name, mode in (("fused", fused_mode), ("stock", False)):
         torch.manual_seed(0)
@@ -302,7 +416,7 @@ def test_a_non_contiguous_parameter_takes_the_stock_way_for_itself(fused_mode, m
 def test_step_hooks_on_the_wrapped_optimizer_pause_the_fused_step(monkeypatch):
     calls = []
     real = fused_adam.adam_step
-    monkeypatch.setattr("amp_plugin.master_weights.adam_step", lambda *a: (calls.append(1), real(*a))[1])
+    monkeypatch.setattr("amp_plugin.fused.adam.adam_step", lambda *a: (calls.append(1), real(*a))[1])
     model = half_model()
     inner = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
     opt = MasterWeightOptimizer(inner)

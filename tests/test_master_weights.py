@@ -193,23 +193,32 @@ def test_rejects_non_optimizers_and_double_wrapping():
         MasterWeightOptimizer(opt)
 
 
-def test_grad_buffers_are_reused_and_zero_grad_clears_both_sides():
+def test_master_grads_exist_from_sync_to_step_and_zero_grad_clears_the_model_grads():
+    """A master's gradient is made when read between sync_grads()/unscale_ and the step, is
+    the same tensor on every read, and is freed by the step; the model keeps its own."""
     model = torch.nn.Sequential(torch.nn.Linear(3, 3).half(), torch.nn.LayerNorm(3))
     opt = MasterWeightOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
     x = torch.randn(2, 3, dtype=torch.float16)
-    pointers = []
-    for _ in range(3):
+    for _ in range(2):
         model(x).float().sum().backward()
+        masters = opt.master_params()
+        assert masters[0].grad is None and masters[1].grad is None  # nothing synced yet
+        opt.sync_grads()
+        first = masters[0].grad
+        assert first is masters[0].grad and torch.equal(first, model[0].weight.grad.float())
         opt.step()
-        pointers.append([m.grad.data_ptr() for m in opt.master_params()[:2]])  # the half params' masters
+        assert masters[0].grad is None and masters[1].grad is None  # freed by the step
+        assert masters[2].grad is model[1].weight.grad  # an FP32 parameter is its own master
+        assert all(p.grad is not None for p in model.parameters())
         opt.zero_grad()
         assert all(p.grad is None for p in list(model.parameters()) + opt.master_params())
-    assert pointers[0] == pointers[1] == pointers[2]  # no fresh FP32 buffers per step
     model(x).float().sum().backward()
-    opt.step()
+    opt.sync_grads()
+    assert opt.master_params()[0].grad is not None
     opt.zero_grad(set_to_none=False)
-    for p in list(model.parameters()) + opt.master_params():
+    for p in model.parameters():
         assert p.grad is not None and not p.grad.any() and not p.grad.requires_grad
+    assert opt.master_params()[0].grad is None
 
 
 def test_a_parameter_without_a_gradient_is_left_alone():
@@ -217,7 +226,8 @@ def test_a_parameter_without_a_gradient_is_left_alone():
     opt = MasterWeightOptimizer(torch.optim.SGD(list(a.parameters()) + list(b.parameters()), lr=0.1))
     before = [p.detach().clone() for p in b.parameters()]
     a(torch.randn(2, 3, dtype=torch.float16)).float().sum().backward()
-    opt.step()
+    opt.sync_grads()
     masters = opt.master_params()
     assert [m.grad is None for m in masters] == [False, False, True, True]
+    opt.step()
     assert all(torch.equal(p, q) for p, q in zip(b.parameters(), before))

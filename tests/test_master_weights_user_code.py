@@ -264,12 +264,15 @@ def test_sparse_embedding_gradients_train_like_fp32(optimizer, scaled):
         ref_opt.step()
         if scaled:
             scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+            assert opt.master_params()[0].grad.is_sparse
             scaler.step(opt)
             scaler.update()
         else:
             loss.backward()
+            opt.sync_grads()
+            assert opt.master_params()[0].grad.is_sparse
             opt.step()
-        assert opt.master_params()[0].grad.is_sparse
         ref_opt.zero_grad()
         opt.zero_grad()
     assert torch.equal(opt.master_params()[0], ref.weight.detach())
@@ -376,3 +379,27 @@ def test_configure_optimizers_returning_a_wrappers_inner_optimizer_is_refused(pl
     trainer = quiet_trainer(pl, plugins=[MixedPrecisionPlugin("fp16")], max_steps=1)
     with pytest.raises(ValueError, match="already wrapped.*return it from configure_optimizers"):
         trainer.fit(as_lightning(pl, ReturnsInner)())
+
+
+# ---------------------------------------------------------------- FSDP2 (DTensor parameters)
+def test_dtensor_parameters_are_refused_with_the_reason(tmp_path):
+    """Under FSDP2 the sharded FP32 parameters are the masters: wrapping is a TypeError that says so."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        sharded = torch.nn.Parameter(distribute_tensor(torch.randn(4, 4), mesh, [Shard(0)]))
+        plain = torch.nn.Parameter(torch.randn(4).half())
+        inner = torch.optim.AdamW([plain, sharded])
+        with pytest.raises(TypeError, match="DTensor parameters.*sharded FP32 parameters are the masters"):
+            MasterWeightOptimizer(inner)
+        assert inner.param_groups[0]["params"][0] is plain  # left as it was
+        opt = MasterWeightOptimizer(torch.optim.AdamW([torch.nn.Parameter(torch.randn(4).half())]))
+        with pytest.raises(TypeError, match="DTensor parameters"):
+            opt.add_param_group({"params": [torch.nn.Parameter(distribute_tensor(torch.randn(2), mesh, [Shard(0)]))]})
+        assert len(opt.param_groups) == 1
+    finally:
+        dist.destroy_process_group()

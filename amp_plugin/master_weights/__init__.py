@@ -1,0 +1,33 @@
+"""FP32 master weights for a model whose parameters are FP16 or BF16.
+
+An update ``lr * g`` smaller than half an ulp of a half-precision weight is rounded away
+(``1.0 - 1e-4 == 1.0`` in FP16 and BF16). :class:`MasterWeightOptimizer` keeps an FP32 master
+of every half-precision parameter, lets the wrapped optimizer's update rule change the
+masters, and re-casts the model's weights from them after each real step.
+
+The wrapper's ``param_groups`` and ``state`` *are* the wrapped optimizer's, holding the FP32
+masters (:class:`MasterParameter`), so LR schedulers, fused/foreach kernels and the optimizer
+state all see FP32. Parameters that are already FP32 (normalisation layers kept in FP32, for
+example) are their own master: no copy is made for them.
+
+Memory: the masters' gradients are transient (materialized only when read, freed after the
+step), so AdamW over an FP16/BF16 model holds 16 bytes per parameter (weight 2, gradient 2,
+master 4, moments 8); with ``master="bf16_split"`` (BF16 models) 14.
+
+The step, by device: on the CPU, amp_plugin's fused kernels (:mod:`amp_plugin.fused`): an
+inf check that only reads the half gradients, then one Adam/AdamW pass per tensor that reads
+the half gradient and the unscale factor, updates master and moments and writes the rounded
+weight into the model. Elsewhere (CUDA), torch's multi-tensor kernels end to end
+(:mod:`amp_plugin.master_weights._multi_tensor`). Every path gives the masters the bits of
+torch's own fused Adam on FP32 parameters fed the same gradients.
+
+Modules: ``_parameter`` (the master and its record), ``_grads`` (one step's gradients),
+``_multi_tensor`` (the torch-kernel step), ``_split`` (BF16 masters in two halves),
+``_optimizer`` (the wrapper).
+"""
+
+from amp_plugin.master_weights._grads import MasterGradWarning
+from amp_plugin.master_weights._optimizer import MasterWeightOptimizer
+from amp_plugin.master_weights._parameter import MasterParameter
+
+__all__ = ["MasterGradWarning", "MasterParameter", "MasterWeightOptimizer"]

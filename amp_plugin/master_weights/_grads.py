@@ -1,0 +1,184 @@
+"""The gradients of one master-weight step, from ``scaler.unscale_(opt)`` (or
+``opt.sync_grads()``, or the step itself) to the end of the step.
+
+A :class:`GradSession` records the model's half-precision gradients as it found them and
+the unscale factor per device. Each half parameter's FP32 master gradient is then one of:
+
+- *pending*: nothing stored; it is ``model_grad * inv_scale``. The fused CPU step reads the
+  half gradient and the factor directly. A Python read of ``master.grad`` materializes it.
+- *eager*: computed already (a new FP32 tensor), by the multi-tensor unscale
+  (``torch._amp_foreach_non_finite_check_and_unscale_`` needs an FP32 tensor to write), or for
+  a gradient the kernels cannot read. Handed out on the first read.
+- *materialized*: in the master's ``grad`` slot (read, or set by user code); the step uses
+  it as it is then. ``None`` there (set by user code) leaves the parameter out of the step.
+
+Everything is dropped when the step ends (or on ``zero_grad``, or at the next unscale).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from amp_plugin.master_weights._parameter import set_grad
+
+if TYPE_CHECKING:
+    from amp_plugin.master_weights._optimizer import MasterWeightOptimizer
+
+__all__ = ["GradSession", "MasterGradWarning", "eager_unscale", "unscaled_copy"]
+
+
+class MasterGradWarning(UserWarning):
+    """The model's gradients changed after ``scaler.unscale_(optimizer)`` (or
+    ``optimizer.sync_grads()``).
+
+    The model's gradients are the *scaled* ones (the unscaled FP32 gradients are the masters'),
+    so an edit to them acts on scaled values; where a master gradient was already read, the
+    step uses that and the edit has no effect. The usual cause is
+    ``clip_grad_norm_(model.parameters(), ...)`` after ``scaler.unscale_(optimizer)``: clip
+    ``optimizer.master_params()`` instead.
+    """
+
+
+_CHANGED_MESSAGE = (
+    "The model's gradients were changed after scaler.unscale_(optimizer) (or optimizer.sync_grads()). With "
+    "master weights the model's gradients stay multiplied by the loss scale and the unscaled FP32 gradients are "
+    "the masters': the step uses a master gradient that was read before the change as it is (the change has no "
+    "effect there) and otherwise reads the changed, still scaled, model gradient (the change acts on scaled "
+    "values, after the inf/NaN check). To clip, clip the master gradients between unscale_ and step: "
+    "torch.nn.utils.clip_grad_norm_(optimizer.master_params(), max_norm). (Warned once per optimizer.)"
+)
+
+
+@torch.no_grad()
+def unscaled_copy(grad: torch.Tensor, inv_scale: torch.Tensor | None, ops: Any | None = None) -> torch.Tensor:
+    """A new FP32 tensor ``grad.float() * inv_scale`` (the rounding of copy-then-unscale), laid
+    out contiguous; for a sparse gradient a coalesced sparse FP32 one (duplicates summed in
+    FP32), its values unscaled. ``inv_scale=None``: no scaling."""
+    if grad.is_sparse:
+        out = grad.to(torch.float32).coalesce()
+        if inv_scale is not None:
+            out._values().mul_(inv_scale)
+        return out
+    out = torch.empty(grad.shape, dtype=torch.float32, device=grad.device)
+    if inv_scale is not None and ops is not None and grad.device.type == "cpu" and grad.is_contiguous() \
+            and grad.dtype in (torch.float16, torch.bfloat16):
+        ops.unscale_into_([grad], [out], torch.zeros((), dtype=torch.float32), inv_scale.float())
+        return out
+    out.copy_(grad)
+    if inv_scale is not None:
+        out.mul_(inv_scale)
+    return out
+
+
+_ONES: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+@torch.no_grad()
+def eager_unscale(grads: list[torch.Tensor], inv_scale: torch.Tensor | None, found: torch.Tensor | None,
+                  ops: Any | None = None) -> list[torch.Tensor]:
+    """New FP32 tensors ``grad.float() * inv_scale`` for dense half ``grads`` (one device, laid
+    out like them) with the inf check into ``found`` (``inv_scale=None``: a plain upcast).
+    One op whatever the number of tensors, two on the torch path:
+
+    - on the CPU with amp_plugin's kernels (``ops``): ``unscale_copy``, one pass;
+    - otherwise torch's: ``torch._foreach_mul`` by a one-element FP32 tensor (type promotion:
+      an exact upcast that allocates every output in one op, so no per-tensor allocation or
+      view is dispatched from Python: host work on a GPU), then
+      ``torch._amp_foreach_non_finite_check_and_unscale_``. On the CPU this mixed-dtype
+      multiply runs torch's unvectorised casting loop: several times slower than a copy.
+    """
+    device = grads[0].device
+    if found is None:
+        found = torch.zeros((), dtype=torch.float32, device=device)
+    if ops is not None and device.type == "cpu" and all(g.is_contiguous() for g in grads):
+        return list(ops.unscale_copy(grads, found, (inv_scale if inv_scale is not None else _one(device)).float()))
+    out = list(torch._foreach_mul(grads, [_one(device, 1)] * len(grads)))
+    if inv_scale is not None:
+        torch._amp_foreach_non_finite_check_and_unscale_(out, found, inv_scale)
+    return out
+
+
+def _one(device: torch.device, dims: int = 0) -> torch.Tensor:
+    """A cached FP32 one on ``device``: 0-dim, or (``dims=1``) of shape ``(1,)``."""
+    key = (device, dims)
+    one = _ONES.get(key)
+    if one is None:
+        one = _ONES[key] = torch.ones((1,) * dims, dtype=torch.float32, device=device)
+    return one
+
+
+class GradSession:
+    """One step's gradients for one :class:`~amp_plugin.MasterWeightOptimizer` (see the module
+    docstring). Indices are positions in the optimizer's half-precision pairs."""
+
+    __slots__ = ("eager", "grads", "inv", "ops", "owner", "touched", "versions")
+
+    def __init__(self, owner: MasterWeightOptimizer, inv: Callable[[torch.device], torch.Tensor] | None,
+                 grads: list[torch.Tensor | None], ops: Any | None) -> None:
+        self.owner = owner
+        self.inv = inv  # device -> the unscale factor there; None: the gradients are not scaled
+        self.grads = grads  # each model gradient as found (None: no gradient)
+        self.versions = [0 if g is None else g._version for g in grads]
+        self.eager: dict[int, torch.Tensor] = {}  # index -> FP32 gradient computed ahead
+        self.touched: set[int] = set()  # indices whose master's grad slot was filled (read or set)
+        self.ops = ops
+
+    def inv_on(self, device: torch.device) -> torch.Tensor | None:
+        return None if self.inv is None else self.inv(device)
+
+    def changed(self, index: int, grad: torch.Tensor | None) -> bool:
+        """Whether the model gradient at ``index`` is no longer the one this session found."""
+        seen = self.grads[index]
+        return grad is not seen or (grad is not None and grad._version != self.versions[index])
+
+    def current(self, index: int) -> torch.Tensor | None:
+        """The model's gradient at ``index`` now (warning once if it changed)."""
+        grad = self.owner._half_models[index].grad
+        if self.changed(index, grad):
+            self.owner._warn_grads_changed()
+        return grad
+
+    def fp32(self, index: int, grad: torch.Tensor) -> torch.Tensor:
+        """The FP32 master gradient for the model gradient ``grad`` at ``index``."""
+        eager = self.eager.get(index)
+        if eager is not None and not self.changed(index, grad):
+            return eager
+        return unscaled_copy(grad, self.inv_on(grad.device), self.ops)
+
+    def materialize(self, index: int) -> torch.Tensor | None:
+        """``master.grad`` read while pending: compute it, put it in the master's grad slot."""
+        master = self.owner._half_masters[index]
+        master._amp_pending = None
+        grad = self.current(index)
+        if grad is None:
+            return None
+        out = self.fp32(index, grad)
+        set_grad(master, out)
+        self.touched.add(index)
+        return out
+
+    def override(self, index: int) -> None:
+        """User code set ``master.grad`` (pending until then): the step uses the slot."""
+        self.touched.add(index)
+
+    def end(self) -> None:
+        """Free every master gradient of this session; nothing is pending any more."""
+        masters = self.owner._half_masters
+        for index in self.touched:
+            set_grad(masters[index], None)
+        for index, grad in enumerate(self.grads):
+            if grad is not None:
+                master = masters[index]
+                pending = master._amp_pending
+                if pending is not None and pending[0] is self:
+                    master._amp_pending = None
+        self.eager.clear()
+        self.touched.clear()
+
+
+def warn_grads_changed(stacklevel: int) -> None:
+    warnings.warn(_CHANGED_MESSAGE, MasterGradWarning, stacklevel=stacklevel)

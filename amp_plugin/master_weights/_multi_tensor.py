@@ -1,0 +1,79 @@
+"""The master-weight Adam/AdamW step with torch's multi-tensor kernels, on any device.
+
+This is the path for CUDA (and any non-CPU) tensors, and, forced with ``fused="torch"``,
+on the CPU. Per device, whatever the number of parameters:
+
+1. unscale (``scaler.unscale_``): new FP32 copies of the half gradients from one
+   ``torch._foreach_mul`` by a one-element FP32 tensor (type promotion: an exact upcast that
+   allocates every output in one op), then ``torch._amp_foreach_non_finite_check_and_unscale_``
+   on them (the unscale and the inf check);
+2. the skip decision: the scaler reads the found-inf flag (the one host sync);
+3. ``torch._foreach_add_`` on the step counters and ``torch._fused_adam_``/``_fused_adamw_``
+   on the FP32 masters (what ``torch.optim.Adam(fused=True).step()`` runs, so the masters get
+   the same bits), with the hyperparameters as the group holds them (a tensor ``lr`` stays
+   on its device);
+4. ``torch._foreach_copy_`` of the masters into the half-precision model parameters.
+
+The FP32 gradients are dropped when the step ends. Python only gathers references (the
+gradients, the state tensors) into lists: no per-parameter tensor op, no host sync. (The
+upcast's outputs have the gradients' shapes, so it takes ``_foreach_mul``'s general path:
+one launch per tensor on CUDA, issued from C++.)
+
+torch's fused Adam takes a ``grad_scale`` to unscale on the fly, but only for gradients of
+the parameters' own dtype (FP32 here), and it divides by the scale where the unscale
+multiplies by its reciprocal (different bits unless the scale is a power of two): the copy
+into FP32 is needed anyway, so the unscale happens there.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.optim import Optimizer
+
+from amp_plugin.fused.adam import _state
+
+__all__ = ["torch_adam_step"]
+
+
+@torch.no_grad()
+def torch_adam_step(optimizer: Optimizer, grads: list[torch.Tensor | None], index_of: dict[int, int]) -> None:
+    """One Adam/AdamW step of ``optimizer`` over FP32 masters with torch's fused kernel.
+
+    ``grads[index_of[id(master)]]``: the FP32 gradient of each half-precision parameter's
+    master (``None``: not stepped); parameters that are their own master (absent from
+    ``index_of``) use their ``.grad``. State is initialised as ``torch.optim.Adam(fused=True)``
+    does. The caller copies the stepped masters into the model.
+    """
+    adamw_default = isinstance(optimizer, torch.optim.AdamW)
+    for group in optimizer.param_groups:
+        params, group_grads = [], []
+        for p in group["params"]:
+            i = index_of.get(id(p))
+            g = p.grad if i is None else grads[i]
+            if g is not None:
+                params.append(p)
+                group_grads.append(g)
+        if not params:
+            continue
+        states = [_state(optimizer, p) for p in params]
+        grouped = Optimizer._group_tensors_by_device_and_dtype([  # one C++ call, as torch's fused Adam
+            params, group_grads, [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
+            [s["step"] for s in states]])
+        beta1, beta2 = group["betas"]
+        decoupled = bool(group.get("decoupled_weight_decay", adamw_default))
+        kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
+        lr = group["lr"]
+        for (device, _), ((d_params, d_grads, d_exp_avgs, d_exp_avg_sqs, d_steps), _) in grouped.items():
+            torch._foreach_add_(d_steps, 1)
+            # as torch's fused Adam: a tensor lr moves to a CUDA device, a CPU one stays
+            d_lr: Any = lr.to(device) if isinstance(lr, torch.Tensor) and lr.device.type != "cpu" \
+                and lr.device != device else lr
+            kernel(d_params, d_grads, d_exp_avgs, d_exp_avg_sqs, [], d_steps, amsgrad=False, lr=d_lr,
+                   beta1=_scalar(beta1), beta2=_scalar(beta2), weight_decay=group["weight_decay"], eps=group["eps"],
+                   maximize=group["maximize"], grad_scale=None, found_inf=None)
+
+
+def _scalar(value: Any) -> float:
+    return value.item() if isinstance(value, torch.Tensor) else float(value)

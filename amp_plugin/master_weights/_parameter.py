@@ -1,0 +1,192 @@
+"""The FP32 master of a half-precision model parameter: :class:`MasterParameter`, and the
+record that ties it to its model parameter.
+
+A master's gradient is transient. Between ``scaler.unscale_(opt)`` (or ``opt.sync_grads()``)
+and the end of the step it *is* the model's gradient times the unscale factor, but nothing
+is stored until someone reads it: reading ``master.grad`` from Python (clipping, a hook, a
+callback) materializes ``model_grad.float() * inv_scale`` into an FP32 buffer, which the step
+then uses as it finds it (clipped, edited, replaced). The fused step reads the half gradient
+itself where nobody did. C++ code (kernels, autograd) sees the tensor's own ``grad`` slot,
+never the Python property, and autograd never writes a master's gradient: masters are not in
+any graph.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Protocol
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+__all__ = ["MasterParameter"]
+
+_HALF = (torch.float16, torch.bfloat16)
+# The tensor's own slots, under the Python properties MasterParameter puts over them.
+GRAD_SLOT = torch._C.TensorBase.grad
+REQUIRES_GRAD_SLOT = torch._C.TensorBase.requires_grad
+
+
+class _Session(Protocol):  # the gradient session of a MasterWeightOptimizer step (see _grads.py)
+    def materialize(self, index: int) -> torch.Tensor | None: ...
+
+    def override(self, index: int) -> None: ...
+
+
+class MasterParameter(torch.nn.Parameter):
+    """The FP32 master copy of one FP16/BF16 model parameter (made by
+    :class:`~amp_plugin.MasterWeightOptimizer`, which puts it in the wrapped optimizer's
+    param groups).
+
+    Two attributes differ from a plain ``Parameter``:
+
+    - ``grad``: ``None`` outside a step. From ``scaler.unscale_(opt)`` or ``opt.sync_grads()``
+      until the step ends, reading it returns the unscaled FP32 gradient, made on the first
+      read from the model's gradient (``model_grad.float() * inv_scale``: the bits a
+      copy-then-unscale pass stores) and kept until the step, which uses it as it then is
+      (clipped in place, replaced by assignment, or set to ``None`` to leave the parameter
+      out). The step frees it. Not read, it costs no memory: the fused step reads the half
+      gradient directly.
+    - ``requires_grad``: the model parameter's. Setting it (``p.requires_grad = False`` or
+      ``p.requires_grad_(False)``, as Lightning's ``toggle_optimizer`` does to the other
+      optimizers' parameters) sets the model parameter's too, so freezing an optimizer's
+      parameters freezes the model.
+
+    Copies (``copy.deepcopy``, pickling) are plain ``torch.nn.Parameter``s holding the master's
+    values. Do not build one yourself.
+    """
+
+    _amp_model: Any  # weakref.ref to the model parameter
+    _amp_pending: tuple[_Session, int] | None
+    _amp_grad: torch.Tensor | None  # what the grad slot holds, as this class wrote it (read without a C call)
+
+    @staticmethod
+    def of(model_param: torch.Tensor) -> MasterParameter:
+        """A new master for ``model_param``: an FP32 contiguous copy of its values."""
+        data = torch.empty(model_param.shape, dtype=torch.float32, device=model_param.device)
+        with torch.no_grad():
+            data.copy_(model_param)
+        master = torch.Tensor._make_subclass(MasterParameter, data, model_param.requires_grad)
+        master._amp_model = weakref.ref(model_param)
+        master._amp_pending = None
+        master._amp_grad = None
+        return master
+
+    def model_param(self) -> torch.Tensor | None:
+        """The model parameter this is the master of (``None`` once it is gone)."""
+        return self._amp_model()
+
+    # ------------------------------------------------------------------ grad
+    @property
+    def grad(self) -> torch.Tensor | None:  # type: ignore[override]
+        g = self._amp_grad
+        if g is None:
+            pending = self._amp_pending
+            g = pending[0].materialize(pending[1]) if pending is not None else GRAD_SLOT.__get__(self)
+        return g
+
+    @grad.setter
+    def grad(self, value: torch.Tensor | None) -> None:
+        pending = self._amp_pending
+        if pending is not None:
+            self._amp_pending = None
+            pending[0].override(pending[1])
+        set_grad(self, value)
+
+    @grad.deleter
+    def grad(self) -> None:
+        self.grad = None
+
+    # ------------------------------------------------------------------ requires_grad
+    @property
+    def requires_grad(self) -> bool:  # type: ignore[override]
+        model = self._amp_model()
+        return REQUIRES_GRAD_SLOT.__get__(self) if model is None else model.requires_grad
+
+    @requires_grad.setter
+    def requires_grad(self, value: bool) -> None:
+        REQUIRES_GRAD_SLOT.__set__(self, value)
+        model = self._amp_model()
+        if model is not None:
+            model.requires_grad = value
+
+    def requires_grad_(self, requires_grad: bool = True) -> MasterParameter:  # type: ignore[override]
+        self.requires_grad = requires_grad
+        return self
+
+    # ------------------------------------------------------------------ copies
+    def __deepcopy__(self, memo: dict) -> torch.nn.Parameter:
+        if id(self) not in memo:
+            memo[id(self)] = torch.nn.Parameter(self.data.clone(memory_format=torch.preserve_format),
+                                                REQUIRES_GRAD_SLOT.__get__(self))
+        return memo[id(self)]
+
+    def __reduce_ex__(self, proto: int) -> tuple:
+        return torch._utils._rebuild_parameter, (self.data, REQUIRES_GRAD_SLOT.__get__(self), {})
+
+    def __repr__(self) -> str:
+        return "MasterParameter containing:\n" + torch.Tensor.__repr__(self.data)
+
+
+def set_grad(master: MasterParameter, value: torch.Tensor | None) -> None:
+    """Write a master's grad slot (and the copy the ``grad`` property reads)."""
+    GRAD_SLOT.__set__(master, value)
+    master._amp_grad = value
+
+
+class Record:
+    """What every :class:`~amp_plugin.MasterWeightOptimizer` over one half-precision model
+    parameter shares: its master, and when the two were last in sync.
+
+    ``version`` and ``ptr`` are the parameter's ``_version`` and ``data_ptr()`` as they were
+    right after the last copy between the two (either way): any in-place write to the
+    parameter since then (``zero_()``, ``copy_()``, ``load_state_dict``, an init function)
+    changes ``_version``, and ``param.data = other`` changes ``data_ptr()``.
+
+    ``master`` is the :class:`MasterParameter`, or, for a BF16 master split in two
+    (``master="bf16_split"``), ``None``; then ``low_bits`` holds the low 16 bits of the FP32
+    master (int16, shaped like the parameter) and the parameter itself the high 16.
+    """
+
+    __slots__ = ("low_bits", "master", "ptr", "version")
+
+    def __init__(self, master: MasterParameter | None, low_bits: torch.Tensor | None, version: int, ptr: int) -> None:
+        self.master = master
+        self.low_bits = low_bits
+        self.version = version
+        self.ptr = ptr
+
+
+# Model parameter -> its Record, while the parameter lives: two wrappers over one parameter
+# (two optimizers, a GAN's shared layer) share one master, so neither undoes the other's update.
+MASTERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+# Every master made here, and every optimizer wrapped: what a second wrapper must refuse.
+MASTER_TENSORS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+WRAPPED: weakref.WeakSet = weakref.WeakSet()
+
+
+def refresh(model_p: torch.Tensor, record: Record) -> None:
+    """Re-copy the master if the model parameter was written since the last sync."""
+    if model_p._version != record.version or model_p.data_ptr() != record.ptr:
+        resync(model_p, record)
+
+
+@torch.no_grad()
+def resync(model_p: torch.Tensor, record: Record) -> None:
+    """Copy the model parameter into its master (after a write the wrapper did not make). A
+    split master's low bits are cleared: the master is then the weight, exactly."""
+    like = record.master if record.master is not None else record.low_bits
+    if model_p.dtype not in _HALF or model_p.shape != like.shape or model_p.device != like.device or (
+            record.master is None and model_p.dtype is not torch.bfloat16):
+        raise RuntimeError(
+            f"A model parameter wrapped by MasterWeightOptimizer changed from {tuple(like.shape)} "
+            f"half precision on {like.device} to {model_p.dtype} {tuple(model_p.shape)} on {model_p.device} "
+            "(param.data = ..., or model.float()/.to() after the optimizer was built): its FP32 master "
+            "and optimizer state no longer fit. Convert or resize the model first, then build the "
+            "optimizer and the MasterWeightOptimizer."
+        )
+    if record.master is not None:
+        record.master.copy_(model_p)
+    else:
+        record.low_bits.zero_()
+    record.version, record.ptr = model_p._version, model_p.data_ptr()

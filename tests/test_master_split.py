@@ -1,0 +1,178 @@
+"""BF16 masters as the BF16 weight plus a 16-bit extension (``master="bf16_split"``): the
+masters are FP32 masters bit for bit, the weight is the master truncated, 14 bytes of
+training state per parameter with AdamW, checkpoints move between the two kinds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from amp_plugin import DynamicLossScaler, MasterWeightOptimizer
+
+OPTIMIZERS = {  # fused=True: the update bf16_split computes (on FP32 masters: the reference)
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, fused=True),
+    "adam_l2": lambda ps: torch.optim.Adam(ps, lr=1e-2, weight_decay=0.05, fused=True),
+    "adamw_maximize": lambda ps: torch.optim.AdamW(ps, lr=3e-3, betas=(0.3, 0.95), maximize=True, fused=True),
+}
+
+
+def model(seed=0):
+    torch.manual_seed(seed)
+    net = torch.nn.Sequential(torch.nn.Linear(16, 24), torch.nn.LayerNorm(24), torch.nn.Linear(24, 5))
+    net[0].bfloat16()
+    net[2].bfloat16()
+    return net
+
+
+def truncate(x: torch.Tensor) -> torch.Tensor:
+    return (x.view(torch.int32) & -65536).view(torch.float32)
+
+
+def grads_for(net, step, scale=1.0):
+    for i, p in enumerate(net.parameters()):
+        g = torch.randn(p.shape, generator=torch.Generator().manual_seed(100 * step + i)) * 1e-2
+        p.grad = (g.to(p.dtype).float() * scale).to(p.dtype)
+
+
+@pytest.mark.parametrize("fused", [None, False])
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_split_masters_are_fp32_masters_and_the_weight_is_the_master_truncated(name, fused):
+    """Fed the same gradients, the split masters follow the FP32 masters bit for bit, on the
+    kernel (fused=None) and on the torch-ops path (fused=False)."""
+    fp32_net, split_net = model(), model()
+    fp32_opt = MasterWeightOptimizer(OPTIMIZERS[name](fp32_net.parameters()))
+    split_opt = MasterWeightOptimizer(OPTIMIZERS[name](split_net.parameters()), fused=fused, master="bf16_split")
+    sched = torch.optim.lr_scheduler.StepLR(split_opt, step_size=2, gamma=0.5)
+    fp32_sched = torch.optim.lr_scheduler.StepLR(fp32_opt, step_size=2, gamma=0.5)
+    for step in range(6):
+        grads_for(fp32_net, step)
+        grads_for(split_net, step)
+        fp32_opt.step()
+        split_opt.step()
+        sched.step()
+        fp32_sched.step()
+        for a, b in zip(fp32_opt.fp32_masters(), split_opt.fp32_masters()):
+            assert torch.equal(a, b), step
+    masters = split_opt.fp32_masters()
+    halves = [p for p in split_net.parameters() if p.dtype == torch.bfloat16]
+    for master, weight, rounded in zip(masters, halves, [p for p in fp32_net.parameters() if p.dtype != torch.float32]):
+        assert torch.equal(weight.float(), truncate(master))  # split: truncated
+        assert torch.equal(rounded, master.bfloat16())  # FP32 masters: rounded to nearest
+    assert not torch.equal(halves[0], fp32_net[0].weight)  # the two differ somewhere
+    for a, b in zip(split_net[1].parameters(), fp32_net[1].parameters()):  # FP32 LayerNorm: its own master
+        assert torch.equal(a, b)
+
+
+def test_the_kernel_and_the_torch_ops_path_agree_with_a_scaler():
+    runs = []
+    for fused in (None, False):
+        net = model()
+        opt = MasterWeightOptimizer(OPTIMIZERS["adamw"](net.parameters()), fused=fused, master="bf16_split")
+        scaler = DynamicLossScaler(init_scale=2.0**8)
+        for step in range(5):
+            grads_for(net, step, scaler.get_scale())
+            if step == 2:
+                net[0].weight.grad[0, 0] = float("inf")
+            scaler.unscale_(opt)  # in place, exact: BF16 has FP32's exponent range
+            if step != 2:
+                assert net[2].bias.grad.abs().max() < 1  # unscaled
+            torch.nn.utils.clip_grad_norm_(opt.master_params(), 0.05)
+            scaler.step(opt)
+            scaler.update()
+        assert scaler.skipped_steps == 1
+        runs.append((opt.fp32_masters(), [p.detach().clone() for p in net.parameters()]))
+    for a, b in zip(runs[0][0] + runs[0][1], runs[1][0] + runs[1][1]):
+        assert torch.equal(a, b)
+
+
+def state_bytes(net, opt):
+    seen, total = set(), 0
+    tensors = [*net.parameters(), *(p.grad for p in net.parameters())]
+    tensors += [p for g in opt.param_groups for p in g["params"]] + [r.low_bits for r in opt._records]
+    tensors += [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
+    for t in tensors:
+        if t is not None and t.untyped_storage().data_ptr() not in seen:
+            seen.add(t.untyped_storage().data_ptr())
+            total += t.untyped_storage().nbytes()
+    return total
+
+
+def test_training_state_is_14_bytes_per_parameter():
+    net = torch.nn.Linear(512, 512).bfloat16()
+    opt = MasterWeightOptimizer(torch.optim.AdamW(net.parameters(), fused=True), master="bf16_split")
+    net(torch.randn(4, 512).bfloat16()).float().sum().backward()
+    opt.step()
+    n = sum(p.numel() for p in net.parameters())
+    assert state_bytes(net, opt) / n < 14.01  # weight 2 + gradient 2 + extension 2 + moments 8 (+ step counters)
+
+
+def test_state_dicts_move_between_fp32_and_split_masters():
+    net = model()
+    opt = MasterWeightOptimizer(OPTIMIZERS["adamw"](net.parameters()), master="bf16_split")
+    for step in range(3):
+        grads_for(net, step)
+        opt.step()
+    saved, saved_masters = opt.state_dict(), opt.fp32_masters()
+    assert all(m.dtype == torch.float32 for m in saved["master_params"])
+    # into FP32 masters: the same masters, the weights rounded from them
+    fp32_net = model(seed=1)
+    fp32_opt = MasterWeightOptimizer(OPTIMIZERS["adamw"](fp32_net.parameters()))
+    fp32_net.load_state_dict(net.state_dict())
+    fp32_opt.load_state_dict(saved)
+    assert all(torch.equal(a, b) for a, b in zip(fp32_opt.fp32_masters(), saved_masters))
+    # and back into split masters: the weights truncated from them
+    split_net = model(seed=2)
+    split_opt = MasterWeightOptimizer(OPTIMIZERS["adamw"](split_net.parameters()), master="bf16_split")
+    split_opt.load_state_dict(fp32_opt.state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(split_opt.fp32_masters(), saved_masters))
+    assert torch.equal(split_net[0].weight.float(), truncate(saved_masters[0]))
+    # a plain optimizer state dict: the masters are the model's weights, exactly
+    split_opt.load_state_dict(OPTIMIZERS["adamw"](model().parameters()).state_dict())
+    assert torch.equal(split_opt.fp32_masters()[0], split_net[0].weight.float())
+
+
+def test_a_write_to_the_model_clears_the_extension():
+    net = model()
+    opt = MasterWeightOptimizer(OPTIMIZERS["adamw"](net.parameters()), master="bf16_split")
+    grads_for(net, 0)
+    opt.step()
+    assert opt._records[0].low_bits.any()
+    with torch.no_grad():
+        net[0].weight.fill_(0.5)
+    assert torch.equal(opt.fp32_masters()[0], torch.full_like(net[0].weight, 0.5, dtype=torch.float32))
+
+
+def test_refusals_name_the_reason():
+    with pytest.raises(ValueError, match="master='bf16_split' is not possible here: it needs a BF16 model"):
+        MasterWeightOptimizer(torch.optim.AdamW(torch.nn.Linear(2, 2).half().parameters()), master="bf16_split")
+    with pytest.raises(ValueError, match="master='bf16_split' is not possible here: .*Adam and AdamW only, not SGD"):
+        MasterWeightOptimizer(torch.optim.SGD(model().parameters(), lr=0.1), master="bf16_split")
+    with pytest.raises(ValueError, match="master='bf16' is not allowed: master must be 'fp32' or 'bf16_split'"):
+        MasterWeightOptimizer(torch.optim.AdamW(model().parameters()), master="bf16")
+    net = model()
+    MasterWeightOptimizer(torch.optim.AdamW(net.parameters()), master="bf16_split")
+    with pytest.raises(ValueError, match="one master per parameter"):
+        MasterWeightOptimizer(torch.optim.AdamW(net.parameters()))
+    opt = MasterWeightOptimizer(torch.optim.AdamW(model().parameters()), master="bf16_split")
+    with pytest.raises(TypeError, match="keyword arguments"):
+        opt.step(tag=1)
+
+
+def test_a_lightning_module_can_return_a_split_master_optimizer(pl):
+    """The plugin keeps a MasterWeightOptimizer the module built itself."""
+    from _models import TinyClassifier, as_lightning, quiet_trainer
+
+    from amp_plugin import MixedPrecisionPlugin
+
+    class Split(TinyClassifier):
+        def configure_optimizers(self):
+            return MasterWeightOptimizer(torch.optim.AdamW(self.parameters(), lr=1e-2, fused=True),
+                                         master="bf16_split")
+
+    module = as_lightning(pl, Split)()
+    trainer = quiet_trainer(pl, plugins=[MixedPrecisionPlugin("bf16")], max_steps=4)
+    trainer.fit(module)
+    opt = trainer.optimizers[0]
+    assert opt.master == "bf16_split"
+    for weight, master in zip([p for p in module.parameters() if p.dtype == torch.bfloat16], opt.fp32_masters()):
+        assert torch.equal(weight.float(), truncate(master))
