@@ -510,3 +510,56 @@ def test_weights_set_in_on_fit_start_are_the_starting_point(pl):
     model = as_lightning(pl, WeightsSetAtFitStart)(optimizer="sgd", lr=0.0)
     fit(pl, model, MixedPrecisionPlugin("bf16"), max_steps=2)
     assert torch.all(model.net[0].weight == 0.125) and torch.all(model.net[3].weight == -0.25)
+
+
+class ReadsGradsInHook(TinyClassifier):
+    """Reads the module's gradients where Lightning's docs do it, and edits one layer's."""
+
+    def __init__(self, zero_first_layer=False, **kwargs):
+        super().__init__(**kwargs)
+        self.zero_first_layer = zero_first_layer
+        self.seen = []
+
+    def on_before_optimizer_step(self, optimizer):
+        from lightning.pytorch.utilities import grad_norm
+
+        masters = optimizer.master_params() if hasattr(optimizer, "master_params") else list(self.parameters())
+        self.seen.append({
+            "model": [p.grad.clone() for p in self.parameters()],
+            "master": [m.grad.clone() for m in masters],
+            "norm": grad_norm(self, norm_type=2)["grad_2.0_norm_total"],
+        })
+        if self.zero_first_layer:
+            self.net[0].weight.grad.zero_()
+
+
+@pytest.mark.parametrize("preset", ["fp16", "bf16"])
+def test_hooks_read_the_unscaled_gradient_from_the_module(pl, preset):
+    model = as_lightning(pl, ReadsGradsInHook)(optimizer="sgd")
+    plugin = MixedPrecisionPlugin(preset, scaler=DynamicLossScaler(init_scale=2.0**12))  # a scale for bf16 too
+    fit(pl, model, plugin, max_steps=3)
+    for seen in model.seen:
+        for p_grad, m_grad in zip(seen["model"], seen["master"]):
+            assert torch.equal(p_grad, m_grad.to(p_grad.dtype))  # unscaled, rounded to the model's dtype
+        masters_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in seen["master"]]))
+        assert float(seen["norm"]) == pytest.approx(float(masters_norm), rel=1e-2)  # not 2**12 times larger
+
+
+def test_an_edit_to_the_modules_gradient_in_a_hook_reaches_the_step(pl):
+    model = as_lightning(pl, ReadsGradsInHook)(zero_first_layer=True, optimizer="sgd")
+    before = model.net[0].weight.detach().clone()
+    fit(pl, model, MixedPrecisionPlugin("fp16"), max_steps=3)
+    assert torch.equal(model.net[0].weight.detach(), before.half())  # its gradient was zeroed every step
+    assert not torch.equal(model.net[3].weight.detach().float(), model.seen[0]["master"][0])  # the rest trained
+
+
+def test_without_hooks_that_read_gradients_nothing_is_written_back(pl):
+    from amp_plugin.callbacks import GradientHealthMonitor, LossScaleMonitor
+
+    plugin = MixedPrecisionPlugin("fp16")
+    monitors = [LossScaleMonitor(notice_interval_s=None), GradientHealthMonitor(every_n_steps=1, verbose=False)]
+    fit(pl, as_lightning(pl, TinyClassifier)(), plugin, max_steps=2, callbacks=monitors)
+    assert plugin._hooks_read_model_grads is False
+    plugin = MixedPrecisionPlugin("fp16")
+    fit(pl, as_lightning(pl, ReadsGradsInHook)(), plugin, max_steps=1)
+    assert plugin._hooks_read_model_grads is True

@@ -3,8 +3,10 @@
 One optimizer step, in this order (written once, here)::
 
     closure (forward, scaled backward)
-    -> unscale into FP32 master grads (one fused pass with the inf check)
-    -> on_before_optimizer_step hooks and gradient clipping see unscaled FP32 grads
+    -> inf check and unscale (FP32 master grads made only where something reads them)
+    -> on_before_optimizer_step hooks and gradient clipping see unscaled grads: FP32 in
+       the optimizer's param groups, and, when a hook may read them, the module's own
+       p.grad too (unscaled, rounded to the half type; an edit there reaches the step)
     -> step, or skip when a gradient is inf/NaN (all ranks agree)
     -> scale update (once per iteration, also with several optimizers)
     -> masters copied back into the half-precision model (only after a real step)
@@ -115,6 +117,7 @@ class MixedPrecisionPlugin(Precision):
         self._unscaled: set[int] = set()  # optimizers unscaled in this iteration (by clipping or their step)
         self._stepped: set[int] = set()  # optimizers stepped in this iteration (manual optimization)
         self._emulation_hold: Any = None
+        self._hooks_read_model_grads: bool | None = None  # worked out at the first step of a fit
         self._described = False
         self._lr_hold = LRHold(lambda: self.settings.skip_lr_on_overflow and self.scaler.last_step_skipped)
 
@@ -209,6 +212,7 @@ class MixedPrecisionPlugin(Precision):
         module = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
         self._module = module if isinstance(module, LIGHTNING_MODULES) else None
         self._lr_hold.attach(lr_schedulers)
+        self._hooks_read_model_grads = None
         if not self._described:  # once per plugin, not once per fit/validate stage
             self._described = True
             rank_zero_info(f"amp_plugin: {self.describe()}")
@@ -295,7 +299,10 @@ class MixedPrecisionPlugin(Precision):
         if closure_result is None and model.automatic_optimization:
             return None  # training_step returned None: no backward ran, nothing to step
         self._unscale_once(optimizer)
+        shown = self._show_unscaled_model_grads(model, optimizer)
         self._after_closure(model, optimizer)
+        if shown:
+            _take_model_grad_edits(*shown)
         scaler = self.scaler
         result = scaler.step(optimizer, **kwargs)  # type: ignore[arg-type]
         self._stepped.add(key)
@@ -316,6 +323,34 @@ class MixedPrecisionPlugin(Precision):
         if id(optimizer) not in self._unscaled:
             self._unscaled.add(id(optimizer))
             self.scaler.unscale_(optimizer)
+
+    def _show_unscaled_model_grads(self, model: Any, optimizer: Any) -> tuple[list, list, list] | None:
+        """With master weights, write the unscaled gradients (rounded to the half type) into the
+        module's own ``p.grad`` when a hook may read them there; return what to watch for edits.
+
+        Costs the FP32 master gradients (made now) and a copy, so only when the module or a
+        callback overrides ``on_before_optimizer_step`` or ``configure_gradient_clipping``.
+        """
+        optimizer = _unwrap(optimizer)
+        if not isinstance(optimizer, MasterWeightOptimizer):
+            return None  # FP32 or pure-half parameters: their own gradients were unscaled in place
+        if self._hooks_read_model_grads is None:
+            self._hooks_read_model_grads = _hooks_may_read_grads(model)
+        if not self._hooks_read_model_grads:
+            return None
+        models, masters, grads = [], [], []
+        for model_p, master in zip(optimizer.model_params(), optimizer.master_params()):
+            if model_p is master or model_p.grad is None or model_p.grad.is_sparse:
+                continue
+            fp32 = master.grad  # made here, from the still scaled model gradient
+            if fp32 is None or fp32.is_sparse:
+                continue
+            models.append(model_p)
+            masters.append(master)
+            grads.append(fp32)
+        if grads:
+            torch._foreach_copy_([p.grad for p in models], grads)
+        return models, masters, [p.grad._version for p in models]
 
     @override
     def clip_gradients(self, optimizer: Optimizer, clip_val: float = 0.0, gradient_clip_algorithm: Any = None) -> None:
@@ -401,6 +436,33 @@ class MixedPrecisionPlugin(Precision):
             f"{type(self).__name__}(precision={self.settings.preset!r}, scaler={self.scaler!r}, "
             f"emulate={self.emulate!r}, skip_lr_on_overflow={self.skip_lr_on_overflow})"
         )
+
+
+_HOOKS = ("on_before_optimizer_step", "configure_gradient_clipping")
+
+
+def _hooks_may_read_grads(model: Any) -> bool:
+    """Whether the module or a callback overrides a hook that runs between the unscale and the
+    step (amp_plugin's callbacks that read the optimizer's FP32 gradients excepted)."""
+
+    def overrides(obj: Any, hook: str) -> bool:
+        owner = next((k for k in type(obj).__mro__ if hook in vars(k)), None)
+        return owner is not None and not owner.__module__.startswith(("lightning.", "pytorch_lightning."))
+
+    trainer = getattr(model, "trainer", None)
+    callbacks = [cb for cb in getattr(trainer, "callbacks", []) if not getattr(cb, "reads_master_grads", False)]
+    return any(overrides(model, hook) for hook in _HOOKS) or any(
+        overrides(cb, "on_before_optimizer_step") for cb in callbacks
+    )
+
+
+@torch.no_grad()
+def _take_model_grad_edits(models: list, masters: list, versions: list[int]) -> None:
+    """A hook edited the module's (unscaled) ``p.grad``: the step uses the edited values."""
+    for model_p, master, version in zip(models, masters, versions):
+        grad = model_p.grad
+        if grad is not None and grad._version != version and master.grad is not None:
+            master.grad.copy_(grad)
 
 
 def _unwrap(optimizer: Any) -> Any:

@@ -139,6 +139,8 @@ class GradientHealthMonitor(Callback):
         verbose: print one line per measurement.
     """
 
+    reads_master_grads = True  # it reads the optimizer's FP32 gradients, not the module's p.grad
+
     def __init__(self, every_n_steps: int = 100, verbose: bool = True) -> None:
         if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1:
             raise ValueError(
