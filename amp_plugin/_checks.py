@@ -8,6 +8,7 @@ fixed in one read.
 from __future__ import annotations
 
 import math
+from enum import Enum
 from collections.abc import Iterable
 from typing import Any
 
@@ -25,6 +26,8 @@ def _bad(name: str, value: Any, allowed: str) -> ValueError:
 
 def check_choice(name: str, value: Any, choices: Iterable[Any]) -> Any:
     """Return ``value`` if it is one of ``choices``."""
+    if isinstance(value, Enum):  # a str Enum member from a structured config: its value
+        value = value.value
     choices = tuple(choices)
     if value not in choices:
         raise _bad(name, value, "one of " + ", ".join(repr(c) for c in choices))

@@ -11,6 +11,7 @@ the counter refills when the scale grows (``"growth"``) or after every clean ste
 from __future__ import annotations
 
 import math
+from enum import Enum
 from typing import Any
 
 import torch
@@ -18,10 +19,24 @@ import torch
 from amp_plugin._checks import check_choice, check_int, check_number, check_scale
 from amp_plugin.scaler import LossScaler, ScaleUpdate, _state_int, to_float32
 
-__all__ = ["DynamicLossScaler", "LossScaleCollapseError"]
+__all__ = ["DynamicLossScaler", "HysteresisReset", "LossScaleCollapseError", "OnMinScale"]
 
-_HYSTERESIS_RESETS = ("growth", "finite")
-_ON_MIN_SCALE = ("raise", "skip")
+class HysteresisReset(str, Enum):
+    """``hysteresis_reset=``: when the hysteresis counter refills."""
+
+    growth = "growth"  # on each growth (DeepSpeed/Megatron default)
+    finite = "finite"  # after every clean step (DeepSpeed's consecutive mode)
+
+
+class OnMinScale(str, Enum):
+    """``on_min_scale=``: what an overflow due to back off at ``min_scale`` does."""
+
+    raise_ = "raise"  # LossScaleCollapseError from update()
+    skip = "skip"  # keep skipping
+
+
+_HYSTERESIS_RESETS = tuple(m.value for m in HysteresisReset)
+_ON_MIN_SCALE = tuple(m.value for m in OnMinScale)
 
 
 class LossScaleCollapseError(FloatingPointError):
@@ -40,7 +55,7 @@ class LossScaleCollapseError(FloatingPointError):
         self.consecutive_skips = consecutive_skips
         self.checkpoint_path = checkpoint_path
         saved = (
-            f" The last good state (skipped steps change nothing) was saved to {checkpoint_path}."
+            f" The last healthy state is in {checkpoint_path}."
             if checkpoint_path else ""
         )
         super().__init__(

@@ -17,7 +17,14 @@ preset         dtype    master weights autocast default scaler like Lightning's
 ``bf16_autocast`` BF16  no             yes      none           ``bf16-mixed``
 ``fp16_pure``  FP16     no             no       dynamic        ``16-true``
 ``bf16_pure``  BF16     no             no       none           ``bf16-true``
+``bf16_split`` BF16     yes, split     no       none           (no equivalent)
 ============== ======== ============== ======== ============== ==========================
+
+``bf16_split`` keeps each FP32 master as the BF16 weight plus a 16-bit extension (the FP32
+value's low 16 bits; ``MasterWeightOptimizer(..., master="bf16_split")``): the same update as an
+FP32 master, 14 instead of 16 bytes of training state per parameter with AdamW, and the model's
+BF16 weight is the master truncated instead of rounded (see :mod:`amp_plugin.master_weights`).
+Adam and AdamW only.
 """
 
 from __future__ import annotations
@@ -53,6 +60,7 @@ class Preset:
     precision: Literal["fp16", "bf16", "fp32"]
     master_weights: bool
     autocast: bool
+    master: Literal["fp32", "bf16_split"] = "fp32"  # how the masters are stored
 
     def describe(self, short: bool = False) -> str:
         """The preset in words; ``short`` for a summary line."""
@@ -61,6 +69,8 @@ class Preset:
             text, detail = "FP32 weights and compute", "plain FP32 training"
         elif self.master_weights:
             text = f"{dtype} weights and compute, FP32 master weights"
+            if self.master == "bf16_split":
+                text += " split into the BF16 weight and a 16-bit extension"
             detail = text + " in the optimizer"
         elif self.autocast:
             text = detail = f"FP32 weights, {dtype} compute under autocast"
@@ -78,6 +88,7 @@ PRESETS: dict[str, Preset] = {
     "bf16_autocast": Preset("bf16", False, True),
     "fp16_pure": Preset("fp16", False, False),
     "bf16_pure": Preset("bf16", False, False),
+    "bf16_split": Preset("bf16", True, False, master="bf16_split"),
 }
 """Every preset by name (the ``precision=`` values of the app and of the plugin)."""
 
@@ -109,6 +120,8 @@ class PrecisionSettings:
         scaler: the loss scaler; a disabled one (:func:`no_loss_scaling`) means no scaling.
         emulate: ``"auto"``, ``"on"`` or ``"off"`` (see :class:`Emulate`).
         skip_lr_on_overflow: skipped steps do not advance step-interval LR schedulers.
+        master: how the optimizer stores the masters: ``"fp32"``, or ``"bf16_split"`` (the
+            BF16 weight plus a 16-bit extension; the ``bf16_split`` preset).
     """
 
     precision: str
@@ -117,6 +130,7 @@ class PrecisionSettings:
     scaler: LossScaler
     emulate: str = "auto"
     skip_lr_on_overflow: bool = True
+    master: str = "fp32"
 
     @classmethod
     def build(
@@ -163,6 +177,7 @@ class PrecisionSettings:
                 preset.precision,
                 preset.master_weights if master_weights is None else master_weights,
                 preset.autocast if autocast is None else autocast,
+                preset.master if master_weights is not False else "fp32",
             )
         if resolved.master_weights and resolved.autocast:
             raise ValueError(
@@ -182,16 +197,20 @@ class PrecisionSettings:
             precision=resolved.precision,
             master_weights=resolved.master_weights,
             autocast=resolved.autocast,
+            master=resolved.master,
             scaler=_resolve_scaler(scaler, resolved.precision),
             emulate=emulate,
             skip_lr_on_overflow=skip_lr_on_overflow,
         )
 
     # ------------------------------------------------------------------ derived
+    def _preset(self) -> Preset:
+        return Preset(self.precision, self.master_weights, self.autocast, self.master)  # type: ignore[arg-type]
+
     @property
     def preset(self) -> str:
         """The preset name these settings amount to."""
-        return preset_name(Preset(self.precision, self.master_weights, self.autocast))  # type: ignore[arg-type]
+        return preset_name(self._preset())
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -222,7 +241,7 @@ class PrecisionSettings:
 
     def describe(self, emulating: bool = False) -> str:
         """What a run with these settings does, in a few words."""
-        text = Preset(self.precision, self.master_weights, self.autocast).describe(short=True)  # type: ignore[arg-type]
+        text = self._preset().describe(short=True)
         scaling = self.scaling
         if scaling == "none":
             text += ", no loss scaling"

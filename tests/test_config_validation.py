@@ -31,7 +31,8 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIG_DIR = ROOT / "configs"
 RECIPES = sorted(p.stem for p in (CONFIG_DIR / "recipe").glob("*.yaml"))
 DEFAULT_SCALER = {"fp16": "dynamic", "fp16_autocast": "dynamic", "fp16_pure": "dynamic",
-                  "bf16": "none", "bf16_autocast": "none", "bf16_pure": "none", "fp32": "none"}
+                  "bf16": "none", "bf16_autocast": "none", "bf16_pure": "none", "bf16_split": "none",
+                  "fp32": "none"}
 
 
 def compose_config(*overrides: str, output_dir: str | Path = "/nonexistent/amp_plugin_test"):

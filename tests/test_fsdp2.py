@@ -383,6 +383,7 @@ def test_policy_of_each_preset():
         "bf16_autocast": MixedPrecisionPolicy(),
         "fp16_pure": MixedPrecisionPolicy(param_dtype=torch.float16),
         "bf16_pure": MixedPrecisionPolicy(param_dtype=torch.bfloat16),
+        "bf16_split": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
     }
     for name in PRESETS:
         assert policy_for(PrecisionSettings.build(name, scaler=None)) == expected[name], name

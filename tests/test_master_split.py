@@ -176,3 +176,22 @@ def test_a_lightning_module_can_return_a_split_master_optimizer(pl):
     assert opt.master == "bf16_split"
     for weight, master in zip([p for p in module.parameters() if p.dtype == torch.bfloat16], opt.fp32_masters()):
         assert torch.equal(weight.float(), truncate(master))
+
+
+def test_a_state_dict_reloaded_keeps_the_fp32_moments_exactly():
+    """torch's load_state_dict casts state to the parameter's dtype (BF16 here); the moments stay FP32."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8).bfloat16()
+    opt = MasterWeightOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), master="bf16_split")
+    for _ in range(3):
+        model.zero_grad()
+        model(torch.randn(4, 8, dtype=torch.bfloat16)).float().pow(2).sum().backward()
+        opt.step()
+    saved = opt.state_dict()
+    twin = torch.nn.Linear(8, 8).bfloat16()
+    twin_opt = MasterWeightOptimizer(torch.optim.AdamW(twin.parameters(), lr=1e-3), master="bf16_split")
+    twin_opt.load_state_dict(saved)
+    for a, b in zip(opt.optimizer.state.values(), twin_opt.optimizer.state.values()):
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert b[key].dtype == torch.float32 and torch.equal(a[key], b[key])
+    assert all(torch.equal(x, y) for x, y in zip(opt.fp32_masters(), twin_opt.fp32_masters()))

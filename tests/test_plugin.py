@@ -563,3 +563,17 @@ def test_without_hooks_that_read_gradients_nothing_is_written_back(pl):
     plugin = MixedPrecisionPlugin("fp16")
     fit(pl, as_lightning(pl, ReadsGradsInHook)(), plugin, max_steps=1)
     assert plugin._hooks_read_model_grads is True
+
+
+def test_the_bf16_split_preset_keeps_masters_as_weight_plus_extension(pl):
+    model = as_lightning(pl, TinyClassifier)()
+    plugin = MixedPrecisionPlugin("bf16_split")
+    trainer = fit(pl, model, plugin, max_steps=4)
+    opt = trainer.optimizers[0]
+    assert isinstance(opt, MasterWeightOptimizer) and opt.master == "bf16_split"
+    assert plugin.settings.preset == "bf16_split" and "16-bit extension" in plugin.describe()
+    for weight, master in zip(model.parameters(), opt.fp32_masters()):
+        if weight.dtype == torch.bfloat16:  # the model's weight is the FP32 master's high half
+            assert torch.equal(weight.view(torch.int16), (master.view(torch.int32) >> 16).to(torch.int16))
+    with pytest.raises(ValueError, match="master_weights=False contradicts precision='bf16_split'.*bf16_pure"):
+        MixedPrecisionPlugin("bf16_split", master_weights=False)

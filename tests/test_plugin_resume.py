@@ -44,7 +44,7 @@ def assert_same(a, b):
 
 @pytest.mark.parametrize(
     "precision, kwargs",
-    [("fp16", {}), ("bf16", {}), ("fp16", dict(master_weights=False, autocast=True))],
+    [("fp16", {}), ("bf16", {}), ("bf16_split", {}), ("fp16", dict(master_weights=False, autocast=True))],
 )
 def test_resume_is_bit_exact(pl, tmp_path, precision, kwargs):
     """A run that saves a checkpoint each epoch; resuming from the first gives the same end state.

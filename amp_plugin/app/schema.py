@@ -53,8 +53,8 @@ def _choices(name: str, values: typing.Iterable[str]) -> Any:
 PresetName = _choices("PresetName", PRESETS)
 """``precision.precision``: the preset names of :data:`amp_plugin.settings.PRESETS`."""
 # The lists DynamicLossScaler checks these arguments against, so the two cannot drift apart.
-HysteresisReset = _choices("HysteresisReset", dynamic_scaler._HYSTERESIS_RESETS)
-OnMinScale = _choices("OnMinScale", dynamic_scaler._ON_MIN_SCALE)
+HysteresisReset = _choices("HysteresisReset", [m.value for m in dynamic_scaler.HysteresisReset])
+OnMinScale = _choices("OnMinScale", [m.value for m in dynamic_scaler.OnMinScale])  # "raise" is no Python name
 ClipAlgorithm = _choices("ClipAlgorithm", ("norm", "value"))
 """``trainer.gradient_clip_algorithm``: Lightning's ``GradClipAlgorithmType`` values."""
 

@@ -24,6 +24,7 @@ def _setup(settings: PrecisionSettings) -> dict[str, Any]:
         "precision": settings.precision,
         "master_weights": settings.master_weights,
         "autocast": settings.autocast,
+        "master": settings.master,
         "scaler_type": type(scaler).__name__ if scaler.is_enabled() else None,
     }
 
@@ -47,6 +48,7 @@ def restore(settings: PrecisionSettings, saved: dict[str, Any]) -> None:
     next update.
     """
     ours = _setup(settings)
+    saved = {"master": "fp32", **saved}  # checkpoints from before split masters existed
     differs = {k: (saved.get(k), v) for k, v in ours.items() if saved.get(k) != v}
     if differs:
         detail = ", ".join(f"{k}: checkpoint {a!r}, now {b!r}" for k, (a, b) in differs.items())

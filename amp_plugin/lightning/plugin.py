@@ -124,8 +124,7 @@ class MixedPrecisionPlugin(Precision):
     @classmethod
     def from_settings(cls, settings: PrecisionSettings) -> MixedPrecisionPlugin:
         """A plugin for already validated settings (what the app builds before importing Lightning)."""
-        plugin = cls(settings.precision, settings.master_weights, settings.autocast, settings.scaler,
-                     settings.emulate, settings.skip_lr_on_overflow)
+        plugin = cls(settings.preset, None, None, settings.scaler, settings.emulate, settings.skip_lr_on_overflow)
         return plugin
 
     # ------------------------------------------------------------------ settings
@@ -198,7 +197,9 @@ class MixedPrecisionPlugin(Precision):
                 "master weights. Return an optimizer over the module's parameters from configure_optimizers."
             )
         if self.master_weights and not self.sharded:
-            optimizers = [o if isinstance(o, MasterWeightOptimizer) else MasterWeightOptimizer(o) for o in optimizers]
+            master = self.settings.master
+            optimizers = [o if isinstance(o, MasterWeightOptimizer) else MasterWeightOptimizer(o, master=master)
+                          for o in optimizers]
         param = next(model.parameters(), None)
         self._device_type = param.device.type if param is not None else "cpu"
         if self.emulate == "on" or (self.emulate == "auto" and should_emulate(self._device_type, self.compute_dtype)):

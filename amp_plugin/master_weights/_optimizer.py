@@ -417,6 +417,8 @@ class MasterWeightOptimizer(Optimizer):
             )
         self._end_session()
         self.optimizer.load_state_dict(state_dict)
+        if self.master == "bf16_split":
+            self._restore_fp32_moments(state_dict)
         if masters is None:
             self.sync_masters()
             return
@@ -428,6 +430,19 @@ class MasterWeightOptimizer(Optimizer):
                 else:
                     _split.split_into(saved.to(model_p.device, torch.float32), model_p, record.low_bits)
                 record.version, record.ptr = model_p._version, model_p.data_ptr()
+
+    def _restore_fp32_moments(self, state_dict: dict[str, Any]) -> None:
+        """torch's ``load_state_dict`` casts floating state to each parameter's dtype: BF16 for
+        split masters, whose moments are FP32. Take them again from ``state_dict``, exactly."""
+        saved_state = state_dict.get("state", {})
+        for group, saved_group in zip(self.optimizer.param_groups, state_dict.get("param_groups", [])):
+            for p, index in zip(group["params"], saved_group["params"]):
+                if p.dtype is not torch.bfloat16 or index not in saved_state:
+                    continue
+                state = self.optimizer.state[p]
+                for key, value in saved_state[index].items():
+                    if key != "step" and torch.is_tensor(value) and value.is_floating_point():
+                        state[key] = value.to(device=p.device, dtype=torch.float32, copy=True)
 
     def __repr__(self) -> str:
         return f"MasterWeightOptimizer({self.optimizer!r})"
