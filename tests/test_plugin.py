@@ -277,7 +277,12 @@ AVX512_BF16 = simulated_cpu(avx512_bf16=True)
         (AVX2_ONLY, dict(precision="fp32", emulate="on"), False, "fp32"),
     ],
 )
-def test_the_cpu_path_is_chosen_per_dtype_and_logged_once(pl, simulate, cpu, kwargs, emulating, path, caplog):
+def test_the_cpu_path_is_chosen_per_dtype_and_logged_once(pl, simulate, cpu, kwargs, emulating, path, caplog, monkeypatch):
+    # Lightning stops its loggers from propagating when the root logger had no handler at its import,
+    # which depends on test order; let them reach caplog here.
+    for name, logger in list(logging.Logger.manager.loggerDict.items()):
+        if name.startswith(("lightning", "pytorch_lightning")) and isinstance(logger, logging.Logger):
+            monkeypatch.setattr(logger, "propagate", True)
     simulate(cpu)
     plugin = MixedPrecisionPlugin(**kwargs)
     with caplog.at_level(logging.INFO):

@@ -180,7 +180,7 @@ def test_persistent_overflow_stops_cleanly_with_the_last_good_state_saved(runs):
     assert ("Training stopped: Loss scale collapsed: gradients are still inf/NaN at the minimum scale 1 "
             "(step 4, 3 steps skipped in a row)") in stderr
     assert "Try: a lower learning rate" in stderr and "on_min_scale='skip'" in stderr
-    assert f"saved to {checkpoint}" in stderr
+    assert f"The last healthy state is in {checkpoint}." in stderr
     assert "It holds step 0, the last healthy state; resuming from it restarts the loss scale" in stderr
     assert f"ckpt_path={checkpoint} hydra.run.dir={run}" in stderr  # the command that resumes from it
     assert "Traceback" not in stderr and "HYDRA_FULL_ERROR=1" in stderr
