@@ -239,9 +239,12 @@ class PrecisionSettings:
         """The same settings with another scaler (``None``: no loss scaling), checked as in :meth:`build`."""
         return replace(self, scaler=_resolve_scaler(scaler, self.precision))
 
-    def describe(self, emulating: bool = False) -> str:
-        """What a run with these settings does, in a few words."""
+    def describe(self, emulating: bool = False, sharded: bool = False) -> str:
+        """What a run with these settings does, in a few words; ``sharded``: under FSDP2, where the
+        FP32 sharded parameters are the master weights."""
         text = self._preset().describe(short=True)
+        if sharded and self.master_weights:
+            text = f"{self.precision.upper()} compute, FSDP2: the FP32 sharded parameters are the master weights"
         scaling = self.scaling
         if scaling == "none":
             text += ", no loss scaling"

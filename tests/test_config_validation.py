@@ -123,10 +123,14 @@ def test_scaler_settings_reach_the_scaler():
 @pytest.mark.parametrize(
     "group, option",
     [("logger", "tensorboard"), ("logger", "csv"), ("callbacks", "diagnostics"), ("callbacks", "none"),
-     ("callbacks", "default"), ("trainer", "default"), ("trainer", "ddp")],
+     ("callbacks", "default"), ("trainer", "default"), ("trainer", "ddp"), ("strategy", "auto"), ("strategy", "ddp"),
+     ("strategy", "fsdp")],
 )
 def test_every_group_option_composes_and_builds(group, option):
-    run = build(compose_config(f"{group}={option}"))
+    run = build(compose_config(f"{group}={option}", "trainer.accelerator=cpu"))
+    if group == "strategy":
+        expected = {"auto": "SingleDeviceStrategy", "ddp": "DDPStrategy", "fsdp": "ModelParallelStrategy"}[option]
+        assert type(run.trainer.strategy).__name__ == expected
     if group == "callbacks":
         names = [type(c).__name__ for c in run.callbacks]
         assert ("GradientHealthMonitor" in names) == (option == "diagnostics")
@@ -170,7 +174,13 @@ BAD_VALUES = [
     (["trainer.limit_val_batches=1.5"], ["trainer.limit_val_batches=1.5", "[0.0, 1.0]"]),
     (["trainer.devices=0"], ["trainer.devices=0 is not allowed"]),
     (["trainer.accumulate_grad_batches=0"], ["trainer.accumulate_grad_batches=0", "integer >= 1"]),
-    (["+trainer.precision=16-mixed"], ["trainer.precision='16-mixed'", "precision=fp32|fp16|bf16"]),
+    (["+trainer.precision=16-mixed"], ["trainer.precision='16-mixed'", "precision=fp32|fp16|bf16", "bf16_split"]),
+    (["trainer.strategy=fsdp_cpu_offload"], ["trainer.strategy='fsdp_cpu_offload'", "FSDP1", "Use strategy=fsdp"]),
+    (["trainer.strategy=deepspeed_stage_2"], ["trainer.strategy='deepspeed_stage_2'", "its own loss scaler"]),
+    (["trainer.accelerator=cpu", "trainer.devices=4096"], ["trainer.devices=4096", "each device is a process",
+                                                          "Use at most trainer.devices="]),
+    (["strategy=fsdp", "trainer.accelerator=cpu", "trainer.devices=auto"],
+     ["trainer.devices='auto' is not allowed with strategy=fsdp", "trainer.devices=2"]),
     (["+trainer.foo=1"], ["trainer.foo is not a setting of Trainer", "max_steps"]),
     (["recipe.lr=-1"], ["recipe.lr=-1", "finite number > 0"]),
     (["recipe.lr=nan"], ["recipe.lr=nan", "finite number > 0"]),

@@ -277,19 +277,27 @@ AVX512_BF16 = simulated_cpu(avx512_bf16=True)
         (AVX2_ONLY, dict(precision="fp32", emulate="on"), False, "fp32"),
     ],
 )
-def test_the_cpu_path_is_chosen_per_dtype_and_logged_once(pl, simulate, cpu, kwargs, emulating, path, caplog, monkeypatch):
-    # Lightning stops its loggers from propagating when the root logger had no handler at its import,
-    # which depends on test order; let them reach caplog here.
-    for name, logger in list(logging.Logger.manager.loggerDict.items()):
-        if name.startswith(("lightning", "pytorch_lightning")) and isinstance(logger, logging.Logger):
-            monkeypatch.setattr(logger, "propagate", True)
+def test_the_cpu_path_is_chosen_per_dtype_and_logged_once(pl, simulate, cpu, kwargs, emulating, path, monkeypatch):
+    # A handler on the logger that rank_zero_info writes to (the last imported Lightning package
+    # sets it): caplog sits on the root logger, which Lightning's loggers reach or not depending
+    # on what configured logging before (test order).
+    from lightning_utilities.core import rank_zero
+
+    logger = rank_zero.log
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = records.append  # type: ignore[method-assign]
+    monkeypatch.setattr(logger, "level", logging.INFO)
+    logger.addHandler(handler)
     simulate(cpu)
     plugin = MixedPrecisionPlugin(**kwargs)
-    with caplog.at_level(logging.INFO):
+    try:
         fit(pl, as_lightning(pl, TinyClassifier)(), plugin, max_steps=2)
+    finally:
+        logger.removeHandler(handler)
     assert plugin.emulating == emulating
     assert plugin.compute_path.startswith(path)
-    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("amp_plugin:")]
+    lines = [r.getMessage() for r in records if r.getMessage().startswith("amp_plugin:")]
     assert len(lines) == 1 and plugin.compute_path in lines[0]
 
 

@@ -35,7 +35,7 @@ import hydra
 from hydra.errors import InstantiationException
 from omegaconf import DictConfig, OmegaConf
 
-from amp_plugin.app.validation import ConfigError, show, validate
+from amp_plugin.app.validation import ConfigError, process_count, show, validate
 from amp_plugin.scaler import LossScaler
 from amp_plugin.settings import PrecisionSettings
 
@@ -249,6 +249,7 @@ def build(cfg: DictConfig, settings: PrecisionSettings | None = None, output_dir
         default_root_dir=str(output_dir),
         enable_checkpointing=any(isinstance(c, pl.callbacks.ModelCheckpoint) for c in callbacks),
         log_every_n_steps=log_every_n_steps(cfg.trainer),
+        **_strategy(cfg.trainer, pl),
     )
     if injector is not None:
         try:
@@ -258,6 +259,19 @@ def build(cfg: DictConfig, settings: PrecisionSettings | None = None, output_dir
     return Run(trainer=trainer, module=module, plugin=plugin, callbacks=callbacks, loggers=loggers, recorder=recorder,
                injector=injector, output_dir=output_dir, ckpt_path=cfg.ckpt_path, seed=cfg.seed, plot=cfg.plot,
                resume_step=resume_step, resume_in_place=in_place)
+
+
+def _strategy(trainer: DictConfig, pl: Any) -> dict[str, Any]:
+    """``trainer.strategy=fsdp``: FSDP2 through Lightning's ``ModelParallelStrategy`` (every process
+    data parallel, no tensor parallelism), with checkpoints gathered into one file that the app's
+    resume and recovery read like any other. Other strategies go to the Trainer as they are."""
+    if trainer.strategy != "fsdp":
+        return {}
+    processes = process_count(trainer)
+    assert processes is not None  # validate() refused it
+    return {"strategy": pl.strategies.ModelParallelStrategy(
+        data_parallel_size=processes * trainer.num_nodes, tensor_parallel_size=1, save_distributed_checkpoint=False,
+    )}
 
 
 def _logger_extra(node: Any, in_place: bool, resume_step: int | None) -> dict[str, Any]:

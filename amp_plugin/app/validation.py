@@ -9,6 +9,8 @@ here, and runs once per run, before Lightning is imported:
 - a group without a choice (``precision``, ``scaler``, ``recipe``, ``trainer``);
 - ``trainer.precision``, which would fight the precision group;
 - two Trainer arguments Lightning accepts and then divides by in the middle of a run;
+- the strategy: Lightning strategies that refuse the plugin (FSDP1, DeepSpeed), and more CPU
+  processes than the machine has cores;
 - the app's own keys: ``seed``, ``num_threads``, and ``ckpt_path`` (a readable Lightning
   checkpoint that leaves something to train before ``trainer.max_steps``);
 - fault steps at or past ``trainer.max_steps``: a warning, since they never happen.
@@ -26,7 +28,9 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-__all__ = ["ConfigError", "forget_checkpoints", "load_checkpoint", "show", "validate"]
+from amp_plugin.settings import PRESETS
+
+__all__ = ["ConfigError", "forget_checkpoints", "load_checkpoint", "process_count", "show", "validate"]
 
 GROUPS = ("precision", "scaler", "recipe", "trainer")
 
@@ -69,12 +73,12 @@ def validate(cfg: DictConfig) -> None:
     if trainer.get("precision") is not None:
         raise ConfigError(
             f"trainer.precision={show(trainer.precision)} is not allowed: the precision comes from the precision "
-            "group (precision=fp32|fp16|bf16|fp16_autocast|bf16_autocast|fp16_pure|bf16_pure); drop "
-            "trainer.precision."
+            f"group (precision={'|'.join(PRESETS)}); drop trainer.precision."
         )
     # Lightning's Trainer takes 0 for these and fails with a ZeroDivisionError at the first step.
     _at_least("trainer.accumulate_grad_batches", trainer.accumulate_grad_batches, 1)
     _at_least("trainer.check_val_every_n_epoch", trainer.check_val_every_n_epoch, 1)
+    _check_strategy(trainer)
     if not 0 <= cfg.seed < 2**32:
         raise ConfigError(f"seed={show(cfg.seed)} is not allowed: seed must be an integer in [0, 2**32 - 1].")
     _at_least("num_threads", cfg.num_threads, 1, "It sets torch.set_num_threads for the run; null keeps "
@@ -82,6 +86,49 @@ def validate(cfg: DictConfig) -> None:
     if cfg.ckpt_path is not None:
         _check_checkpoint(cfg.ckpt_path, trainer.max_steps)
     _warn_unreachable_faults(cfg.get("fault"), trainer.max_steps)
+
+
+# Lightning strategies whose precision plugin must be their own (FSDPPrecision, DeepSpeedPrecision).
+_OWN_PRECISION = {"fsdp_": "Lightning's FSDPStrategy (FSDP1) takes only its own FSDPPrecision plugin",
+                  "deepspeed": "DeepSpeed brings its own loss scaler and master weights"}
+
+
+def process_count(trainer: DictConfig) -> int | None:
+    """The processes per machine that ``trainer.devices`` asks for: the count it names, every
+    GPU for ``-1``/``"auto"`` on a GPU machine, None where Lightning decides (one CPU process)."""
+    devices = trainer.devices
+    if isinstance(devices, str) and devices.strip().lstrip("-").isdigit():
+        devices = int(devices)
+    if isinstance(devices, int) and devices > 0:
+        return devices
+    if OmegaConf.is_list(devices) or isinstance(devices, list):
+        return len(devices)
+    on_gpu = trainer.accelerator in ("auto", "gpu", "cuda") and torch.cuda.is_available()
+    return torch.cuda.device_count() if on_gpu and devices in (-1, "auto") else None
+
+
+def _check_strategy(trainer: DictConfig) -> None:
+    strategy = str(trainer.strategy)
+    for prefix, reason in _OWN_PRECISION.items():
+        if strategy.startswith(prefix):
+            raise ConfigError(
+                f"trainer.strategy={strategy!r} is not allowed: {reason}, so it cannot run this app's precision "
+                "plugin. Use strategy=fsdp (FSDP2 through Lightning's ModelParallelStrategy: sharded FP32 master "
+                "weights, the app's loss scaling) or strategy=ddp."
+            )
+    on_cpu = trainer.accelerator == "cpu" or (trainer.accelerator == "auto" and not torch.cuda.is_available())
+    count = process_count(trainer)
+    cores = os.cpu_count() or 1
+    if on_cpu and count is not None and count > cores:
+        raise ConfigError(
+            f"trainer.devices={show(trainer.devices)} is not allowed: on the CPU each device is a process, and this "
+            f"machine has {cores} cores. Use at most trainer.devices={cores}."
+        )
+    if strategy == "fsdp" and count is None:
+        raise ConfigError(
+            f"trainer.devices={show(trainer.devices)} is not allowed with strategy=fsdp on the CPU: give the "
+            "process count, e.g. trainer.devices=2 (each process holds 1/devices of the model)."
+        )
 
 
 _checkpoints: dict[str, Any] = {}

@@ -232,11 +232,7 @@ class MixedPrecisionPlugin(Precision):
         if self.amp_precision == "fp32":
             return "precision=fp32 (no loss scaling, no master weights)"
         scaler = repr(self.scaler) if self.scaler.is_enabled() else "none"
-        what = self.settings.describe()
-        if self.sharded and self.master_weights:
-            dtype = self.amp_precision.upper()
-            what = what.replace(f"{dtype} weights and compute, FP32 master weights",
-                                f"{dtype} compute, FSDP2: the FP32 sharded parameters are the master weights")
+        what = self.settings.describe(sharded=self.sharded)
         return f"precision={self.settings.preset}: {what}; loss scaler={scaler}; {self.compute_path}"
 
     def _compute_path(self) -> str:

@@ -91,12 +91,17 @@ class RecoveryCheckpoint(Callback):
         self.saved_step: int | None = None
         self._clean_steps = 0
         self._reason: str | None = None
+        self._unstepped: list[int] = []
+        self._forget_on_start: list[int] = []
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # The state training starts from (fresh, or the checkpoint resumed) is the first healthy
         # one: a run that diverges before the first periodic save still has one to go back to.
         self._clean_steps = 0
+        for i in self._forget_on_start:  # restored from a file saved before the first step (see save)
+            trainer.optimizers[i].state.clear()
+        self._forget_on_start = []
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         if scaler is not None and scaler.is_enabled() and self._all_finite(trainer, pl_module):
             self.save(trainer, os.path.join(_directory(trainer), LAST_GOOD), reason="start")
@@ -125,10 +130,19 @@ class RecoveryCheckpoint(Callback):
     def save(self, trainer: pl.Trainer, path: str, reason: str) -> None:
         """Write the trainer's state to ``path``, marked as a recovery checkpoint."""
         self._reason = reason
+        # torch's get_optimizer_state_dict (how ModelParallelStrategy saves an FSDP2 optimizer)
+        # gives an optimizer without state one by stepping it with zero gradients at lr 0:
+        # Adam's step count becomes 1, and the first real update would be bias-corrected as the
+        # second. Before the first step, forget that state again, and mark it in the file so that
+        # a run resumed from it forgets it too (on_train_start).
+        self._unstepped = [i for i, optimizer in enumerate(trainer.optimizers) if not optimizer.state]
         try:
             trainer.save_checkpoint(path, weights_only=False)
         finally:
             self._reason = None
+            for i in self._unstepped:
+                trainer.optimizers[i].state.clear()
+            self._unstepped = []
         self.saved_path, self.saved_step = path, trainer.global_step
         if reason == "collapse":
             rank_zero_info(f"amp_plugin: no healthy state saved yet; {path} holds the state at step "
@@ -137,6 +151,14 @@ class RecoveryCheckpoint(Callback):
     @override
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                            checkpoint: dict[str, Any]) -> None:
-        if self._reason is not None:
-            checkpoint[RECOVERY_KEY] = {"step": trainer.global_step, "reason": self._reason,
-                                        "clean_steps": self._clean_steps}
+        if self._reason is None:
+            return
+        checkpoint[RECOVERY_KEY] = {"step": trainer.global_step, "reason": self._reason,
+                                    "clean_steps": self._clean_steps}
+        if self._unstepped:
+            checkpoint[RECOVERY_KEY]["unstepped_optimizers"] = list(self._unstepped)
+
+    @override
+    def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                           checkpoint: dict[str, Any]) -> None:
+        self._forget_on_start = list(checkpoint.get(RECOVERY_KEY, {}).get("unstepped_optimizers", []))
