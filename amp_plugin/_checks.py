@@ -8,11 +8,11 @@ fixed in one read.
 from __future__ import annotations
 
 import math
-from enum import Enum
 from collections.abc import Iterable
+from enum import Enum
 from typing import Any
 
-__all__ = ["check_choice", "check_number", "check_int", "check_scale", "FLOAT32_MAX", "FLOAT32_TINY"]
+__all__ = ["FLOAT32_MAX", "FLOAT32_TINY", "check_choice", "check_int", "check_number", "check_scale"]
 
 FLOAT32_MAX = 3.4028234663852886e38
 """The largest finite float32."""

@@ -20,6 +20,6 @@ def is_dtensor(t: Any) -> bool:
         try:
             from torch.distributed.tensor import DTensor
         except ImportError:  # torch built without distributed
-            DTensor = ()  # noqa: N806
+            DTensor = ()
         _DTENSOR = DTensor
     return isinstance(t, _DTENSOR)

@@ -21,6 +21,7 @@ from amp_plugin.scaler import LossScaler, ScaleUpdate, _state_int, to_float32
 
 __all__ = ["DynamicLossScaler", "HysteresisReset", "LossScaleCollapseError", "OnMinScale"]
 
+
 class HysteresisReset(str, Enum):
     """``hysteresis_reset=``: when the hysteresis counter refills."""
 
@@ -49,15 +50,14 @@ class LossScaleCollapseError(FloatingPointError):
         checkpoint_path: where the last good state was saved before stopping, if it was.
     """
 
-    def __init__(self, scale: float, iteration: int, consecutive_skips: int, checkpoint_path: str | None = None) -> None:
+    def __init__(
+        self, scale: float, iteration: int, consecutive_skips: int, checkpoint_path: str | None = None
+    ) -> None:
         self.scale = scale
         self.iteration = iteration
         self.consecutive_skips = consecutive_skips
         self.checkpoint_path = checkpoint_path
-        saved = (
-            f" The last healthy state is in {checkpoint_path}."
-            if checkpoint_path else ""
-        )
+        saved = f" The last healthy state is in {checkpoint_path}." if checkpoint_path else ""
         super().__init__(
             f"Loss scale collapsed: gradients are still inf/NaN at the minimum scale {scale:g} "
             f"(step {iteration}, {consecutive_skips} steps skipped in a row). Training cannot make "
@@ -212,7 +212,9 @@ class DynamicLossScaler(LossScaler):
         state = super().state_dict()
         if not state:
             return state
-        state.update(self.settings(), _growth_tracker=self._growth_tracker, _hysteresis_tracker=self._hysteresis_tracker)
+        state.update(
+            self.settings(), _growth_tracker=self._growth_tracker, _hysteresis_tracker=self._hysteresis_tracker
+        )
         return state
 
     def resume_from(self, state_dict: dict[str, Any]) -> list[str]:
@@ -243,8 +245,9 @@ class DynamicLossScaler(LossScaler):
         hysteresis = _state_int(state_dict, "hysteresis", self.hysteresis)
         for key, value, low in (("growth_interval", growth_interval, 1), ("hysteresis", hysteresis, 1)):
             check_int(key, value, ge=low)
-        hysteresis_reset = check_choice("hysteresis_reset", get("hysteresis_reset", self.hysteresis_reset),
-                                        _HYSTERESIS_RESETS)
+        hysteresis_reset = check_choice(
+            "hysteresis_reset", get("hysteresis_reset", self.hysteresis_reset), _HYSTERESIS_RESETS
+        )
         on_min_scale = check_choice("on_min_scale", get("on_min_scale", self.on_min_scale), _ON_MIN_SCALE)
         min_scale, max_scale = _check_limits(get("min_scale", self.min_scale), get("max_scale", self.max_scale))
         values = self._checked_state(state_dict)
@@ -310,9 +313,7 @@ def _check_backoff_factor(value: Any, name: str = "backoff_factor") -> float:
 def _check_limits(min_scale: Any, max_scale: Any) -> tuple[float, float]:
     low, high = check_scale("min_scale", min_scale), check_scale("max_scale", max_scale)
     if low > high:
-        raise ValueError(
-            f"min_scale={min_scale!r} is above max_scale={max_scale!r}: min_scale must be <= max_scale."
-        )
+        raise ValueError(f"min_scale={min_scale!r} is above max_scale={max_scale!r}: min_scale must be <= max_scale.")
     return low, high
 
 

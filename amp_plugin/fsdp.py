@@ -232,15 +232,19 @@ def check_or_set_policies(units: list[tuple[str, nn.Module]], settings: Precisio
             )
         elif settings.autocast or half is None:
             if have.param_dtype not in (None, torch.float32):
-                why = ("autocast presets keep FP32 parameters and let torch.autocast cast per op"
-                       if settings.autocast else "precision='fp32' computes in FP32")
+                why = (
+                    "autocast presets keep FP32 parameters and let torch.autocast cast per op"
+                    if settings.autocast
+                    else "precision='fp32' computes in FP32"
+                )
                 problems.append(f"{name!r} has param_dtype={have.param_dtype} ({why})")
         elif have.param_dtype not in (None, half):  # pure
             problems.append(f"{name!r} has param_dtype={have.param_dtype} (pure {half} computes in {half})")
     if problems:
         raise ValueError(
             f"The FSDP2 MixedPrecisionPolicy of these units contradicts precision={settings.preset!r}: "
-            + "; ".join(problems) + f". Build the units with fully_shard(..., mp_policy={wanted}), with "
+            + "; ".join(problems)
+            + f". Build the units with fully_shard(..., mp_policy={wanted}), with "
             "amp_plugin.fsdp.fully_shard_mixed(module, mesh, plugin, units=...), or without mp_policy (the "
             "plugin then sets it); or choose the preset that matches your policy."
         )

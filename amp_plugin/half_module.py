@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["NORM_TYPES", "cast_module", "cast_floating"]
+__all__ = ["NORM_TYPES", "cast_floating", "cast_module"]
 
 NORM_TYPES: tuple[type[nn.Module], ...] = (
     nn.modules.batchnorm._BatchNorm,
@@ -33,7 +33,6 @@ NORM_TYPES: tuple[type[nn.Module], ...] = (
     nn.GroupNorm,
     nn.LocalResponseNorm,
 ) + ((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ())
-
 
 
 def cast_floating(data: Any, dtype: torch.dtype) -> Any:

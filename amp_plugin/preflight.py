@@ -28,8 +28,14 @@ __all__ = [
     "find_grad_scalers",
 ]
 
-CHECKS = ("weight_range", "optimizer_eps", "half_params_autocast", "grad_scaler_half_grads", "half_loss",
-          "anomaly_detection")
+CHECKS = (
+    "weight_range",
+    "optimizer_eps",
+    "half_params_autocast",
+    "grad_scaler_half_grads",
+    "half_loss",
+    "anomaly_detection",
+)
 """The check names, as used in :class:`PreflightProblem` and ``PreflightChecks(skip=...)``."""
 
 _FP16_MAX = 65504.0
@@ -85,12 +91,18 @@ def check_weight_range(
         w = p.detach()
         h = w.to(torch.float16).abs()
         nonzero = w != 0
-        stats.append(torch.stack([
-            (torch.isinf(h) & torch.isfinite(w)).sum(),
-            ((h < _FP16_MIN_NORMAL) & nonzero).sum(),
-            ((h == 0) & nonzero).sum(),
-            nonzero.sum(),
-        ]).double().cpu())
+        stats.append(
+            torch.stack(
+                [
+                    (torch.isinf(h) & torch.isfinite(w)).sum(),
+                    ((h < _FP16_MIN_NORMAL) & nonzero).sum(),
+                    ((h == 0) & nonzero).sum(),
+                    nonzero.sum(),
+                ]
+            )
+            .double()
+            .cpu()
+        )
         names.append(name)
     if not stats:
         return []
@@ -99,20 +111,30 @@ def check_weight_range(
     over = [n for n, c in zip(names, counts) if c[0]]
     if over:
         n_over = int(sum(c[0] for c in counts))
-        problems.append(PreflightProblem("weight_range", (
-            f"FP16 is chosen, but {n_over} weight value(s) exceed FP16's maximum 65504 and become inf "
-            f"in FP16 (in {_examples(over)}). Fix: train in bf16 (FP32's range; precision='bf16'), "
-            "which is what weights pretrained in BF16 expect."
-        )))
+        problems.append(
+            PreflightProblem(
+                "weight_range",
+                (
+                    f"FP16 is chosen, but {n_over} weight value(s) exceed FP16's maximum 65504 and become inf "
+                    f"in FP16 (in {_examples(over)}). Fix: train in bf16 (FP32's range; precision='bf16'), "
+                    "which is what weights pretrained in BF16 expect."
+                ),
+            )
+        )
     tiny, flushed, nonzero = (sum(c[i] for c in counts) for i in (1, 2, 3))
     if nonzero and tiny / nonzero > tiny_frac:
         worst = [n for n, c in sorted(zip(names, counts), key=lambda nc: -nc[1][1] / max(nc[1][3], 1)) if c[1]]
-        problems.append(PreflightProblem("weight_range", (
-            f"FP16 is chosen, but {tiny / nonzero:.1%} of the nonzero weights are below FP16's smallest "
-            f"normal value 6.1e-05 ({int(flushed)} flush to zero, the rest lose precision as subnormals; "
-            f"mostly in {_examples(worst)}). Fix: train in bf16 (precision='bf16'), which keeps FP32's "
-            "range; typical for checkpoints pretrained in BF16."
-        )))
+        problems.append(
+            PreflightProblem(
+                "weight_range",
+                (
+                    f"FP16 is chosen, but {tiny / nonzero:.1%} of the nonzero weights are below FP16's smallest "
+                    f"normal value 6.1e-05 ({int(flushed)} flush to zero, the rest lose precision as subnormals; "
+                    f"mostly in {_examples(worst)}). Fix: train in bf16 (precision='bf16'), which keeps FP32's "
+                    "range; typical for checkpoints pretrained in BF16."
+                ),
+            )
+        )
     return problems
 
 
@@ -134,13 +156,18 @@ def check_optimizer_eps(optimizer: torch.optim.Optimizer, name: str | None = Non
         for dtype in dtypes:
             for e in values:
                 if isinstance(e, (int, float)) and e > 0 and float(torch.tensor(e, dtype=dtype)) == 0:
-                    problems.append(PreflightProblem("optimizer_eps", (
-                        f"{name} param group {i} has eps={e!r}, which is 0 in {dtype}, the dtype of its "
-                        "parameters and optimizer state: where the second moment is 0 the update divides by "
-                        "zero (inf/NaN weights). Fix: use FP32 master weights "
-                        "(MixedPrecisionPlugin(master_weights=True), FP32 optimizer state), or an eps "
-                        f"representable in {dtype} (>= 6.1e-05 keeps it a normal number, e.g. eps=1e-4)."
-                    )))
+                    problems.append(
+                        PreflightProblem(
+                            "optimizer_eps",
+                            (
+                                f"{name} param group {i} has eps={e!r}, which is 0 in {dtype}, the dtype of its "
+                                "parameters and optimizer state: where the second moment is 0 the update divides by "
+                                "zero (inf/NaN weights). Fix: use FP32 master weights "
+                                "(MixedPrecisionPlugin(master_weights=True), FP32 optimizer state), or an eps "
+                                f"representable in {dtype} (>= 6.1e-05 keeps it a normal number, e.g. eps=1e-4)."
+                            ),
+                        )
+                    )
     return problems
 
 
@@ -155,13 +182,19 @@ def check_half_params_under_autocast(named_params: Iterable[tuple[str, torch.Ten
     if not half:
         return []
     dtypes = ", ".join(sorted({str(d) for _, d in half}))
-    return [PreflightProblem("half_params_autocast", (
-        f"autocast is on, but {len(half)} parameter(s) are already {dtypes} ({_examples([n for n, _ in half])}): "
-        "autocast does not give them an FP32 copy, so their updates are rounded in half precision "
-        "(1.0 - 1e-4 == 1.0) and small gradients underflow. Fix: keep the model in FP32 (drop .half() / "
-        ".to(torch.float16)) and let autocast cast the compute, or use "
-        "MixedPrecisionPlugin(master_weights=True, autocast=False) for half weights with FP32 masters."
-    ))]
+    return [
+        PreflightProblem(
+            "half_params_autocast",
+            (
+                f"autocast is on, but {len(half)} parameter(s) are already {dtypes} "
+                f"({_examples([n for n, _ in half])}): "
+                "autocast does not give them an FP32 copy, so their updates are rounded in half precision "
+                "(1.0 - 1e-4 == 1.0) and small gradients underflow. Fix: keep the model in FP32 (drop .half() / "
+                ".to(torch.float16)) and let autocast cast the compute, or use "
+                "MixedPrecisionPlugin(master_weights=True, autocast=False) for half weights with FP32 masters."
+            ),
+        )
+    ]
 
 
 def find_grad_scalers(module: nn.Module) -> list[tuple[str, torch.amp.GradScaler]]:
@@ -188,13 +221,18 @@ def check_grad_scaler(
     fp16 = [n for n, p in named_params if p.dtype == torch.float16 and p.requires_grad]
     if not scalers or not fp16:
         return []
-    return [PreflightProblem("grad_scaler_half_grads", (
-        f"a torch.amp.GradScaler ({', '.join(scalers)}) is used with {len(fp16)} FP16 parameter(s) "
-        f"({_examples(fp16)}), whose gradients are FP16: GradScaler.unscale_ raises 'Attempting to unscale "
-        "FP16 gradients.', and unscaled FP16 gradients underflow. Fix: use "
-        "MixedPrecisionPlugin('fp16', master_weights=True) (its own loss scaler, FP32 master gradients) "
-        "instead of the GradScaler, or keep the parameters in FP32 under autocast."
-    ))]
+    return [
+        PreflightProblem(
+            "grad_scaler_half_grads",
+            (
+                f"a torch.amp.GradScaler ({', '.join(scalers)}) is used with {len(fp16)} FP16 parameter(s) "
+                f"({_examples(fp16)}), whose gradients are FP16: GradScaler.unscale_ raises 'Attempting to unscale "
+                "FP16 gradients.', and unscaled FP16 gradients underflow. Fix: use "
+                "MixedPrecisionPlugin('fp16', master_weights=True) (its own loss scaler, FP32 master gradients) "
+                "instead of the GradScaler, or keep the parameters in FP32 under autocast."
+            ),
+        )
+    ]
 
 
 def check_loss_dtype(loss: torch.Tensor, scale: float | None = None) -> list[PreflightProblem]:
@@ -211,14 +249,21 @@ def check_loss_dtype(loss: torch.Tensor, scale: float | None = None) -> list[Pre
     if loss.dtype == torch.float16:
         why += " and can overflow (max 65504)"
         if scale is not None and scale >= 65520:
-            why += (f"; with the loss scale {scale:g}, the gradient reaching the FP16 loss is {scale:g}, "
-                    "which is inf in FP16, so steps are skipped until the scale backs off")
+            why += (
+                f"; with the loss scale {scale:g}, the gradient reaching the FP16 loss is {scale:g}, "
+                "which is inf in FP16, so steps are skipped until the scale backs off"
+            )
         else:
             why += ", and a loss scale of 2**16 makes its gradient inf in FP16"
-    return [PreflightProblem("half_loss", (
-        f"the training loss is {loss.dtype}: {why}. Fix: compute the loss in FP32, e.g. "
-        "F.cross_entropy(logits.float(), targets)."
-    ))]
+    return [
+        PreflightProblem(
+            "half_loss",
+            (
+                f"the training loss is {loss.dtype}: {why}. Fix: compute the loss in FP32, e.g. "
+                "F.cross_entropy(logits.float(), targets)."
+            ),
+        )
+    ]
 
 
 def check_anomaly_detection(dynamic_scaling: bool, enabled: bool | None = None) -> list[PreflightProblem]:
@@ -236,11 +281,16 @@ def check_anomaly_detection(dynamic_scaling: bool, enabled: bool | None = None) 
     enabled = torch.is_anomaly_enabled() if enabled is None else enabled
     if not (enabled and dynamic_scaling):
         return []
-    return [PreflightProblem("anomaly_detection", (
-        "autograd anomaly detection is on (torch.autograd.set_detect_anomaly(True) or "
-        "Trainer(detect_anomaly=True)) together with dynamic loss scaling: the overflows the scaler "
-        "expects and skips (the first steps, and after each growth) become NaN gradients, and anomaly "
-        "detection raises on them inside backward. Fix: turn anomaly detection off while training with a "
-        "loss scaler, or debug with precision='bf16' (no loss scaling), or a StaticLossScaler small enough "
-        "never to overflow."
-    ))]
+    return [
+        PreflightProblem(
+            "anomaly_detection",
+            (
+                "autograd anomaly detection is on (torch.autograd.set_detect_anomaly(True) or "
+                "Trainer(detect_anomaly=True)) together with dynamic loss scaling: the overflows the scaler "
+                "expects and skips (the first steps, and after each growth) become NaN gradients, and anomaly "
+                "detection raises on them inside backward. Fix: turn anomaly detection off while training with a "
+                "loss scaler, or debug with precision='bf16' (no loss scaling), or a StaticLossScaler small enough "
+                "never to overflow."
+            ),
+        )
+    ]

@@ -30,10 +30,10 @@ from typing import Any
 
 import torch
 
-from amp_plugin._dtensor import is_dtensor
 from amp_plugin._checks import check_int, check_scale
+from amp_plugin._dtensor import is_dtensor
 
-__all__ = ["HalfLossWarning", "LossScaler", "StaticLossScaler", "ScaleUpdate", "to_float32"]
+__all__ = ["HalfLossWarning", "LossScaler", "ScaleUpdate", "StaticLossScaler", "to_float32"]
 
 
 class HalfLossWarning(UserWarning):
@@ -86,7 +86,7 @@ class _Stage(Enum):
 
 
 class _OptimizerState:
-    __slots__ = ("stage", "found_inf", "found_inf_host")
+    __slots__ = ("found_inf", "found_inf_host", "stage")
 
     def __init__(self) -> None:
         self.stage = _Stage.READY
@@ -272,9 +272,7 @@ class LossScaler:
         if not self._enabled:
             return
         if len(state_dict) == 0:
-            raise RuntimeError(
-                "The source state dict is empty, possibly because it was saved from a disabled scaler."
-            )
+            raise RuntimeError("The source state dict is empty, possibly because it was saved from a disabled scaler.")
         values = self._checked_state(state_dict)
         self._set_scale(values["scale"])
         self.skipped_steps = values["skipped_steps"]
@@ -363,8 +361,9 @@ class LossScaler:
         found = torch.zeros((), dtype=torch.float32, device=scale.device)
         for flag in flags:
             found = found + flag.to(scale.device, non_blocking=True)
-        optimizer.grad_scale = getattr(optimizer, "grad_scale", None) if unscaled else scale * getattr(
-            optimizer, "grad_scale", 1)
+        optimizer.grad_scale = (
+            getattr(optimizer, "grad_scale", None) if unscaled else scale * getattr(optimizer, "grad_scale", 1)
+        )
         optimizer.found_inf = found
         try:
             retval = optimizer.step(*args, **kwargs)
@@ -429,10 +428,10 @@ class LossScaler:
                 found = torch.zeros((), dtype=torch.float32, device=device)
             else:
                 found = flags[0] if len(flags) == 1 else torch.stack([f.to(flags[0].device) for f in flags]).sum()
-            if torch.distributed.is_available() and torch.distributed.is_initialized():
-                if torch.distributed.get_world_size() > 1:
-                    found = found.clone()
-                    torch.distributed.all_reduce(found, op=torch.distributed.ReduceOp.MAX)
+            distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+            if distributed and torch.distributed.get_world_size() > 1:
+                found = found.clone()
+                torch.distributed.all_reduce(found, op=torch.distributed.ReduceOp.MAX)
             state.found_inf_host = bool(found.item() != 0)
         return state.found_inf_host
 

@@ -39,7 +39,7 @@ from amp_plugin._checks import check_choice
 from amp_plugin.dynamic_scaler import DynamicLossScaler
 from amp_plugin.scaler import LossScaler, StaticLossScaler
 
-__all__ = ["Emulate", "PRESETS", "Preset", "PrecisionSettings", "no_loss_scaling", "preset_name"]
+__all__ = ["PRESETS", "Emulate", "PrecisionSettings", "Preset", "no_loss_scaling", "preset_name"]
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from amp_plugin.lightning import pl
 import torch
+
+from amp_plugin.lightning import pl
 
 
 def _storage_key(t: torch.Tensor) -> tuple[int, int]:
@@ -78,8 +79,7 @@ class MemoryProbe(pl.Callback):
         if trainer.global_step != self.tensor_step:
             return
         self.result["state_mb"] = _state_bytes(pl_module, trainer.optimizers) / 2**20
-        self._profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
-                                                profile_memory=True)
+        self._profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
         self._profiler.__enter__()
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
         self._hooks.__enter__()

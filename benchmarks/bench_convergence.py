@@ -64,8 +64,19 @@ RECIPES: dict[str, tuple[dict[str, Any], int, dict[str, bool]]] = {
 }
 QUICK_RECIPES: dict[str, tuple[dict[str, Any], int, dict[str, bool]]] = {
     "digits": ({"hidden_sizes": [16], "batch_size": 32}, 4, RECIPES["digits"][2]),
-    "char_gpt": ({"n_layer": 1, "n_head": 2, "n_embd": 16, "block_size": 16, "batch_size": 4,
-                  "max_chars": 4_000, "warmup_steps": 0}, 4, RECIPES["char_gpt"][2]),
+    "char_gpt": (
+        {
+            "n_layer": 1,
+            "n_head": 2,
+            "n_embd": 16,
+            "block_size": 16,
+            "batch_size": 4,
+            "max_chars": 4_000,
+            "warmup_steps": 0,
+        },
+        4,
+        RECIPES["char_gpt"][2],
+    ),
     "underflow_demo": ({"n_train": 128, "n_val": 64}, 4, RECIPES["underflow_demo"][2]),
     "stagnation_demo": ({"n_train": 128, "n_val": 64}, 4, RECIPES["stagnation_demo"][2]),
 }
@@ -90,8 +101,12 @@ def make_plugin(config: str):
 def make_recipe(recipe: str, seed: int, overrides: dict[str, Any], config: str):
     import amp_plugin.recipes as r
 
-    cls = {"digits": r.DigitsRecipe, "char_gpt": r.CharGPTRecipe,
-           "underflow_demo": r.UnderflowDemoRecipe, "stagnation_demo": r.StagnationDemoRecipe}[recipe]
+    cls = {
+        "digits": r.DigitsRecipe,
+        "char_gpt": r.CharGPTRecipe,
+        "underflow_demo": r.UnderflowDemoRecipe,
+        "stagnation_demo": r.StagnationDemoRecipe,
+    }[recipe]
     kwargs = dict(overrides)
     if recipe in ("underflow_demo", "stagnation_demo"):
         kwargs["seed"] = seed  # the demos seed their data and initial weights themselves
@@ -110,6 +125,7 @@ def run_one(recipe: str, config: str, seed: int, steps: int, overrides: dict[str
     import logging
 
     from amp_plugin.lightning import pl
+
     Logger = pl.loggers.logger.Logger
 
     logging.getLogger(pl.__name__).setLevel(logging.ERROR)
@@ -143,9 +159,17 @@ def run_one(recipe: str, config: str, seed: int, steps: int, overrides: dict[str
     plugin = make_plugin(config)
     curve = _Curve()
     trainer = pl.Trainer(
-        accelerator="cpu", devices=1, max_steps=steps, logger=curve, log_every_n_steps=1,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        limit_val_batches=0, num_sanity_val_steps=0, plugins=[plugin],
+        accelerator="cpu",
+        devices=1,
+        max_steps=steps,
+        logger=curve,
+        log_every_n_steps=1,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        plugins=[plugin],
     )
     t0 = time.perf_counter()
     error = None
@@ -158,17 +182,23 @@ def run_one(recipe: str, config: str, seed: int, steps: int, overrides: dict[str
         error = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
     seconds = time.perf_counter() - t0
     losses = [v for _, v in curve.rows.get("train/loss", [])]
-    tail = losses[-max(1, len(losses) // 10):]
+    tail = losses[-max(1, len(losses) // 10) :]
     metrics = dict(val)
     if "train/weight_error" in curve.rows:
         metrics["train/weight_error"] = curve.rows["train/weight_error"][-1][1]
     metrics["train/loss_last10pct"] = statistics.fmean(tail) if tail else math.nan
     scaler = plugin.scaler
     return {
-        "recipe": recipe, "config": config, "seed": seed, "steps": steps, "seconds": round(seconds, 2),
+        "recipe": recipe,
+        "config": config,
+        "seed": seed,
+        "steps": steps,
+        "seconds": round(seconds, 2),
         "skipped_steps": int(scaler.skipped_steps) if scaler is not None else 0,
         "final_scale": scaler.get_scale() if scaler is not None else None,
-        "error": error, "metrics": metrics, "train_loss": losses,
+        "error": error,
+        "metrics": metrics,
+        "train_loss": losses,
     }
 
 
@@ -188,8 +218,11 @@ def matches(metric: str, cfg: tuple[float, float], ref: tuple[float, float]) -> 
     return abs(m - m0) <= max(2 * math.sqrt((s**2 + s0**2) / 2), tolerance)
 
 
-def summarize(runs: list[dict[str, Any]], recipes: dict[str, tuple[dict[str, Any], int, dict[str, bool]]],
-              configs: tuple[str, ...] = CONFIGS) -> dict[str, dict[str, dict[str, Any]]]:
+def summarize(
+    runs: list[dict[str, Any]],
+    recipes: dict[str, tuple[dict[str, Any], int, dict[str, bool]]],
+    configs: tuple[str, ...] = CONFIGS,
+) -> dict[str, dict[str, dict[str, Any]]]:
     summary: dict[str, dict[str, dict[str, Any]]] = {}
     for recipe, (_, _, metrics) in recipes.items():
         by_config = {c: [r for r in runs if r["recipe"] == recipe and r["config"] == c] for c in configs}
@@ -197,12 +230,15 @@ def summarize(runs: list[dict[str, Any]], recipes: dict[str, tuple[dict[str, Any
             continue
         summary[recipe] = {}
         for config, rs in by_config.items():
-            row: dict[str, Any] = {"seeds": len(rs), "errors": sum(r["error"] is not None for r in rs),
-                                   "skipped_steps": max((r["skipped_steps"] for r in rs), default=0)}
+            row: dict[str, Any] = {
+                "seeds": len(rs),
+                "errors": sum(r["error"] is not None for r in rs),
+                "skipped_steps": max((r["skipped_steps"] for r in rs), default=0),
+            }
             for metric in metrics:
                 row[metric] = _mean_std([r["metrics"].get(metric, math.nan) for r in rs])
             summary[recipe][config] = row
-        for config, row in summary[recipe].items():
+        for row in summary[recipe].values():
             row["matches_fp32"] = all(matches(m, row[m], summary[recipe]["fp32"][m]) for m in metrics)
     return summary
 
@@ -229,8 +265,10 @@ def table(recipe: str, rows: dict[str, dict[str, Any]], metrics: dict[str, bool]
             versus = f"{m / ref:.2f}x" if ref and not math.isnan(m) else "-"
         cells = " | ".join(_cell(k, row[k]) for k in metrics)
         note = f" ({row['errors']} failed)" if row["errors"] else ""
-        lines.append(f"| {config}{note} | {cells} | {versus} | {'yes' if row['matches_fp32'] else 'no'} "
-                     f"| {row['skipped_steps']} |")
+        lines.append(
+            f"| {config}{note} | {cells} | {versus} | {'yes' if row['matches_fp32'] else 'no'} "
+            f"| {row['skipped_steps']} |"
+        )
     return "\n".join(lines)
 
 
@@ -263,8 +301,14 @@ def plot(recipe: str, runs: list[dict[str, Any]], path: Path, configs: tuple[str
         mean = [statistics.fmean(col) for col in cols]
         style = "--" if config.startswith("fp16 no") else "-"
         (line,) = ax.plot(range(1, n + 1), mean, style, label=config, linewidth=1.3)
-        ax.fill_between(range(1, n + 1), [min(c) for c in cols], [max(c) for c in cols],
-                        color=line.get_color(), alpha=0.15, linewidth=0)
+        ax.fill_between(
+            range(1, n + 1),
+            [min(c) for c in cols],
+            [max(c) for c in cols],
+            color=line.get_color(),
+            alpha=0.15,
+            linewidth=0,
+        )
     if recipe != "char_gpt":  # losses that fall by orders of magnitude
         ax.set_yscale("log")
     ax.set_xlabel("optimizer step")
@@ -285,10 +329,18 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None, help="override every recipe's step count")
     parser.add_argument("--jobs", type=int, default=2, help="worker processes (one thread each)")
     parser.add_argument("--quick", action="store_true", help="tiny models, 4 steps, 1 seed, in-process")
-    parser.add_argument("--out-dir", type=Path, default=None,
-                        help="where to write CSV/JSON/PNG (default benchmarks/results; --quick: nothing)")
-    parser.add_argument("--from-json", type=Path, default=None,
-                        help="re-make the tables and plots from a saved convergence.json instead of training")
+    parser.add_argument(
+        "--out-dir",
+        type=Path,
+        default=None,
+        help="where to write CSV/JSON/PNG (default benchmarks/results; --quick: nothing)",
+    )
+    parser.add_argument(
+        "--from-json",
+        type=Path,
+        default=None,
+        help="re-make the tables and plots from a saved convergence.json instead of training",
+    )
     args = parser.parse_args()
     recipes = QUICK_RECIPES if args.quick else RECIPES
     if args.quick:
@@ -310,8 +362,12 @@ def main() -> None:
         elapsed = saved["meta"]["seconds"]
         steps_by_recipe = saved["meta"]["steps"]
     else:
-        tasks = [(recipe, config, seed, args.steps or steps, overrides)
-                 for recipe, (overrides, steps, _) in recipes.items() for seed in args.seeds for config in configs]
+        tasks = [
+            (recipe, config, seed, args.steps or steps, overrides)
+            for recipe, (overrides, steps, _) in recipes.items()
+            for seed in args.seeds
+            for config in configs
+        ]
         if args.jobs <= 1:
             runs = [run_one(*task) for task in tasks]
         else:
@@ -322,8 +378,10 @@ def main() -> None:
         steps_by_recipe = {k: args.steps or v[1] for k, v in recipes.items()}
     summary = summarize(runs, recipes, configs)
 
-    print(f"# Convergence: seeds {args.seeds}, {len(runs)} runs, {args.jobs} job(s) x 1 thread, "
-          f"torch {torch.__version__}, {elapsed:.0f} s")
+    print(
+        f"# Convergence: seeds {args.seeds}, {len(runs)} runs, {args.jobs} job(s) x 1 thread, "
+        f"torch {torch.__version__}, {elapsed:.0f} s"
+    )
     print(f"command: {command.strip()}")
     for recipe, rows in summary.items():
         steps = steps_by_recipe[recipe]
@@ -340,18 +398,42 @@ def main() -> None:
         with open(out_dir / "convergence_runs.csv", "w", newline="") as f:
             metric_names = sorted({k for r in runs for k in r["metrics"]})
             writer = csv.writer(f)
-            writer.writerow(["recipe", "config", "seed", "steps", "seconds", "skipped_steps", "final_scale",
-                             "error", *metric_names])
+            writer.writerow(
+                ["recipe", "config", "seed", "steps", "seconds", "skipped_steps", "final_scale", "error", *metric_names]
+            )
             for r in runs:
-                writer.writerow([r["recipe"], r["config"], r["seed"], r["steps"], r["seconds"], r["skipped_steps"],
-                                 r["final_scale"], r["error"] or "",
-                                 *[f"{r['metrics'][k]:.6g}" if k in r["metrics"] else "" for k in metric_names]])
-        meta = {"command": command.strip(), "torch": torch.__version__, "seeds": args.seeds, "jobs": args.jobs,
-                "steps": steps_by_recipe, "seconds": round(elapsed, 1)}
+                writer.writerow(
+                    [
+                        r["recipe"],
+                        r["config"],
+                        r["seed"],
+                        r["steps"],
+                        r["seconds"],
+                        r["skipped_steps"],
+                        r["final_scale"],
+                        r["error"] or "",
+                        *[f"{r['metrics'][k]:.6g}" if k in r["metrics"] else "" for k in metric_names],
+                    ]
+                )
+        meta = {
+            "command": command.strip(),
+            "torch": torch.__version__,
+            "seeds": args.seeds,
+            "jobs": args.jobs,
+            "steps": steps_by_recipe,
+            "seconds": round(elapsed, 1),
+        }
         compact = [r | {"train_loss": [float(f"{v:.5g}") for v in r["train_loss"]]} for r in runs]
         # One run per line: small, and still readable with a text editor.
-        text = ('{"meta": ' + json.dumps(meta) + ',\n"summary": ' + json.dumps(summary) + ',\n"runs": [\n'
-                + ",\n".join(json.dumps(r) for r in compact) + "\n]}\n")
+        text = (
+            '{"meta": '
+            + json.dumps(meta)
+            + ',\n"summary": '
+            + json.dumps(summary)
+            + ',\n"runs": [\n'
+            + ",\n".join(json.dumps(r) for r in compact)
+            + "\n]}\n"
+        )
         (out_dir / "convergence.json").write_text(text)
         for recipe in summary:
             plot(recipe, runs, out_dir / f"convergence_{recipe}.png", configs)

@@ -67,7 +67,7 @@ def run_rounds(variants: dict, rounds: int, warmup: int = 1, only_first: dict | 
     ``only_first``: name -> number of rounds that variant takes part in (slow ones)."""
     only_first = only_first or {}
     samples: dict = {name: [] for name in variants}
-    for name, (fn, inner, ctx) in variants.items():
+    for name, (fn, _inner, ctx) in variants.items():
         for _ in range(0 if name in only_first else warmup):  # slow ones: their first round is long enough
             with ctx():
                 fn()
@@ -128,9 +128,7 @@ def bench_matmul(n: int, rounds: int) -> dict:
 
 def make_model(d_model: int, layers: int, classes: int, dtype: torch.dtype) -> nn.Module:
     torch.manual_seed(0)
-    layer = nn.TransformerEncoderLayer(
-        d_model, nhead=4, dim_feedforward=4 * d_model, dropout=0.0, batch_first=True
-    )
+    layer = nn.TransformerEncoderLayer(d_model, nhead=4, dim_feedforward=4 * d_model, dropout=0.0, batch_first=True)
     model = nn.Sequential(nn.TransformerEncoder(layer, layers, enable_nested_tensor=False), nn.Linear(d_model, classes))
     return model.to(dtype)
 
@@ -251,11 +249,13 @@ def bench_overhead(n: int = 20000) -> dict:
             ),
         ]
         if _backends._native_ops() is not None:
-            rows.append((
-                "kernel backend (Python kernels only), inside `keep_installed()`",
-                lambda: CpuHalfEmulation(backend="kernel"),
-                python_kernels_held,
-            ))
+            rows.append(
+                (
+                    "kernel backend (Python kernels only), inside `keep_installed()`",
+                    lambda: CpuHalfEmulation(backend="kernel"),
+                    python_kernels_held,
+                )
+            )
     rows.append(("mode backend", lambda: CpuHalfEmulation(backend="mode"), contextlib.nullcontext))
     out = {}
     for label, make, hold in rows:
@@ -309,11 +309,15 @@ def auto_summary(mm: dict, steps: dict, matmul_n: int) -> tuple[str, list[str]]:
         )
         if path.native and chosen in steps:
             step = steps[chosen][0] / steps["FP32"][0]
-            goals.append(f"{label} training step on its native path: {step:.2f}x FP32 wall time "
-                         f"(goal <= {goal}x on avx512_bf16 CPUs: {'met' if step <= goal else 'missed'})")
+            goals.append(
+                f"{label} training step on its native path: {step:.2f}x FP32 wall time "
+                f"(goal <= {goal}x on avx512_bf16 CPUs: {'met' if step <= goal else 'missed'})"
+            )
         else:
-            goals.append(f"{label} goal for CPUs with native {label} units (<= {goal}x FP32): not measurable "
-                         f"here, auto runs {label} {path.reason}")
+            goals.append(
+                f"{label} goal for CPUs with native {label} units (<= {goal}x FP32): not measurable "
+                f"here, auto runs {label} {path.reason}"
+            )
     return "\n".join(lines), goals
 
 
@@ -385,8 +389,7 @@ def main(argv=None) -> None:
             print(f"| {label} | {v:.1f} | {m32:.1f} | {m16:.1f} (native) | - |")
         else:
             print(
-                f"| {label} | {v:.1f} ({v - base[0]:+.1f}) | {m32:.1f} ({m32 - base[1]:+.1f}) "
-                f"| {m16:.1f} | {ee:.0f} |"
+                f"| {label} | {v:.1f} ({v - base[0]:+.1f}) | {m32:.1f} ({m32 - base[1]:+.1f}) | {m16:.1f} | {ee:.0f} |"
             )
     print()
     table_d, goals = auto_summary(mm, results, args.matmul)

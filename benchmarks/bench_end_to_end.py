@@ -76,26 +76,45 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from amp_plugin.lightning import pl
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import StepTimer, rotated  # noqa: E402
-from _memory import MemoryProbe  # noqa: E402
+from amp_plugin.lightning import pl
 
-from amp_plugin import MixedPrecisionPlugin  # noqa: E402
-from amp_plugin.recipes import CharGPTRecipe, DigitsRecipe  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _harness import StepTimer, rotated
+from _memory import MemoryProbe
+
+from amp_plugin import MixedPrecisionPlugin
+from amp_plugin.recipes import CharGPTRecipe, DigitsRecipe
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
 RECIPES: dict[str, Callable[..., pl.LightningModule]] = {
-    "char_gpt": partial(CharGPTRecipe, n_layer=2, n_head=4, n_embd=128, block_size=64, batch_size=16,
-                        max_chars=200_000, warmup_steps=0, adam_eps=1e-4),
+    "char_gpt": partial(
+        CharGPTRecipe,
+        n_layer=2,
+        n_head=4,
+        n_embd=128,
+        block_size=64,
+        batch_size=16,
+        max_chars=200_000,
+        warmup_steps=0,
+        adam_eps=1e-4,
+    ),
     "digits": partial(DigitsRecipe, adam_eps=1e-4),
 }
 QUICK_RECIPES: dict[str, Callable[..., pl.LightningModule]] = {
-    "char_gpt": partial(CharGPTRecipe, n_layer=1, n_head=2, n_embd=16, block_size=16, batch_size=4,
-                        max_chars=20_000, warmup_steps=0, adam_eps=1e-4),
+    "char_gpt": partial(
+        CharGPTRecipe,
+        n_layer=1,
+        n_head=2,
+        n_embd=16,
+        block_size=16,
+        batch_size=4,
+        max_chars=20_000,
+        warmup_steps=0,
+        adam_eps=1e-4,
+    ),
     "digits": partial(DigitsRecipe, hidden_sizes=(16,), batch_size=16, adam_eps=1e-4),
 }
 
@@ -127,10 +146,16 @@ CONFIGS: tuple[Config, ...] = (
     Config("ours fp32", _ours(precision="fp32"), counterpart="Lightning 32-true"),
     Config("ours fp16", _ours(precision="fp16")),
     Config("ours bf16", _ours(precision="bf16")),
-    Config("ours fp16_autocast", _ours(precision="fp16", master_weights=False, autocast=True),
-           counterpart="Lightning 16-mixed (CPU GradScaler)"),
-    Config("ours bf16_autocast", _ours(precision="bf16", master_weights=False, autocast=True),
-           counterpart="Lightning bf16-mixed"),
+    Config(
+        "ours fp16_autocast",
+        _ours(precision="fp16", master_weights=False, autocast=True),
+        counterpart="Lightning 16-mixed (CPU GradScaler)",
+    ),
+    Config(
+        "ours bf16_autocast",
+        _ours(precision="bf16", master_weights=False, autocast=True),
+        counterpart="Lightning bf16-mixed",
+    ),
     Config("ours fp16_pure", _ours(precision="fp16", master_weights=False), counterpart="Lightning 16-true"),
     Config("ours bf16_pure", _ours(precision="bf16", master_weights=False), counterpart="Lightning bf16-true"),
     Config("Lightning 32-true", _lightning("32-true")),
@@ -162,9 +187,16 @@ class CpuStepTimer(StepTimer):
 
 def _trainer(steps: int, callbacks: list[pl.Callback], **kwargs: Any) -> pl.Trainer:
     return pl.Trainer(
-        accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-        callbacks=callbacks, **kwargs,
+        accelerator="cpu",
+        devices=1,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        callbacks=callbacks,
+        **kwargs,
     )
 
 
@@ -177,8 +209,9 @@ def _skipped(trainer: pl.Trainer) -> int:
     return int(scaler.skipped_steps)
 
 
-def time_config(make_module: Callable[[], pl.LightningModule], config: Config, steps: int,
-                warmup: int) -> tuple[list[float], list[float], int]:
+def time_config(
+    make_module: Callable[[], pl.LightningModule], config: Config, steps: int, warmup: int
+) -> tuple[list[float], list[float], int]:
     """Fit a fresh module for ``steps`` steps; per-step (wall, cpu) seconds after warmup, skipped steps."""
     pl.seed_everything(0, verbose=False)
     timer = CpuStepTimer()
@@ -224,8 +257,9 @@ class _Profile(pl.Callback):
             self.profiler.__exit__(None, None, None)
 
 
-def profile_config(make_module: Callable[[], pl.LightningModule], config: Config, steps: int, warmup: int,
-                   top: int = 14) -> str:
+def profile_config(
+    make_module: Callable[[], pl.LightningModule], config: Config, steps: int, warmup: int, top: int = 14
+) -> str:
     """Top ops by self CPU time per step (all threads), as a Markdown table."""
     pl.seed_everything(0, verbose=False)
     prof = _Profile(warmup)
@@ -235,11 +269,16 @@ def profile_config(make_module: Callable[[], pl.LightningModule], config: Config
         trainer.fit(make_module())
     averages = sorted(prof.profiler.key_averages(), key=lambda e: -e.self_cpu_time_total)
     total = sum(e.self_cpu_time_total for e in averages)
-    lines = [f"### {config.name}: {total / 1e3 / prof.steps:.1f} ms self CPU per step (profiled)\n",
-             "| op | self CPU ms/step | share | calls/step |", "|---|---:|---:|---:|"]
+    lines = [
+        f"### {config.name}: {total / 1e3 / prof.steps:.1f} ms self CPU per step (profiled)\n",
+        "| op | self CPU ms/step | share | calls/step |",
+        "|---|---:|---:|---:|",
+    ]
     for e in averages[:top]:
-        lines.append(f"| {e.key} | {e.self_cpu_time_total / 1e3 / prof.steps:.2f} "
-                     f"| {e.self_cpu_time_total / total:.1%} | {e.count / prof.steps:.0f} |")
+        lines.append(
+            f"| {e.key} | {e.self_cpu_time_total / 1e3 / prof.steps:.2f} "
+            f"| {e.self_cpu_time_total / total:.1%} | {e.count / prof.steps:.0f} |"
+        )
     return "\n".join(lines)
 
 
@@ -294,12 +333,16 @@ def goals(rows: dict[str, dict[str, dict[str, Any]]]) -> str:
             continue
         fp32 = r[FP32_REFERENCE]
         fp16 = r["ours fp16"]
-        line = (f"- {recipe}: ours fp16 (emulated, FP32 masters) / Lightning 32-true per step: "
-                f"{fp16['cpu_ms'] / fp32['cpu_ms']:.2f}x CPU, {fp16['wall_ms'] / fp32['wall_ms']:.2f}x wall "
-                f"(goal <= 1.15x)")
+        line = (
+            f"- {recipe}: ours fp16 (emulated, FP32 masters) / Lightning 32-true per step: "
+            f"{fp16['cpu_ms'] / fp32['cpu_ms']:.2f}x CPU, {fp16['wall_ms'] / fp32['wall_ms']:.2f}x wall "
+            f"(goal <= 1.15x)"
+        )
         if fp16.get("activations_mb") and fp32.get("activations_mb"):
-            line += (f"; activations fp16 / 32-true: {fp16['activations_mb'] / fp32['activations_mb']:.2f}, "
-                     f"step peak: {fp16['step_peak_mb'] / fp32['step_peak_mb']:.2f}")
+            line += (
+                f"; activations fp16 / 32-true: {fp16['activations_mb'] / fp32['activations_mb']:.2f}, "
+                f"step peak: {fp16['step_peak_mb'] / fp32['step_peak_mb']:.2f}"
+            )
         out.append(line)
     return "\n".join(out)
 
@@ -312,13 +355,24 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2, help="steps dropped at the start of every fit")
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
     parser.add_argument("--recipes", nargs="+", default=list(RECIPES), choices=list(RECIPES))
-    parser.add_argument("--configs", nargs="+", default=[c.name for c in CONFIGS], choices=list(BY_NAME),
-                        metavar="CONFIG", help=f"a subset of the configurations (must include {FP32_REFERENCE!r})")
+    parser.add_argument(
+        "--configs",
+        nargs="+",
+        default=[c.name for c in CONFIGS],
+        choices=list(BY_NAME),
+        metavar="CONFIG",
+        help=f"a subset of the configurations (must include {FP32_REFERENCE!r})",
+    )
     parser.add_argument("--n-embd", type=int, default=None, help="char_gpt width (default 128)")
     parser.add_argument("--memory", choices=("subprocess", "inprocess", "off"), default="subprocess")
     parser.add_argument("--quick", action="store_true", help="tiny models, 1 round, in-process memory")
-    parser.add_argument("--profile", nargs="+", metavar="CONFIG", choices=list(BY_NAME),
-                        help="instead of the tables: the top ops by self CPU time of these configurations")
+    parser.add_argument(
+        "--profile",
+        nargs="+",
+        metavar="CONFIG",
+        choices=list(BY_NAME),
+        help="instead of the tables: the top ops by self CPU time of these configurations",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS / "end_to_end.json")
     parser.add_argument("--memory-child", nargs=2, metavar=("RECIPE", "CONFIG"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -365,8 +419,12 @@ def main() -> None:
                 cpu[config.name] += c
                 skipped[config.name] = s if s < 0 else max(skipped[config.name], s)
         rows = {
-            name: {"wall_ms": statistics.median(wall[name]) * 1e3, "cpu_ms": statistics.median(cpu[name]) * 1e3,
-                   "timed_steps": len(wall[name]), "skipped": skipped[name]}
+            name: {
+                "wall_ms": statistics.median(wall[name]) * 1e3,
+                "cpu_ms": statistics.median(cpu[name]) * 1e3,
+                "timed_steps": len(wall[name]),
+                "skipped": skipped[name],
+            }
             for name in wall
         }
         for config in configs:
@@ -379,9 +437,11 @@ def main() -> None:
         results[recipe] = rows
 
     command = "python benchmarks/bench_end_to_end.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    print(f"# End to end per precision, {torch.get_num_threads()} thread(s), torch {torch.__version__}, "
-          f"{args.rounds} round(s), {args.steps} steps/fit ({args.native_steps} for native half kernels), "
-          f"median after {args.warmup} warm-up steps per fit")
+    print(
+        f"# End to end per precision, {torch.get_num_threads()} thread(s), torch {torch.__version__}, "
+        f"{args.rounds} round(s), {args.steps} steps/fit ({args.native_steps} for native half kernels), "
+        f"median after {args.warmup} warm-up steps per fit"
+    )
     print(f"command: {command.strip()}")
     for recipe, rows in results.items():
         print(f"\n## {recipe}\n")
@@ -390,9 +450,15 @@ def main() -> None:
     print(goals(results))
     if not args.quick:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        meta = {"command": command.strip(), "threads": torch.get_num_threads(), "torch": torch.__version__,
-                "rounds": args.rounds, "steps": args.steps, "native_steps": args.native_steps,
-                "char_gpt_n_embd": args.n_embd or 128}
+        meta = {
+            "command": command.strip(),
+            "threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "rounds": args.rounds,
+            "steps": args.steps,
+            "native_steps": args.native_steps,
+            "char_gpt_n_embd": args.n_embd or 128,
+        }
         args.out.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
 
 

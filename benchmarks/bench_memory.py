@@ -43,7 +43,8 @@ pointer; DTensors by their local shard), divided by the model's (global) paramet
 ``total`` is their sum right after the last optimizer step, gradients still present (what a
 step holds at its end); ``between steps`` is the same after ``zero_grad(set_to_none=True)``,
 which this script applies after that measurement (Lightning applies it in the next step,
-after the forward and before the backward, so a forward still holds the previous gradients). Under FSDP2, ``gathered`` is what the forward of the last
+after the forward and before the backward, so a forward still holds the previous gradients).
+Under FSDP2, ``gathered`` is what the forward of the last
 block holds on top of the shards (the unsharded half or FP32 parameters of the units in
 flight), measured in that forward, before its norm layer.
 
@@ -78,10 +79,11 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from amp_plugin.lightning import pl
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from amp_plugin.lightning import pl
 
 MMAP_THRESHOLD = 128 * 1024  # glibc's initial threshold, kept fixed (MALLOC_MMAP_THRESHOLD_)
 COMPONENTS = ("weights", "grads", "master", "master_grads", "moments")
@@ -124,8 +126,16 @@ class Block(nn.Module):
 
 
 class Stack(pl.LightningModule):
-    def __init__(self, d: int, depth: int, steps: int, batch: int = 64, fsdp: str | None = None,
-                 fused_adamw: bool = False, master: str | None = None) -> None:
+    def __init__(
+        self,
+        d: int,
+        depth: int,
+        steps: int,
+        batch: int = 64,
+        fsdp: str | None = None,
+        fused_adamw: bool = False,
+        master: str | None = None,
+    ) -> None:
         super().__init__()
         self.net = nn.Sequential(*[Block(d) for _ in range(depth)])
         self.d, self.steps, self.batch, self.fsdp = d, steps, batch, fsdp
@@ -276,8 +286,9 @@ def _skipped(trainer: pl.Trainer) -> int | None:
     return scaler.skipped_steps
 
 
-def run_child(name: str, params_m: float, d: int, steps: int, devices: int, result_dir: str | None,
-              fused_adamw: bool = False) -> dict[str, Any]:
+def run_child(
+    name: str, params_m: float, d: int, steps: int, devices: int, result_dir: str | None, fused_adamw: bool = False
+) -> dict[str, Any]:
     """Train one configuration in this (fresh) process and return its numbers."""
     rss_imports = _rss_mib()
     pl.seed_everything(0, verbose=False)
@@ -290,15 +301,23 @@ def run_child(name: str, params_m: float, d: int, steps: int, devices: int, resu
 
         kwargs["strategy"] = ModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1)
     trainer = pl.Trainer(
-        accelerator="cpu", devices=devices, max_steps=steps, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, callbacks=[probe], **kwargs,
+        accelerator="cpu",
+        devices=devices,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[probe],
+        **kwargs,
     )
     # Under FSDP2 the model is built on the meta device and each rank materializes only its
     # shards (Lightning calls reset_parameters after fully_shard), as a model too big for one
     # device must be; one process builds it in full.
     with trainer.init_module(empty_init=devices > 1):
-        module = Stack(d, depth, steps, fsdp=fsdp, fused_adamw=fused_adamw,
-                       master=SPLIT if name == f"ours {SPLIT}" else None)
+        module = Stack(
+            d, depth, steps, fsdp=fsdp, fused_adamw=fused_adamw, master=SPLIT if name == f"ours {SPLIT}" else None
+        )
     n_params = sum(p.numel() for p in module.parameters())
     start = time.perf_counter()
     with warnings.catch_warnings():
@@ -335,8 +354,22 @@ def _rss_mib() -> float:
 def run_config(name: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     """One fresh process per configuration (it launches the second rank itself)."""
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, __file__, "--child", name, "--params", str(args.params), "--d", str(args.d),
-               "--steps", str(args.steps), "--devices", str(args.devices), "--result-dir", tmp]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--child",
+            name,
+            "--params",
+            str(args.params),
+            "--d",
+            str(args.d),
+            "--steps",
+            str(args.steps),
+            "--devices",
+            str(args.devices),
+            "--result-dir",
+            tmp,
+        ]
         if args.fused_adamw:
             cmd.append("--fused-adamw")
         env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
@@ -358,20 +391,30 @@ def per_param(row: dict[str, Any], key: str) -> dict[str, float]:
 
 
 def table(rows: list[dict[str, Any]], devices: int) -> str:
-    head = ("| config | weights | grads | master | master grads | moments | total (B/param) | between steps "
-            + ("| gathered in fwd " if devices > 1 else "")
-            + "| peak RSS MiB | peak - imports MiB | skipped | optimizer |")
+    head = (
+        "| config | weights | grads | master | master grads | moments | total (B/param) | between steps "
+        + ("| gathered in fwd " if devices > 1 else "")
+        + "| peak RSS MiB | peak - imports MiB | skipped | optimizer |"
+    )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for row in rows:
         during, between = per_param(row, "during"), per_param(row, "between")
         label = row["config"] + (f" (rank {row['rank']})" if devices > 1 else "")
-        cells = [label, *(f"{during[c]:.2f}" for c in COMPONENTS), f"**{sum(during.values()):.2f}**",
-                 f"{sum(between.values()):.2f}"]
+        cells = [
+            label,
+            *(f"{during[c]:.2f}" for c in COMPONENTS),
+            f"**{sum(during.values()):.2f}**",
+            f"{sum(between.values()):.2f}",
+        ]
         if devices > 1:
             cells.append(f"{row['gathered'] / row['params']:.2f}")
         skipped = "-" if row["skipped"] is None else str(row["skipped"])
-        cells += [f"{row['peak_rss_mib']:.0f}", f"{row['peak_rss_mib'] - row['rss_imports_mib']:.0f}", skipped,
-                  row["optimizer"]]
+        cells += [
+            f"{row['peak_rss_mib']:.0f}",
+            f"{row['peak_rss_mib'] - row['rss_imports_mib']:.0f}",
+            skipped,
+            row["optimizer"],
+        ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -381,14 +424,22 @@ def main() -> None:
     parser.add_argument("--params", type=float, default=16.0, help="millions of parameters (default 16)")
     parser.add_argument("--d", type=int, default=1024, help="block width (default 1024)")
     parser.add_argument("--steps", type=int, default=3, help="AdamW steps (default 3)")
-    parser.add_argument("--devices", type=int, default=1, choices=(1, 2),
-                        help="2: FSDP2 under ModelParallelStrategy on two CPU processes, numbers per rank")
+    parser.add_argument(
+        "--devices",
+        type=int,
+        default=1,
+        choices=(1, 2),
+        help="2: FSDP2 under ModelParallelStrategy on two CPU processes, numbers per rank",
+    )
     parser.add_argument("--threads", type=int, default=None, help="OMP threads per process (default: cores / devices)")
     parser.add_argument("--configs", nargs="+", metavar="CONFIG", help="a subset of the configurations")
     parser.add_argument("--quick", action="store_true", help="tiny model (width 64, 0.05M parameters), 2 steps")
     parser.add_argument("--fused-adamw", action="store_true", help="AdamW(fused=True) instead of the default AdamW")
-    parser.add_argument("--glibc-default", action="store_true",
-                        help=f"keep glibc's dynamic mmap threshold (default: fixed at {MMAP_THRESHOLD} bytes)")
+    parser.add_argument(
+        "--glibc-default",
+        action="store_true",
+        help=f"keep glibc's dynamic mmap threshold (default: fixed at {MMAP_THRESHOLD} bytes)",
+    )
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--result-dir", help=argparse.SUPPRESS)
@@ -410,25 +461,37 @@ def main() -> None:
 
     command = "python benchmarks/bench_memory.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     d, depth = shape_for(args.params, args.d)
-    print(f"# Training state per parameter, {depth} x (Linear({d}, {d}) + LayerNorm + GELU), "
-          f"{args.steps} AdamW steps")
-    print(f"CPU: {cpu_model()}; torch {torch.__version__}; {pl.__name__} {pl.__version__}; "
-          f"{args.threads} thread(s) per process; devices={args.devices}; "
-          f"MALLOC_MMAP_THRESHOLD_={'glibc default (dynamic)' if args.glibc_default else MMAP_THRESHOLD}"
-          + (" (FSDP2, ModelParallelStrategy, gloo; bytes per rank / global parameters)" if args.devices > 1 else ""))
+    print(f"# Training state per parameter, {depth} x (Linear({d}, {d}) + LayerNorm + GELU), {args.steps} AdamW steps")
+    print(
+        f"CPU: {cpu_model()}; torch {torch.__version__}; {pl.__name__} {pl.__version__}; "
+        f"{args.threads} thread(s) per process; devices={args.devices}; "
+        f"MALLOC_MMAP_THRESHOLD_={'glibc default (dynamic)' if args.glibc_default else MMAP_THRESHOLD}"
+        + (" (FSDP2, ModelParallelStrategy, gloo; bytes per rank / global parameters)" if args.devices > 1 else "")
+    )
     print(f"command: {command.strip()}")
-    print("total: right after the last optimizer step, gradients present; between steps: the same "
-          "after zero_grad(set_to_none=True) (applied by this script after the first count)\n")
+    print(
+        "total: right after the last optimizer step, gradients present; between steps: the same "
+        "after zero_grad(set_to_none=True) (applied by this script after the first count)\n"
+    )
     rows: list[dict[str, Any]] = []
     for name in names:
         rows += run_config(name, args)
     print(f"parameters: {rows[0]['params']:,}\n")
     print(table(rows, args.devices))
     if args.out:
-        meta = {"command": command.strip(), "cpu": cpu_model(), "torch": torch.__version__,
-                "malloc_mmap_threshold": None if args.glibc_default else MMAP_THRESHOLD,
-                "lightning": f"{pl.__name__} {pl.__version__}", "threads": args.threads, "devices": args.devices,
-                "steps": args.steps, "params": rows[0]["params"], "d": d, "depth": depth}
+        meta = {
+            "command": command.strip(),
+            "cpu": cpu_model(),
+            "torch": torch.__version__,
+            "malloc_mmap_threshold": None if args.glibc_default else MMAP_THRESHOLD,
+            "lightning": f"{pl.__name__} {pl.__version__}",
+            "threads": args.threads,
+            "devices": args.devices,
+            "steps": args.steps,
+            "params": rows[0]["params"],
+            "d": d,
+            "depth": depth,
+        }
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
         print(f"\nwrote {args.out}")

@@ -20,10 +20,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import alternate, fit_steps, median_ms  # noqa: E402
+from _harness import alternate, fit_steps, median_ms
 
-from amp_plugin import MixedPrecisionPlugin  # noqa: E402
-from amp_plugin.recipes.char_gpt import CharGPTRecipe  # noqa: E402
+from amp_plugin import MixedPrecisionPlugin
+from amp_plugin.recipes.char_gpt import CharGPTRecipe
 
 
 def main() -> None:
@@ -32,8 +32,16 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--n-embd", type=int, default=64)
     args = parser.parse_args()
-    module = partial(CharGPTRecipe, n_layer=2, n_head=4, n_embd=args.n_embd, block_size=64, batch_size=16,
-                     max_chars=200_000, warmup_steps=0)
+    module = partial(
+        CharGPTRecipe,
+        n_layer=2,
+        n_head=4,
+        n_embd=args.n_embd,
+        block_size=64,
+        batch_size=16,
+        max_chars=200_000,
+        warmup_steps=0,
+    )
     run = partial(fit_steps, module, args.steps)
     configs = {
         "Lightning bf16-mixed": partial(run, precision="bf16-mixed"),
@@ -45,10 +53,14 @@ def main() -> None:
     }
     times = alternate(configs, args.rounds)
     ms = {name: median_ms(t, skip=0) for name, t in times.items()}
-    print(f"# Plugin overhead, char_gpt (2 layers, width {args.n_embd}, block 64, batch 16), "
-          f"{torch.get_num_threads()} threads, {args.rounds} rounds x {args.steps} steps, median")
-    print(f"command: python benchmarks/bench_plugin_overhead.py --steps {args.steps} --rounds {args.rounds} "
-          f"--n-embd {args.n_embd}\n")
+    print(
+        f"# Plugin overhead, char_gpt (2 layers, width {args.n_embd}, block 64, batch 16), "
+        f"{torch.get_num_threads()} threads, {args.rounds} rounds x {args.steps} steps, median"
+    )
+    print(
+        f"command: python benchmarks/bench_plugin_overhead.py --steps {args.steps} --rounds {args.rounds} "
+        f"--n-embd {args.n_embd}\n"
+    )
     print("| mode | Lightning ms/step | ours ms/step | ours / Lightning |")
     print("|---|---:|---:|---:|")
     for label, theirs, ours in (

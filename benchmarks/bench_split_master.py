@@ -80,12 +80,18 @@ def main() -> None:
     parser.add_argument("--recipes", nargs="+", default=["digits", "char_gpt"], choices=["digits", "char_gpt"])
     parser.add_argument("--jobs", type=int, default=2)
     args = parser.parse_args()
-    jobs = [(recipe, config, seed, args.steps or conv.RECIPES[recipe][1])
-            for recipe in args.recipes for config in CONFIGS for seed in args.seeds]
+    jobs = [
+        (recipe, config, seed, args.steps or conv.RECIPES[recipe][1])
+        for recipe in args.recipes
+        for config in CONFIGS
+        for seed in args.seeds
+    ]
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
         runs = list(pool.map(run, *zip(*jobs)))
-    print(f"# BF16 split masters vs FP32 masters; seeds {args.seeds}; "
-          f"command: python benchmarks/bench_split_master.py {' '.join(sys.argv[1:])}".rstrip())
+    print(
+        f"# BF16 split masters vs FP32 masters; seeds {args.seeds}; "
+        f"command: python benchmarks/bench_split_master.py {' '.join(sys.argv[1:])}".rstrip()
+    )
     for recipe in args.recipes:
         metrics = [*conv.RECIPES[recipe][2], "train/loss_last10pct"]
         print(f"\n## {recipe}, {jobs[[j[0] for j in jobs].index(recipe)][3]} steps\n")
@@ -104,8 +110,11 @@ def main() -> None:
         by_seed = {(r["config"], r["seed"]): r["metrics"] for r in runs if r["recipe"] == recipe}
         cells = []
         for metric in metrics:
-            diffs = [by_seed[("bf16_split", s)][metric] - by_seed[("bf16", s)][metric] for s in args.seeds
-                     if metric in by_seed.get(("bf16_split", s), {}) and metric in by_seed.get(("bf16", s), {})]
+            diffs = [
+                by_seed[("bf16_split", s)][metric] - by_seed[("bf16", s)][metric]
+                for s in args.seeds
+                if metric in by_seed.get(("bf16_split", s), {}) and metric in by_seed.get(("bf16", s), {})
+            ]
             mean = statistics.fmean(diffs) if diffs else float("nan")
             std = statistics.stdev(diffs) if len(diffs) > 1 else 0.0
             cells.append(f"{mean:+.4f} ± {std:.4f}")

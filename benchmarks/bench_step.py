@@ -160,25 +160,31 @@ def stage_breakdown(sizes: list[int], repeats: int, prototype: bool = False) -> 
     stages = {
         "floor: fused AdamW on FP32 params": lambda: torch._fused_adamw_(fw, fg, fm, fv, [], fsteps, **hp),
         "1. copy FP16 grads -> FP32 master grads": lambda: torch._foreach_copy_(master_g, half_g),
-        "2. unscale + inf check (FP32 master grads)":
-            lambda: torch._amp_foreach_non_finite_check_and_unscale_(master_g, found, one),
+        "2. unscale + inf check (FP32 master grads)": lambda: torch._amp_foreach_non_finite_check_and_unscale_(
+            master_g, found, one
+        ),
         "3. read the found-inf flag (host sync)": lambda: found.item(),
         "4. fused AdamW on the FP32 masters": lambda: torch._fused_adamw_(masters, master_g, m, v, [], steps, **hp),
         "5. copy FP32 masters -> FP16 weights": lambda: torch._foreach_copy_(half_w, masters),
         "alt: inf check reading the FP16 grads": lambda: torch._amp_foreach_non_finite_check_and_unscale_(
-            half_g_copy, found, one),
+            half_g_copy, found, one
+        ),
         "alt: fused AdamW with grad_scale/found_inf": lambda: torch._fused_adamw_(
-            masters, master_g, m, v, [], steps, grad_scale=one, found_inf=found, **hp),
+            masters, master_g, m, v, [], steps, grad_scale=one, found_inf=found, **hp
+        ),
     }
     ops = fused_kernels.kernels()
     if ops is not None:  # amp_plugin's two passes, in place of stages 1, 2, 4 and 5
         stages["fused A: nonfinite_check_ (reads the FP16 grads)"] = lambda: ops.nonfinite_check_(half_g, found)
         stages["fused B: adam_step_ (FP16 grads * 1/scale in, FP16 weights out)"] = lambda: ops.adam_step_(
-            masters, half_g, m, v, steps, half_w, 1e-3, 0.9, 0.999, 0.01, 1e-8, True, False, 1.0)
+            masters, half_g, m, v, steps, half_w, 1e-3, 0.9, 0.999, 0.01, 1e-8, True, False, 1.0
+        )
         stages["base design A: unscale_into_ (writes FP32 grads)"] = lambda: ops.unscale_into_(
-            half_g, master_g, found, one)
+            half_g, master_g, found, one
+        )
         stages["base design B: adam_step_ (FP32 grads in)"] = lambda: ops.adam_step_(
-            masters, master_g, m, v, steps, half_w, 1e-3, 0.9, 0.999, 0.01, 1e-8, True, False)
+            masters, master_g, m, v, steps, half_w, 1e-3, 0.9, 0.999, 0.01, 1e-8, True, False
+        )
     if prototype:
         try:
             one_c, nonfinite_c = compiled_update()
@@ -212,8 +218,7 @@ def stage_breakdown(sizes: list[int], repeats: int, prototype: bool = False) -> 
             wall[name].append(time.perf_counter() - w0)
             cpu[name].append(time.process_time() - c0)
     floor_cpu = statistics.median(cpu["floor: fused AdamW on FP32 params"])
-    print(f"\n# Where our path's time goes: each stage alone, {torch.get_num_threads()} threads, "
-          f"median of {repeats}\n")
+    print(f"\n# Where our path's time goes: each stage alone, {torch.get_num_threads()} threads, median of {repeats}\n")
     print("| stage | ms | CPU ms | CPU vs floor |")
     print("|---|---:|---:|---:|")
     total = fused_total = base_total = 0.0
@@ -241,8 +246,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch.set_num_threads")
     parser.add_argument("--device", default="cpu", help="cpu, or cuda to time the same paths on a GPU")
     parser.add_argument("--stages", action="store_true", help="also time each stage of our path (CPU only)")
-    parser.add_argument("--compiled-prototype", action="store_true",
-                        help="with --stages: also time a torch.compile'd fused update (needs a C++ compiler)")
+    parser.add_argument(
+        "--compiled-prototype",
+        action="store_true",
+        help="with --stages: also time a torch.compile'd fused update (needs a C++ compiler)",
+    )
     args = parser.parse_args()
     device = args.device
     if device.startswith("cuda") and not torch.cuda.is_available():
@@ -285,11 +293,14 @@ def main() -> None:
         light_scaler.step(light_opt)
         light_scaler.update()
 
-    paths = {"floor (fused AdamW, FP32)": floor, "ours (FP16 + FP32 masters)": master_weight_path(None),
-             "ours, torch multi-tensor (fused=\"torch\")": master_weight_path("torch"),
-             "ours, stock torch ops (fused=False)": master_weight_path(False),
-             "ours, AdamW(foreach=True) (its own step)": master_weight_path(None, adamw_fused=False),
-             "Lightning 16-mixed path": lightning}
+    paths = {
+        "floor (fused AdamW, FP32)": floor,
+        "ours (FP16 + FP32 masters)": master_weight_path(None),
+        'ours, torch multi-tensor (fused="torch")': master_weight_path("torch"),
+        "ours, stock torch ops (fused=False)": master_weight_path(False),
+        "ours, AdamW(foreach=True) (its own step)": master_weight_path(None, adamw_fused=False),
+        "Lightning 16-mixed path": lightning,
+    }
     for fn in paths.values():  # warm up: allocate state
         fn()
     times: dict[str, list[float]] = {name: [] for name in paths}
@@ -315,20 +326,27 @@ def main() -> None:
     layout = f"a transformer's mix of {len(sizes)} tensors" if args.mix else f"{len(sizes)} tensors"
     print(f"# Optimizer-step path, {numel / 1e6:.1f}M params in {layout}, {where}, median of {args.repeats}")
     print(f"CPU: {cpu_model()}; torch {torch.__version__}; capability {torch.backends.cpu.get_cpu_capability()}")
-    print(f"command: python benchmarks/bench_step.py --params {args.params:g} --chunks {args.chunks} "
-          f"--repeats {args.repeats} --threads {args.threads}{'' if device == 'cpu' else ' --device ' + device}"
-          f"{' --mix' if args.mix else ''}{' --stages' if args.stages else ''}"
-          f"{' --compiled-prototype' if args.compiled_prototype else ''}\n")
+    print(
+        f"command: python benchmarks/bench_step.py --params {args.params:g} --chunks {args.chunks} "
+        f"--repeats {args.repeats} --threads {args.threads}{'' if device == 'cpu' else ' --device ' + device}"
+        f"{' --mix' if args.mix else ''}{' --stages' if args.stages else ''}"
+        f"{' --compiled-prototype' if args.compiled_prototype else ''}\n"
+    )
     print("| path | ms/step | vs floor | CPU ms/step | CPU vs floor |")
     print("|---|---:|---:|---:|---:|")
     for name, t in medians.items():
         c = cpu_medians[name]
         print(f"| {name} | {t * 1e3:.1f} | {t / base:.2f}x | {c * 1e3:.1f} | {c / cpu_base:.2f}x |")
-    print(f"| memory-traffic floor, FP32 AdamW ({floor_bytes / 1e6:.0f} MB at {bw / 1e9:.1f} GB/s) "
-          f"| {floor_bytes / bw * 1e3:.1f} | {floor_bytes / bw / base:.2f}x | | |")
-    print(f"| memory-traffic floor, ours ({ideal_ours_bytes / 1e6:.0f} MB) "
-          f"| {ideal_ours_bytes / bw * 1e3:.1f} | {ideal_ours_bytes / bw / base:.2f}x | | |")
-    print(f"\nours / Lightning 16-mixed path: {medians['ours (FP16 + FP32 masters)'] / medians['Lightning 16-mixed path']:.2f}x")
+    print(
+        f"| memory-traffic floor, FP32 AdamW ({floor_bytes / 1e6:.0f} MB at {bw / 1e9:.1f} GB/s) "
+        f"| {floor_bytes / bw * 1e3:.1f} | {floor_bytes / bw / base:.2f}x | | |"
+    )
+    print(
+        f"| memory-traffic floor, ours ({ideal_ours_bytes / 1e6:.0f} MB) "
+        f"| {ideal_ours_bytes / bw * 1e3:.1f} | {ideal_ours_bytes / bw / base:.2f}x | | |"
+    )
+    ratio = medians["ours (FP16 + FP32 masters)"] / medians["Lightning 16-mixed path"]
+    print(f"\nours / Lightning 16-mixed path: {ratio:.2f}x")
     if args.stages:
         stage_breakdown(sizes, args.repeats, args.compiled_prototype)
 

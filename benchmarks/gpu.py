@@ -71,6 +71,7 @@ def _configs(**plugin_kwargs: Any) -> dict[str, Any]:
 
             return fail
     else:
+
         def ours(**kwargs: Any):
             return lambda: {"plugins": [MixedPrecisionPlugin(**kwargs, **plugin_kwargs)]}
 
@@ -141,9 +142,17 @@ def measure(
     timer = Throughput()
     module = make_module()
     trainer = pl.Trainer(
-        accelerator="gpu" if cuda else "cpu", devices=1, max_steps=warmup + steps, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        limit_val_batches=0, num_sanity_val_steps=0, callbacks=[timer], **make_trainer_kwargs(),
+        accelerator="gpu" if cuda else "cpu",
+        devices=1,
+        max_steps=warmup + steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        callbacks=[timer],
+        **make_trainer_kwargs(),
     )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -191,15 +200,27 @@ def main() -> int:
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--rounds", type=int, default=3,
-                        help="measure each configuration this many times, alternating; report the median")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="measure each configuration this many times, alternating; report the median",
+    )
     parser.add_argument("--budget-s", type=float, default=240.0, help="start no measurement after this")
     parser.add_argument("--configs", nargs="+", default=None, help="names to run (default: all)")
-    parser.add_argument("--profile", nargs="+", default=[], metavar="NAME",
-                        help="after the table, profile these configs (torch.profiler over the timed steps): "
-                             "operators by host time, then operators and kernels by device time")
-    parser.add_argument("--cpu-dry-run", action="store_true",
-                        help="run the same code on the CPU with a tiny model and no CUDA calls (for tests)")
+    parser.add_argument(
+        "--profile",
+        nargs="+",
+        default=[],
+        metavar="NAME",
+        help="after the table, profile these configs (torch.profiler over the timed steps): "
+        "operators by host time, then operators and kernels by device time",
+    )
+    parser.add_argument(
+        "--cpu-dry-run",
+        action="store_true",
+        help="run the same code on the CPU with a tiny model and no CUDA calls (for tests)",
+    )
     args = parser.parse_args()
 
     if args.rounds < 1:
@@ -210,8 +231,9 @@ def main() -> int:
         return 0
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo, installed or not
-    from amp_plugin.lightning import pl
     from _harness import rotated  # next to this script
+
+    from amp_plugin.lightning import pl
 
     for logger in ("pytorch_lightning", "lightning.pytorch", "lightning_fabric", "lightning.fabric"):
         logging.getLogger(logger).setLevel(logging.WARNING)  # no per-Trainer banners between rows
@@ -224,27 +246,36 @@ def main() -> int:
     if unknown:
         parser.error(f"unknown configs {unknown}; choose from {list(configs)}")
     model = MODEL if cuda else dict(n_layer=1, n_head=2, n_embd=16, block_size=16)
-    make_module = partial(CharGPTRecipe, **model, batch_size=args.batch_size, max_chars=1_000_000 if cuda else 20_000,
-                          warmup_steps=0)
+    make_module = partial(
+        CharGPTRecipe, **model, batch_size=args.batch_size, max_chars=1_000_000 if cuda else 20_000, warmup_steps=0
+    )
     params = sum(p.numel() for p in make_module().parameters())
 
-    print(f"# GPU throughput: char_gpt {model['n_layer']} layers, width {model['n_embd']}, "
-          f"block {model['block_size']}, batch {args.batch_size} ({params / 1e6:.1f}M params, "
-          f"{args.batch_size * model['block_size']} tokens/step), {args.warmup} warm-up + {args.steps} timed steps")
+    print(
+        f"# GPU throughput: char_gpt {model['n_layer']} layers, width {model['n_embd']}, "
+        f"block {model['block_size']}, batch {args.batch_size} ({params / 1e6:.1f}M params, "
+        f"{args.batch_size * model['block_size']} tokens/step), {args.warmup} warm-up + {args.steps} timed steps"
+    )
     if cuda:
         props = torch.cuda.get_device_properties(0)
         device = f"{props.name} ({props.total_memory / 2**30:.0f} GiB), CUDA {torch.version.cuda}"
     else:
         device = "CPU dry run (tiny model, no CUDA calls; the numbers mean nothing)"
-    print(f"device: {device}, torch {torch.__version__}, Lightning {pl.__version__}, "
-          f"Python {platform.python_version()}")
-    print(f"TF32 at defaults: torch.backends.cuda.matmul.allow_tf32={torch.backends.cuda.matmul.allow_tf32}, "
-          f"torch.backends.cudnn.allow_tf32={torch.backends.cudnn.allow_tf32}, "
-          f"float32_matmul_precision={torch.get_float32_matmul_precision()!r}")
+    print(
+        f"device: {device}, torch {torch.__version__}, Lightning {pl.__version__}, Python {platform.python_version()}"
+    )
+    print(
+        f"TF32 at defaults: torch.backends.cuda.matmul.allow_tf32={torch.backends.cuda.matmul.allow_tf32}, "
+        f"torch.backends.cudnn.allow_tf32={torch.backends.cudnn.allow_tf32}, "
+        f"float32_matmul_precision={torch.get_float32_matmul_precision()!r}"
+    )
     profile = "".join(f" '{name}'" for name in args.profile)
-    print(f"command: python benchmarks/gpu.py --batch-size {args.batch_size} --warmup {args.warmup} "
-          f"--steps {args.steps} --rounds {args.rounds} --budget-s {args.budget_s:g}"
-          f"{' --profile' + profile if profile else ''}\n", flush=True)
+    print(
+        f"command: python benchmarks/gpu.py --batch-size {args.batch_size} --warmup {args.warmup} "
+        f"--steps {args.steps} --rounds {args.rounds} --budget-s {args.budget_s:g}"
+        f"{' --profile' + profile if profile else ''}\n",
+        flush=True,
+    )
 
     start = time.perf_counter()
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
@@ -262,8 +293,10 @@ def main() -> int:
 
     fp32 = results.get(FP32_REFERENCE, {}).get("tokens_per_s") or results.get("ours fp32", {}).get("tokens_per_s")
     bf16 = results.get(BF16_LIGHTNING, {}).get("tokens_per_s")
-    print("\n| config | ms/step | tokens/s | vs FP32 | vs Lightning bf16-mixed | spread | rounds | peak GiB "
-          "| skipped steps |")
+    print(
+        "\n| config | ms/step | tokens/s | vs FP32 | vs Lightning bf16-mixed | spread | rounds | peak GiB "
+        "| skipped steps |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name, r in results.items():
         if "error" in r:
@@ -273,23 +306,32 @@ def main() -> int:
         vs_fp32 = f"{tps / fp32:.2f}x" if fp32 else "-"
         vs_bf16 = f"{tps / bf16:.2f}x" if bf16 else "-"
         skipped = "-" if r["skipped"] is None else r["skipped"]
-        print(f"| {name} | {r['ms_per_step']:.1f} | {tps:,.0f} | {vs_fp32} | {vs_bf16} | {r['spread']:.0%} "
-              f"| {r['rounds']} | {r['peak_gib']:.2f} | {skipped} |")
+        print(
+            f"| {name} | {r['ms_per_step']:.1f} | {tps:,.0f} | {vs_fp32} | {vs_bf16} | {r['spread']:.0%} "
+            f"| {r['rounds']} | {r['peak_gib']:.2f} | {skipped} |"
+        )
     if fp32 and bf16:
         print("\nGoals: half precision >= 2.5x FP32 tokens/s, and not slower than Lightning bf16-mixed")
         for name in ("ours bf16", "ours fp16", "ours bf16_autocast", "ours fp16_autocast"):
             r = results.get(name, {})
             if "tokens_per_s" in r:
-                print(f"- {name}: {r['tokens_per_s'] / fp32:.2f}x FP32, {r['tokens_per_s'] / bf16:.2f}x Lightning "
-                      f"bf16-mixed")
+                print(
+                    f"- {name}: {r['tokens_per_s'] / fp32:.2f}x FP32, {r['tokens_per_s'] / bf16:.2f}x Lightning "
+                    f"bf16-mixed"
+                )
     medians = [r["ms_per_step"] for r in results.values() if "ms_per_step" in r]
     if medians:
-        print(f"\n{len(medians)} of {len(results)} configurations measured in {time.perf_counter() - start:.0f} s "
-              f"(median {statistics.median(medians):.1f} ms/step; spread: slowest over fastest round, minus one)")
+        print(
+            f"\n{len(medians)} of {len(results)} configurations measured in {time.perf_counter() - start:.0f} s "
+            f"(median {statistics.median(medians):.1f} ms/step; spread: slowest over fastest round, minus one)"
+        )
     for name in args.profile:
         r = measure(make_module, configs[name], args.warmup, args.steps, cuda, profile=True)
-        print(f"\n## Profile of {name}: {r['ms_per_step']:.1f} ms/step while profiled ({args.steps} steps; "
-              f"user annotations such as Optimizer.step span their whole range)\n{r['profile']}", flush=True)
+        print(
+            f"\n## Profile of {name}: {r['ms_per_step']:.1f} ms/step while profiled ({args.steps} steps; "
+            f"user annotations such as Optimizer.step span their whole range)\n{r['profile']}",
+            flush=True,
+        )
     return 0
 
 

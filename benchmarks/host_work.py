@@ -40,10 +40,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo, installed or not
 os.environ["AMP_PLUGIN_FUSED"] = "0"  # the master-weight step a GPU runs: stock torch ops
 
-from amp_plugin.lightning import pl  # noqa: E402
+from gpu import _configs as gpu_configs
 
-from gpu import _configs as gpu_configs  # noqa: E402  (next to this script)
-from amp_plugin.recipes.char_gpt import CharGPTRecipe  # noqa: E402
+from amp_plugin.lightning import pl
+from amp_plugin.recipes.char_gpt import CharGPTRecipe
 
 MODEL = dict(n_layer=6, n_head=8, n_embd=16, block_size=16, batch_size=2, max_chars=20_000, warmup_steps=0)
 REFERENCE = "Lightning bf16-mixed"
@@ -108,8 +108,15 @@ def count(make_trainer_kwargs, steps: int = 10, warmup: int = 5) -> dict[str, fl
     pl.seed_everything(0, verbose=False)
     counter = _Count(warmup, steps)
     trainer = pl.Trainer(
-        accelerator="cpu", devices=1, max_steps=warmup + steps, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, callbacks=[counter],
+        accelerator="cpu",
+        devices=1,
+        max_steps=warmup + steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        callbacks=[counter],
         **make_trainer_kwargs(),
     )
     with warnings.catch_warnings():
@@ -139,19 +146,31 @@ def main() -> int:
     torch.set_num_threads(1)
 
     results = {name: count(CONFIGS[name], args.steps) for name in args.configs}
-    print(f"# Host work per training step: char_gpt {MODEL['n_layer']} layers, {MODEL['n_head']} heads, width "
-          f"{MODEL['n_embd']} (gpu.py's structure), AdamW foreach, {args.steps} steps counted; torch "
-          f"{torch.__version__}, Lightning {pl.__version__}")
+    print(
+        f"# Host work per training step: char_gpt {MODEL['n_layer']} layers, {MODEL['n_head']} heads, width "
+        f"{MODEL['n_embd']} (gpu.py's structure), AdamW foreach, {args.steps} steps counted; torch "
+        f"{torch.__version__}, Lightning {pl.__version__}"
+    )
     print("command: python benchmarks/host_work.py " + " ".join(sys.argv[1:]) + "\n")
     reference = results.get(REFERENCE)
-    print(f"| config | Python calls | aten ops | computing ops | casts | calls vs {REFERENCE} "
-          f"| computing ops vs {REFERENCE} |")
+    print(
+        f"| config | Python calls | aten ops | computing ops | casts | calls vs {REFERENCE} "
+        f"| computing ops vs {REFERENCE} |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|")
     for name, r in results.items():
-        ratios = (f"{r['python_calls'] / reference['python_calls']:.3f}x | "
-                  f"{r['computing_ops'] / reference['computing_ops']:.3f}x") if reference else "- | -"
-        print(f"| {name} | {r['python_calls']:,.0f} | {r['aten_ops']:,.0f} | {r['computing_ops']:,.0f} "
-              f"| {r['casts']:,.0f} | {ratios} |")
+        ratios = (
+            (
+                f"{r['python_calls'] / reference['python_calls']:.3f}x | "
+                f"{r['computing_ops'] / reference['computing_ops']:.3f}x"
+            )
+            if reference
+            else "- | -"
+        )
+        print(
+            f"| {name} | {r['python_calls']:,.0f} | {r['aten_ops']:,.0f} | {r['computing_ops']:,.0f} "
+            f"| {r['casts']:,.0f} | {ratios} |"
+        )
     return 0
 
 

@@ -80,10 +80,23 @@ def train_cmd(args: list[str]) -> list[str]:
     return [sys.executable, str(ROOT / "train.py"), *args]
 
 
-def run(args: list[str], cwd: Path, timeout: float = 600, env: dict[str, str] | None = None,
-        command: list[str] | None = None, **kwargs: Any) -> subprocess.CompletedProcess:
-    return subprocess.run(command or train_cmd(args), cwd=cwd, env=env or _env(), capture_output=True, text=True,
-                          timeout=timeout, **kwargs)
+def run(
+    args: list[str],
+    cwd: Path,
+    timeout: float = 600,
+    env: dict[str, str] | None = None,
+    command: list[str] | None = None,
+    **kwargs: Any,
+) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        command or train_cmd(args),
+        cwd=cwd,
+        env=env or _env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        **kwargs,
+    )
 
 
 def start(args: list[str], cwd: Path, log: Path) -> subprocess.Popen:
@@ -129,8 +142,10 @@ def differences(a: Any, b: Any, path: str = "") -> list[str]:
 
 def same_state(a: Path, b: Path) -> bool:
     x, y = load(a), load(b)
-    return all(not differences(x[key], y[key]) for key in
-               ("state_dict", "optimizer_states", "lr_schedulers", "amp_plugin", "global_step"))
+    return all(
+        not differences(x[key], y[key])
+        for key in ("state_dict", "optimizer_states", "lr_schedulers", "amp_plugin", "global_step")
+    )
 
 
 def train_steps(run_dir: Path) -> list[int]:
@@ -139,8 +154,10 @@ def train_steps(run_dir: Path) -> list[int]:
 
 
 def same_logs(a: Path, b: Path) -> bool:
-    return all((a / n).read_text() == (b / n).read_text()
-               for n in ("logs/metrics.csv", "logs/scale_events.csv", "training_curves.csv"))
+    return all(
+        (a / n).read_text() == (b / n).read_text()
+        for n in ("logs/metrics.csv", "logs/scale_events.csv", "training_curves.csv")
+    )
 
 
 def finite(path: Path) -> bool:
@@ -169,8 +186,11 @@ BAD_ARGS = [
     ("trainer.precision", ["+trainer.precision=16-mixed"], "trainer.precision"),
     ("max_steps not an int", ["trainer.max_steps=1.5"], "trainer.max_steps"),
     ("accumulate_grad_batches 0", ["trainer.accumulate_grad_batches=0"], "trainer.accumulate_grad_batches"),
-    ("val_check_interval > epoch", ["trainer.val_check_interval=1000", "trainer.max_steps=5"],
-     "trainer.val_check_interval"),
+    (
+        "val_check_interval > epoch",
+        ["trainer.val_check_interval=1000", "trainer.max_steps=5"],
+        "trainer.val_check_interval",
+    ),
     ("negative seed", ["seed=-1"], "seed"),
     ("num_threads 0", ["num_threads=0"], "num_threads"),
     ("recipe.lr=-1", ["recipe.lr=-1"], "recipe.lr"),
@@ -185,14 +205,26 @@ BAD_ARGS = [
     ("ckpt_path a directory", ["ckpt_path=good"], "ckpt_path"),
     ("ckpt_path truncated", ["ckpt_path=truncated.ckpt"], "ckpt_path"),
     ("ckpt_path not a checkpoint", ["ckpt_path=plain.ckpt"], "ckpt_path"),
-    ("ckpt_path already at max_steps", ["ckpt_path=good/checkpoints/last.ckpt", "trainer.max_steps=3"],
-     "trainer.max_steps"),
-    ("checkpoint of another recipe", ["recipe=underflow_demo", "ckpt_path=good/checkpoints/last.ckpt",
-                                      "trainer.max_steps=9"], "ckpt_path"),
-    ("checkpoint of another model shape", ["recipe.hidden_sizes=[64,64]", "ckpt_path=good/checkpoints/last.ckpt",
-                                           "trainer.max_steps=9"], "ckpt_path"),
-    ("another optimizer on resume", ["recipe.optimizer=sgd", "ckpt_path=good/checkpoints/last.ckpt",
-                                     "trainer.max_steps=9"], "recipe.optimizer"),
+    (
+        "ckpt_path already at max_steps",
+        ["ckpt_path=good/checkpoints/last.ckpt", "trainer.max_steps=3"],
+        "trainer.max_steps",
+    ),
+    (
+        "checkpoint of another recipe",
+        ["recipe=underflow_demo", "ckpt_path=good/checkpoints/last.ckpt", "trainer.max_steps=9"],
+        "ckpt_path",
+    ),
+    (
+        "checkpoint of another model shape",
+        ["recipe.hidden_sizes=[64,64]", "ckpt_path=good/checkpoints/last.ckpt", "trainer.max_steps=9"],
+        "ckpt_path",
+    ),
+    (
+        "another optimizer on resume",
+        ["recipe.optimizer=sgd", "ckpt_path=good/checkpoints/last.ckpt", "trainer.max_steps=9"],
+        "recipe.optimizer",
+    ),
     ("a finished run's directory", ["hydra.run.dir=good", "trainer.max_steps=3"], "hydra.run.dir"),
 ]
 
@@ -217,7 +249,8 @@ def _clear(output: str, proc_code: int, named: str, run_dir: Path | None) -> tup
         "traceback": "Traceback" not in output,
         f"does not name {named}": named in output,
         "more than a few paragraphs": len(paragraphs) <= 4,
-        "a summary.json as if it worked": run_dir is None or not (run_dir / "summary.json").exists()
+        "a summary.json as if it worked": run_dir is None
+        or not (run_dir / "summary.json").exists()
         or named == "hydra.run.dir",
     }
     failed = [what for what, ok in checks.items() if not ok]
@@ -245,21 +278,42 @@ def bad_inputs(work: Path) -> list[dict[str, Any]]:
 
     def record(what: str, proc: subprocess.CompletedProcess, named: str, run_dir: Path | None) -> None:
         ok, why = _clear(proc.stderr + proc.stdout, proc.returncode, named, run_dir)
-        results.append({"input": what, "exit": proc.returncode, "clear": ok, "problem": why,
-                        "message": next((line for line in proc.stderr.splitlines() if named in line), "")[:300]})
+        results.append(
+            {
+                "input": what,
+                "exit": proc.returncode,
+                "clear": ok,
+                "problem": why,
+                "message": next((line for line in proc.stderr.splitlines() if named in line), "")[:300],
+            }
+        )
 
     for i, (what, args, named) in enumerate(BAD_ARGS):
         run_dir = None if any(a.startswith("hydra.run.dir=") for a in args) else work / f"bad{i}"
         extra = [] if run_dir is None else [f"hydra.run.dir={run_dir}"]
         record(what, run([*args, *QUIET, *extra], work), named, run_dir)
     # The environment.
-    record("stray LOCAL_RANK=1", run([*TINY, f"hydra.run.dir={work / 'env1'}"], work, env=_env(LOCAL_RANK="1")),
-           "LOCAL_RANK", work / "env1")
-    record("AMP_PLUGIN_CONFIG_DIR pointing nowhere",
-           run(TINY, work, env=_env(AMP_PLUGIN_CONFIG_DIR=str(work / "nowhere")),
-               command=[sys.executable, "-m", "amp_plugin.app.cli", *TINY]), "AMP_PLUGIN_CONFIG_DIR", None)
-    for name, sub, key in (("logs_ro", "logs", "logger.save_dir"),
-                           ("ckpt_ro", "checkpoints", "callbacks.model_checkpoint.dirpath")):
+    record(
+        "stray LOCAL_RANK=1",
+        run([*TINY, f"hydra.run.dir={work / 'env1'}"], work, env=_env(LOCAL_RANK="1")),
+        "LOCAL_RANK",
+        work / "env1",
+    )
+    record(
+        "AMP_PLUGIN_CONFIG_DIR pointing nowhere",
+        run(
+            TINY,
+            work,
+            env=_env(AMP_PLUGIN_CONFIG_DIR=str(work / "nowhere")),
+            command=[sys.executable, "-m", "amp_plugin.app.cli", *TINY],
+        ),
+        "AMP_PLUGIN_CONFIG_DIR",
+        None,
+    )
+    for name, sub, key in (
+        ("logs_ro", "logs", "logger.save_dir"),
+        ("ckpt_ro", "checkpoints", "callbacks.model_checkpoint.dirpath"),
+    ):
         target = work / name / sub
         if not _read_only(target):
             continue
@@ -274,21 +328,37 @@ def bad_inputs(work: Path) -> list[dict[str, Any]]:
     (sweep / "1" / "summary.json").write_text((sweep / "1" / "summary.json").read_text()[:50])
     (sweep / "2" / "training_curves.csv").write_text("step,train_loss\n1,abc\n")
     compare = [sys.executable, "-m", "amp_plugin.app.compare"]
-    record("amp-compare: truncated summary.json",
-           run([], work, command=[*compare, str(sweep / "1"), "--no-plot"]), "summary.json", None)
-    record("amp-compare: bad training_curves.csv",
-           run([], work, command=[*compare, str(sweep / "2"), "--no-plot"]), "training_curves.csv", None)
+    record(
+        "amp-compare: truncated summary.json",
+        run([], work, command=[*compare, str(sweep / "1"), "--no-plot"]),
+        "summary.json",
+        None,
+    )
+    record(
+        "amp-compare: bad training_curves.csv",
+        run([], work, command=[*compare, str(sweep / "2"), "--no-plot"]),
+        "training_curves.csv",
+        None,
+    )
     (work / "a_file").write_text("")
-    record("amp-compare: a file as --out", run([], work, command=[*compare, str(sweep / "0"), "--out", "a_file"]),
-           "--out", None)
+    record(
+        "amp-compare: a file as --out",
+        run([], work, command=[*compare, str(sweep / "0"), "--out", "a_file"]),
+        "--out",
+        None,
+    )
     # A scheduled fault that never happens is a warning, not an error: checked apart.
     return results
 
 
 # ---------------------------------------------------------------------------------- 2. faults
 def _common(steps: int) -> list[str]:
-    return [f"trainer.max_steps={steps}", f"callbacks.model_checkpoint.every_n_train_steps={K}",
-            "scaler.growth_interval=10", *QUIET]
+    return [
+        f"trainer.max_steps={steps}",
+        f"callbacks.model_checkpoint.every_n_train_steps={K}",
+        "scaler.growth_interval=10",
+        *QUIET,
+    ]
 
 
 def fault_in_run(work: Path, name: str, fault: list[str], expect_skips: int) -> dict[str, Any]:
@@ -300,58 +370,128 @@ def fault_in_run(work: Path, name: str, fault: list[str], expect_skips: int) -> 
     b = run([*args, f"ckpt_path={first}", f"hydra.run.dir={resumed}"], work)
     ok = a.returncode == 0 and b.returncode == 0
     summary = json.loads((full / "summary.json").read_text()) if ok else {}
-    lost = not ok or summary.get("skipped_steps") != expect_skips or train_steps(full) != list(range(2 * K)) \
+    lost = (
+        not ok
+        or summary.get("skipped_steps") != expect_skips
+        or train_steps(full) != list(range(2 * K))
         or not finite(full / "checkpoints" / "last.ckpt")
+    )
     exact = ok and same_state(full / "checkpoints" / "last.ckpt", resumed / "checkpoints" / "last.ckpt")
-    return {"fault": name, "lost": lost, "resume_exact": exact,
-            "how": f"{expect_skips} faulty steps (one before, one after the resume point) skipped and counted, all "
-                   f"{2 * K} steps logged; resumed from the step-{K} checkpoint into a new directory"}
+    return {
+        "fault": name,
+        "lost": lost,
+        "resume_exact": exact,
+        "how": f"{expect_skips} faulty steps (one before, one after the resume point) skipped and counted, all "
+        f"{2 * K} steps logged; resumed from the step-{K} checkpoint into a new directory",
+    }
 
 
 def collapse(work: Path) -> dict[str, Any]:
     run_dir = work / "collapse"
-    args = ["+fault.inject_inf_at=[1]", "+fault.inject_inf_from=12", "scaler.init_scale=4", "scaler.min_scale=1",
-            "trainer.max_steps=30", "callbacks.recovery_checkpoint.every_n_steps=5",
-            "callbacks.recovery_checkpoint.healthy_steps=3", "trainer.limit_val_batches=1", *QUIET]
+    args = [
+        "+fault.inject_inf_at=[1]",
+        "+fault.inject_inf_from=12",
+        "scaler.init_scale=4",
+        "scaler.min_scale=1",
+        "trainer.max_steps=30",
+        "callbacks.recovery_checkpoint.every_n_steps=5",
+        "callbacks.recovery_checkpoint.healthy_steps=3",
+        "trainer.limit_val_batches=1",
+        *QUIET,
+    ]
     a = run([*args, f"hydra.run.dir={run_dir}"], work)
     good = run_dir / "checkpoints" / "last-good.ckpt"
     saved = load(good) if good.is_file() else {}
     healthy = saved.get("global_step") == 10 and saved["amp_plugin"]["scaler"]["consecutive_skips"] == 0
-    b = run(["scaler.init_scale=4", f"ckpt_path={good}", "trainer.max_steps=14", "trainer.limit_val_batches=1",
-             *QUIET, f"hydra.run.dir={work / 'collapse_resumed'}"], work)
+    b = run(
+        [
+            "scaler.init_scale=4",
+            f"ckpt_path={good}",
+            "trainer.max_steps=14",
+            "trainer.limit_val_batches=1",
+            *QUIET,
+            f"hydra.run.dir={work / 'collapse_resumed'}",
+        ],
+        work,
+    )
     restarted = b.returncode == 0 and "restarts at scaler.init_scale=4 (it was 2 there)" in b.stdout
-    return {"fault": "collapse", "lost": not (a.returncode == 1 and healthy and restarted), "resume_exact": None,
-            "how": "exit 1 with the step and what to try; last-good.ckpt is the healthy step-10 state, not the "
-                   "collapsed step-13 one; resuming from it restarts the scale at init_scale (on purpose, not exact)"}
+    return {
+        "fault": "collapse",
+        "lost": not (a.returncode == 1 and healthy and restarted),
+        "resume_exact": None,
+        "how": "exit 1 with the step and what to try; last-good.ckpt is the healthy step-10 state, not the "
+        "collapsed step-13 one; resuming from it restarts the scale at init_scale (on purpose, not exact)",
+    }
 
 
 def divergence(work: Path) -> dict[str, Any]:
     """SGD with a learning rate that makes the weights grow until FP16 overflows at every scale."""
     run_dir = work / "diverge"
-    args = ["recipe.optimizer=sgd", "trainer.max_steps=200", "callbacks.recovery_checkpoint.every_n_steps=5",
-            "callbacks.recovery_checkpoint.healthy_steps=3", "trainer.limit_val_batches=1", *QUIET]
+    args = [
+        "recipe.optimizer=sgd",
+        "trainer.max_steps=200",
+        "callbacks.recovery_checkpoint.every_n_steps=5",
+        "callbacks.recovery_checkpoint.healthy_steps=3",
+        "trainer.limit_val_batches=1",
+        *QUIET,
+    ]
     a = run([*args, "recipe.lr=30", f"hydra.run.dir={run_dir}"], work)
     good = run_dir / "checkpoints" / "last-good.ckpt"
     saved = load(good) if good.is_file() else {}
     collapsed = re.search(r"\(step (\d+), (\d+) steps skipped in a row\)", a.stderr)
-    healthy = bool(saved) and finite(good) and saved["amp_plugin"]["scaler"]["consecutive_skips"] == 0 \
-        and collapsed is not None and saved["global_step"] <= int(collapsed.group(1)) - int(collapsed.group(2))
-    b = run([*args, "recipe.lr=0.003", f"ckpt_path={good}", "trainer.max_steps=60",
-             f"hydra.run.dir={work / 'diverge_resumed'}"], work) if healthy else None
+    healthy = (
+        bool(saved)
+        and finite(good)
+        and saved["amp_plugin"]["scaler"]["consecutive_skips"] == 0
+        and collapsed is not None
+        and saved["global_step"] <= int(collapsed.group(1)) - int(collapsed.group(2))
+    )
+    b = (
+        run(
+            [
+                *args,
+                "recipe.lr=0.003",
+                f"ckpt_path={good}",
+                "trainer.max_steps=60",
+                f"hydra.run.dir={work / 'diverge_resumed'}",
+            ],
+            work,
+        )
+        if healthy
+        else None
+    )
     resumed = b is not None and b.returncode == 0 and "recipe.lr=0.003 (the checkpoint's run had 30)" in b.stdout
-    where = (f"collapsed at step {collapsed.group(1)} after {collapsed.group(2)} skips in a row; last-good.ckpt is "
-             f"step {saved.get('global_step')}, before the skips, finite") if collapsed and saved else "no collapse"
-    return {"fault": "divergence (SGD, lr=30)", "lost": not (a.returncode == 1 and healthy and resumed),
-            "resume_exact": None,
-            "how": f"{where}; resumed from it with recipe.lr=0.003 (applied and logged) and the scale restarted"}
+    where = (
+        (
+            f"collapsed at step {collapsed.group(1)} after {collapsed.group(2)} skips in a row; last-good.ckpt is "
+            f"step {saved.get('global_step')}, before the skips, finite"
+        )
+        if collapsed and saved
+        else "no collapse"
+    )
+    return {
+        "fault": "divergence (SGD, lr=30)",
+        "lost": not (a.returncode == 1 and healthy and resumed),
+        "resume_exact": None,
+        "how": f"{where}; resumed from it with recipe.lr=0.003 (applied and logged) and the scale restarted",
+    }
 
 
 def sigkill(work: Path) -> dict[str, Any]:
     full, victim = work / "kill_full", work / "kill_victim"
     args = [*_common(3 * K), f"+fault.inject_inf_at=[5,{K + 7}]"]
     a = run([*args, f"hydra.run.dir={full}"], work)
-    proc = start([*args, "+callbacks.throttle._target_=reliability.Throttle", f"+callbacks.throttle.after_step={K}",
-                  "+callbacks.throttle.seconds=0.5", f"hydra.run.dir={victim}"], work, work / "kill_victim.log")
+    proc = start(
+        [
+            *args,
+            "+callbacks.throttle._target_=reliability.Throttle",
+            f"+callbacks.throttle.after_step={K}",
+            "+callbacks.throttle.seconds=0.5",
+            f"hydra.run.dir={victim}",
+        ],
+        work,
+        work / "kill_victim.log",
+    )
     last = victim / "checkpoints" / "last.ckpt"
     wait_for(last.is_file, proc)
     time.sleep(1.0)
@@ -359,10 +499,13 @@ def sigkill(work: Path) -> dict[str, Any]:
     proc.wait(timeout=60)
     b = run([*args, f"ckpt_path={last}", f"hydra.run.dir={victim}"], work)
     ok = a.returncode == 0 and b.returncode == 0
-    return {"fault": "SIGKILL", "lost": not (ok and same_logs(full, victim)),
-            "resume_exact": ok and same_state(full / "checkpoints" / "last.ckpt", last),
-            "how": f"killed after its step-{K} checkpoint; resumed in place: checkpoint, metrics.csv, "
-                   "scale_events.csv and training_curves.csv equal the uninterrupted run's"}
+    return {
+        "fault": "SIGKILL",
+        "lost": not (ok and same_logs(full, victim)),
+        "resume_exact": ok and same_state(full / "checkpoints" / "last.ckpt", last),
+        "how": f"killed after its step-{K} checkpoint; resumed in place: checkpoint, metrics.csv, "
+        "scale_events.csv and training_curves.csv equal the uninterrupted run's",
+    }
 
 
 def interrupt(work: Path, signum: int) -> dict[str, Any]:
@@ -371,8 +514,17 @@ def interrupt(work: Path, signum: int) -> dict[str, Any]:
     args = [*_common(3 * K), "trainer.log_every_n_steps=1"]
     a = run([*args, f"hydra.run.dir={full}"], work)
     log = work / f"{name}.log"
-    proc = start([*args, "+callbacks.throttle._target_=reliability.Throttle", "+callbacks.throttle.after_step=2",
-                  "+callbacks.throttle.seconds=0.25", f"hydra.run.dir={victim}"], work, log)
+    proc = start(
+        [
+            *args,
+            "+callbacks.throttle._target_=reliability.Throttle",
+            "+callbacks.throttle.after_step=2",
+            "+callbacks.throttle.seconds=0.25",
+            f"hydra.run.dir={victim}",
+        ],
+        work,
+        log,
+    )
     wait_for(lambda: training_started(log), proc)
     time.sleep(2.0)
     proc.send_signal(signum)
@@ -380,34 +532,57 @@ def interrupt(work: Path, signum: int) -> dict[str, Any]:
     note = (victim / "FAILED").read_text() if (victim / "FAILED").is_file() else ""
     step = re.search(r"at step (\d+)", note)
     command = note.split("resume with ", 1)[1].splitlines()[0] if "resume with " in note else None
-    b = subprocess.run(command, shell=True, env=_env(), capture_output=True, text=True, timeout=600) \
-        if command else None
-    ok = a.returncode == 0 and proc.returncode == 128 + signum and step is not None and b is not None \
+    b = (
+        subprocess.run(command, shell=True, env=_env(), capture_output=True, text=True, timeout=600)
+        if command
+        else None
+    )
+    ok = (
+        a.returncode == 0
+        and proc.returncode == 128 + signum
+        and step is not None
+        and b is not None
         and b.returncode == 0
+    )
     lost = not ok or train_steps(victim) != list(range(3 * K))
     exact = ok and same_state(full / "checkpoints" / "last.ckpt", victim / "checkpoints" / "last.ckpt")
     where = f"at step {step.group(1)}" if step else "(no step recorded)"
-    return {"fault": name, "lost": lost, "resume_exact": exact,
-            "how": f"exit {proc.returncode}, checkpoint {where}; the resume command from FAILED finished the run in "
-                   "place with every step logged once" + ("" if exact else "; mid-epoch, so the epoch's data "
-                                                            "order restarts and the result differs")}
+    return {
+        "fault": name,
+        "lost": lost,
+        "resume_exact": exact,
+        "how": f"exit {proc.returncode}, checkpoint {where}; the resume command from FAILED finished the run in "
+        "place with every step logged once"
+        + ("" if exact else "; mid-epoch, so the epoch's data order restarts and the result differs"),
+    }
 
 
 def disk_full(work: Path) -> dict[str, Any]:
     full, victim = work / "disk_full_ref", work / "disk_full"
     args = _common(3 * K)
     a = run([*args, f"hydra.run.dir={full}"], work)
-    b = run([*args, "+callbacks.fill._target_=reliability.FillDisk", f"+callbacks.fill.at_step={K + 1}",
-             "+callbacks.fill.limit=65536", f"hydra.run.dir={victim}"], work)
+    b = run(
+        [
+            *args,
+            "+callbacks.fill._target_=reliability.FillDisk",
+            f"+callbacks.fill.at_step={K + 1}",
+            "+callbacks.fill.limit=65536",
+            f"hydra.run.dir={victim}",
+        ],
+        work,
+    )
     last = victim / "checkpoints" / "last.ckpt"
     clear = b.returncode == 1 and "Could not write the checkpoint" in b.stderr and "Traceback" not in b.stderr
     intact = last.is_file() and load(last)["global_step"] == K
     c = run([*args, f"ckpt_path={last}", f"hydra.run.dir={victim}"], work) if intact else None
     ok = a.returncode == 0 and clear and c is not None and c.returncode == 0
-    return {"fault": "disk full while saving", "lost": not ok,
-            "resume_exact": ok and same_state(full / "checkpoints" / "last.ckpt", last),
-            "how": "RLIMIT_FSIZE from step 24: the step-46 save fails with EFBIG; exit 1 naming the file and the fix; "
-                   f"the step-{K} last.ckpt intact; resumed in place"}
+    return {
+        "fault": "disk full while saving",
+        "lost": not ok,
+        "resume_exact": ok and same_state(full / "checkpoints" / "last.ckpt", last),
+        "how": "RLIMIT_FSIZE from step 24: the step-46 save fails with EFBIG; exit 1 naming the file and the fix; "
+        f"the step-{K} last.ckpt intact; resumed in place",
+    }
 
 
 def concurrent(work: Path) -> dict[str, Any]:
@@ -421,18 +596,31 @@ def concurrent(work: Path) -> dict[str, Any]:
     seeds = {json.loads((d / "summary.json").read_text())["seed"] for d in dirs}
     busy = work / "busy"
     log = work / "busy.log"
-    first = start(["trainer.max_steps=300", *QUIET, "+callbacks.throttle._target_=reliability.Throttle",
-                   "+callbacks.throttle.after_step=0", "+callbacks.throttle.seconds=0.2", f"hydra.run.dir={busy}"],
-                  work, log)
+    first = start(
+        [
+            "trainer.max_steps=300",
+            *QUIET,
+            "+callbacks.throttle._target_=reliability.Throttle",
+            "+callbacks.throttle.after_step=0",
+            "+callbacks.throttle.seconds=0.2",
+            f"hydra.run.dir={busy}",
+        ],
+        work,
+        log,
+    )
     wait_for(lambda: training_started(log), first)
     second = run([*TINY, f"hydra.run.dir={busy}"], work)
     first.send_signal(signal.SIGKILL)
     first.wait(timeout=60)
     refused = second.returncode == 1 and "is in use by a run" in second.stderr
     ok = all(p.returncode == 0 for p in procs) and len(dirs) == 2 and seeds == {1, 2} and refused
-    return {"fault": "concurrent runs", "lost": not ok, "resume_exact": None,
-            "how": "two runs started together get two directories, each complete; a run into a directory in use is "
-                   "refused with one line"}
+    return {
+        "fault": "concurrent runs",
+        "lost": not ok,
+        "resume_exact": None,
+        "how": "two runs started together get two directories, each complete; a run into a directory in use is "
+        "refused with one line",
+    }
 
 
 FAULTS = {
@@ -493,8 +681,12 @@ def main(argv: list[str] | None = None) -> int:
     text = table(inputs, faults)
     print(text)
     out = ROOT / "benchmarks" / "results" / "reliability.json"
-    out.write_text(json.dumps({"bad_inputs": inputs, "faults": faults,
-                               "wall_time_s": round(time.perf_counter() - started)}, indent=2) + "\n")
+    out.write_text(
+        json.dumps(
+            {"bad_inputs": inputs, "faults": faults, "wall_time_s": round(time.perf_counter() - started)}, indent=2
+        )
+        + "\n"
+    )
     if args.write:
         path = Path(args.write)
         before, rest = path.read_text().split(MARK, 1)

@@ -39,7 +39,6 @@ import math
 import os
 import time
 
-from amp_plugin.lightning import pl
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -47,8 +46,9 @@ from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
 from amp_plugin._checks import check_choice, check_int, check_number
-from amp_plugin.recipes._sampling import train_loader
 from amp_plugin.fsdp import shard_for_model_parallel
+from amp_plugin.lightning import pl
+from amp_plugin.recipes._sampling import train_loader
 
 __all__ = ["CORPUS_FILES", "VOCAB_SIZE", "CharGPT", "CharGPTRecipe", "build_corpus"]
 
@@ -160,9 +160,7 @@ class _CausalSelfAttention(nn.Module):
         B, T, C = x.shape
         # (B, T, 3C) -> 3 x (B, n_head, T, head_dim)
         q, k, v = self.qkv(x).view(B, T, 3, self.n_head, C // self.n_head).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
-        )
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
         return self.proj(y.transpose(1, 2).reshape(B, T, C))
 
 
@@ -219,7 +217,7 @@ class CharGPT(nn.Module):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         T = idx.shape[1]
-        if T > self.block_size:
+        if self.block_size < T:
             raise ValueError(f"Sequence length {T} exceeds block_size={self.block_size}.")
         pos = torch.arange(T, device=idx.device)
         x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))  # (B, T, C)
@@ -267,8 +265,14 @@ class CharGPTRecipe(pl.LightningModule):
         optimizer: str = "adamw",
     ) -> None:
         super().__init__()
-        for name, value in (("n_layer", n_layer), ("n_head", n_head), ("n_embd", n_embd),
-                            ("block_size", block_size), ("batch_size", batch_size), ("max_chars", max_chars)):
+        for name, value in (
+            ("n_layer", n_layer),
+            ("n_head", n_head),
+            ("n_embd", n_embd),
+            ("block_size", block_size),
+            ("batch_size", batch_size),
+            ("max_chars", max_chars),
+        ):
             check_int(name, value, ge=1)
         if n_embd % n_head:
             raise ValueError(f"n_embd={n_embd} must be divisible by n_head={n_head}.")
@@ -314,7 +318,9 @@ class CharGPTRecipe(pl.LightningModule):
         self.setup("validate")
         return DataLoader(
             _Windows(self._splits[1], self.hparams.block_size),
-            batch_size=self.hparams.batch_size, shuffle=False, num_workers=0,
+            batch_size=self.hparams.batch_size,
+            shuffle=False,
+            num_workers=0,
         )
 
     # ---------------------------------------------------------------------------- steps

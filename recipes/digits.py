@@ -29,7 +29,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from amp_plugin.lightning import pl
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -37,8 +36,9 @@ from torch.utils.data import DataLoader, TensorDataset
 from typing_extensions import override
 
 from amp_plugin._checks import check_choice, check_int, check_number
-from amp_plugin.recipes._sampling import train_loader
 from amp_plugin.fsdp import shard_for_model_parallel
+from amp_plugin.lightning import pl
+from amp_plugin.recipes._sampling import train_loader
 
 __all__ = ["DigitsRecipe", "load_digits_split"]
 
@@ -111,8 +111,9 @@ class DigitsRecipe(pl.LightningModule):
         check_int("batch_size", batch_size, ge=1)
         sizes = list(hidden_sizes) if isinstance(hidden_sizes, Sequence) and not isinstance(hidden_sizes, str) else []
         if not sizes or any(isinstance(h, bool) or not isinstance(h, int) or h < 1 for h in sizes):
-            raise ValueError(f"hidden_sizes={hidden_sizes!r} is not allowed: hidden_sizes must be a "
-                             "non-empty list of integers >= 1.")
+            raise ValueError(
+                f"hidden_sizes={hidden_sizes!r} is not allowed: hidden_sizes must be a non-empty list of integers >= 1."
+            )
         check_choice("model", model, _MODELS)
         check_choice("optimizer", optimizer, _OPTIMIZERS)
         check_number("weight_decay", weight_decay, ge=0)
@@ -196,9 +197,7 @@ class DigitsRecipe(pl.LightningModule):
     def configure_optimizers(self):
         hp = self.hparams
         if hp.optimizer == "adamw":
-            optimizer = torch.optim.AdamW(
-                self.parameters(), lr=hp.lr, eps=hp.adam_eps, weight_decay=hp.weight_decay
-            )
+            optimizer = torch.optim.AdamW(self.parameters(), lr=hp.lr, eps=hp.adam_eps, weight_decay=hp.weight_decay)
         else:
             optimizer = torch.optim.SGD(
                 self.parameters(), lr=hp.lr, momentum=0.9, nesterov=True, weight_decay=hp.weight_decay
@@ -206,7 +205,5 @@ class DigitsRecipe(pl.LightningModule):
         if hp.warmup_steps <= 0:
             return optimizer
         warmup = hp.warmup_steps
-        scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda step: min(1.0, (step + 1) / warmup)
-        )
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import copy
 
-from amp_plugin.lightning import pl
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -44,8 +43,9 @@ from torch.utils.data import DataLoader, TensorDataset
 from typing_extensions import override
 
 from amp_plugin._checks import check_int, check_number
-from amp_plugin.recipes._sampling import train_loader
 from amp_plugin.fsdp import shard_for_model_parallel
+from amp_plugin.lightning import pl
+from amp_plugin.recipes._sampling import train_loader
 
 __all__ = ["StagnationDemoRecipe"]
 
@@ -83,17 +83,23 @@ class StagnationDemoRecipe(pl.LightningModule):
         seed: int = 0,
     ) -> None:
         super().__init__()
-        for name, value in (("in_features", in_features), ("n_train", n_train),
-                            ("n_val", n_val), ("batch_size", batch_size)):
+        for name, value in (
+            ("in_features", in_features),
+            ("n_train", n_train),
+            ("n_val", n_val),
+            ("batch_size", batch_size),
+        ):
             check_int(name, value, ge=1)
         check_number("lr", lr, gt=0)
         check_number("momentum", momentum, ge=0, lt=1)
         if not check_number("weight_low", weight_low) < check_number("weight_high", weight_high):
-            raise ValueError(f"weight_low={weight_low!r} is not allowed: weight_low must be below "
-                             f"weight_high={weight_high!r}.")
+            raise ValueError(
+                f"weight_low={weight_low!r} is not allowed: weight_low must be below weight_high={weight_high!r}."
+            )
         if not check_number("min_shift", min_shift, ge=0) <= check_number("max_shift", max_shift):
-            raise ValueError(f"min_shift={min_shift!r} is not allowed: min_shift must be at most "
-                             f"max_shift={max_shift!r}.")
+            raise ValueError(
+                f"min_shift={min_shift!r} is not allowed: min_shift must be at most max_shift={max_shift!r}."
+            )
         check_int("seed", seed, ge=0)
         self.save_hyperparameters()
         g = torch.Generator().manual_seed(seed)
@@ -129,8 +135,9 @@ class StagnationDemoRecipe(pl.LightningModule):
 
     @override
     def val_dataloader(self) -> DataLoader:
-        return DataLoader(TensorDataset(self._data[2], self._data[3]), batch_size=self.hparams.batch_size,
-                          num_workers=0)
+        return DataLoader(
+            TensorDataset(self._data[2], self._data[3]), batch_size=self.hparams.batch_size, num_workers=0
+        )
 
     # ---------------------------------------------------------------------------- steps
 

@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import copy
 
-from amp_plugin.lightning import pl
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -59,8 +58,9 @@ from torch.utils.data import DataLoader, TensorDataset
 from typing_extensions import override
 
 from amp_plugin._checks import check_int, check_number
-from amp_plugin.recipes._sampling import train_loader
 from amp_plugin.fsdp import shard_for_model_parallel
+from amp_plugin.lightning import pl
+from amp_plugin.recipes._sampling import train_loader
 
 __all__ = ["UnderflowDemoRecipe"]
 
@@ -102,8 +102,13 @@ class UnderflowDemoRecipe(pl.LightningModule):
         seed: int = 0,
     ) -> None:
         super().__init__()
-        for name, value in (("in_features", in_features), ("out_features", out_features),
-                            ("n_train", n_train), ("n_val", n_val), ("batch_size", batch_size)):
+        for name, value in (
+            ("in_features", in_features),
+            ("out_features", out_features),
+            ("n_train", n_train),
+            ("n_val", n_val),
+            ("batch_size", batch_size),
+        ):
             check_int(name, value, ge=1)
         check_int("hidden_size", hidden_size, ge=0)  # 0: a linear model
         check_number("lr", lr, gt=0)
@@ -163,8 +168,9 @@ class UnderflowDemoRecipe(pl.LightningModule):
 
     @override
     def val_dataloader(self) -> DataLoader:
-        return DataLoader(TensorDataset(self._data[2], self._data[3]), batch_size=self.hparams.batch_size,
-                          num_workers=0)
+        return DataLoader(
+            TensorDataset(self._data[2], self._data[3]), batch_size=self.hparams.batch_size, num_workers=0
+        )
 
     # ---------------------------------------------------------------------------- steps
 

@@ -54,7 +54,13 @@ def run_batch(work: Path, ops: list[dict], timeout: float = 600) -> dict[str, di
     """Run ``ops`` in ``work``; return the results of the "run" ops by name."""
     (work / "driver.py").write_text(_DRIVER)
     (work / "ops.json").write_text(json.dumps(ops))
-    proc = subprocess.run([sys.executable, "driver.py", str(ROOT), "ops.json", "results.json"], cwd=work,
-                          env=clean_env(), capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, "driver.py", str(ROOT), "ops.json", "results.json"],
+        cwd=work,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads((work / "results.json").read_text())

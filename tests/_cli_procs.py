@@ -45,8 +45,11 @@ class Boom(pl.Callback):
 
 
 def throttle(after_step: int, seconds: float) -> list[str]:
-    return ["+callbacks.throttle._target_=_cli_procs.Throttle", f"+callbacks.throttle.after_step={after_step}",
-            f"+callbacks.throttle.seconds={seconds}"]
+    return [
+        "+callbacks.throttle._target_=_cli_procs.Throttle",
+        f"+callbacks.throttle.after_step={after_step}",
+        f"+callbacks.throttle.seconds={seconds}",
+    ]
 
 
 def env(**extra: str) -> dict[str, str]:
@@ -56,21 +59,35 @@ def env(**extra: str) -> dict[str, str]:
     return out | extra
 
 
-def start(args: list[str], cwd: Path, log: Path, *, extra_env: dict[str, str] | None = None,
-          preexec_fn: Callable[[], None] | None = None, entry: list[str] | None = None) -> subprocess.Popen:
+def start(
+    args: list[str],
+    cwd: Path,
+    log: Path,
+    *,
+    extra_env: dict[str, str] | None = None,
+    preexec_fn: Callable[[], None] | None = None,
+    entry: list[str] | None = None,
+) -> subprocess.Popen:
     """``python train.py ARGS`` in ``cwd``, stdout and stderr to ``log``."""
     command = entry or [sys.executable, str(ROOT / "train.py")]
     with open(log, "w") as out:  # the child keeps its own handle
-        return subprocess.Popen([*command, *args], cwd=cwd, env=env(**(extra_env or {})), stdout=out,
-                                stderr=subprocess.STDOUT, preexec_fn=preexec_fn)
+        return subprocess.Popen(
+            [*command, *args],
+            cwd=cwd,
+            env=env(**(extra_env or {})),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            preexec_fn=preexec_fn,
+        )
 
 
 def run(args: list[str], cwd: Path, timeout: float = 300, **kwargs: Any) -> subprocess.CompletedProcess:
     """``python train.py ARGS`` to completion; stdout and stderr captured."""
     entry = kwargs.pop("entry", None) or [sys.executable, str(ROOT / "train.py")]
     extra_env = kwargs.pop("extra_env", None) or {}
-    return subprocess.run([*entry, *args], cwd=cwd, env=env(**extra_env), capture_output=True, text=True,
-                          timeout=timeout, **kwargs)
+    return subprocess.run(
+        [*entry, *args], cwd=cwd, env=env(**extra_env), capture_output=True, text=True, timeout=timeout, **kwargs
+    )
 
 
 def wait_until(condition: Callable[[], bool], proc: subprocess.Popen | None = None, timeout: float = 240) -> None:

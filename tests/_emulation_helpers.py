@@ -61,7 +61,15 @@ def simulated_cpu(**flags):
     pass them to the ``simulate`` fixture of ``conftest.py``."""
     from amp_plugin.emulation import _cpu
 
-    base = dict(model="simulated", capability="AVX512", avx512_bf16=False, amx_bf16=False, avx512_fp16=False,
-                amx_fp16=False, onednn_bf16=True, onednn_fp16=False)
+    base = dict(
+        model="simulated",
+        capability="AVX512",
+        avx512_bf16=False,
+        amx_bf16=False,
+        avx512_fp16=False,
+        amx_fp16=False,
+        onednn_bf16=True,
+        onednn_fp16=False,
+    )
     base.update(flags)
     return _cpu.CpuFeatures(**base)

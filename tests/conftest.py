@@ -24,7 +24,7 @@ def dtype(request) -> torch.dtype:
     return request.param
 
 
-@pytest.fixture(params=BACKENDS + ["kernel-python"])
+@pytest.fixture(params=[*BACKENDS, "kernel-python"])
 def backend(request, monkeypatch) -> str:
     """Both interception backends of CpuHalfEmulation; "kernel-python" is the "kernel" backend
     with its Python kernels only (what runs where the C++ kernels cannot be built)."""

@@ -53,7 +53,10 @@ def test_every_preset_trains_and_writes_its_outputs(tmp_path, preset, capsys):
     expected = PRESETS[preset]
     plugin = result["plugin"]
     assert (plugin.amp_precision, plugin.master_weights, plugin.autocast) == (
-        expected.precision, expected.master_weights, expected.autocast)
+        expected.precision,
+        expected.master_weights,
+        expected.autocast,
+    )
     assert result["status"] == "ok" and result["precision"] == preset and result["recipe"] == "digits"
     assert result["steps"] == result["global_step"] == 3
     assert {"train/loss", "val/loss", "val/acc"} <= set(result["final_metrics"])
@@ -83,8 +86,14 @@ def test_every_preset_trains_and_writes_its_outputs(tmp_path, preset, capsys):
 
 @pytest.mark.parametrize("recipe", sorted(p.stem for p in (CONFIG_DIR / "recipe").glob("*.yaml")))
 def test_every_recipe_trains_a_few_steps(tmp_path, recipe):
-    overrides = [f"recipe={recipe}", "trainer.max_steps=2", "trainer.limit_val_batches=1",
-                 "trainer.enable_progress_bar=false", "callbacks=none", "plot=false"]
+    overrides = [
+        f"recipe={recipe}",
+        "trainer.max_steps=2",
+        "trainer.limit_val_batches=1",
+        "trainer.enable_progress_bar=false",
+        "callbacks=none",
+        "plot=false",
+    ]
     if recipe == "char_gpt":
         overrides.append("recipe.max_chars=20000")  # a small corpus keeps the test quick
     result = train(compose_config(*overrides, output_dir=tmp_path))
@@ -93,13 +102,22 @@ def test_every_recipe_trains_a_few_steps(tmp_path, recipe):
     assert result["paths"]["plot"] is None and not (tmp_path / "training_curves.png").exists()
 
 
-@pytest.mark.parametrize("overrides, scaled", [(["precision=fp16_autocast"], True),
-                                               (["precision=bf16", "scaler=dynamic"], True),
-                                               (["precision=bf16"], False)])
+@pytest.mark.parametrize(
+    "overrides, scaled",
+    [(["precision=fp16_autocast"], True), (["precision=bf16", "scaler=dynamic"], True), (["precision=bf16"], False)],
+)
 def test_a_short_run_shows_its_loss_scale(tmp_path, overrides, scaled):
     """A 20-step run logs every step; ``amp/loss_scale`` wherever there is a scaler."""
-    result = train(compose_config(*overrides, "trainer.max_steps=20", "trainer.limit_val_batches=1",
-                                  "trainer.enable_progress_bar=false", "plot=false", output_dir=tmp_path))
+    result = train(
+        compose_config(
+            *overrides,
+            "trainer.max_steps=20",
+            "trainer.limit_val_batches=1",
+            "trainer.enable_progress_bar=false",
+            "plot=false",
+            output_dir=tmp_path,
+        )
+    )
     rows = training_rows(tmp_path / "logs" / "metrics.csv")
     assert [int(row["step"]) for row in rows] == list(range(20))
     assert all(row.get("amp/loss_scale") == "65536.0" for row in rows) == scaled
@@ -108,8 +126,15 @@ def test_a_short_run_shows_its_loss_scale(tmp_path, overrides, scaled):
 
 
 def test_tensorboard_logger_and_diagnostic_callbacks(tmp_path):
-    result = train(compose_config("logger=tensorboard", "callbacks=diagnostics",
-                                  "callbacks.grad_health_monitor.every_n_steps=1", *QUICK, output_dir=tmp_path))
+    result = train(
+        compose_config(
+            "logger=tensorboard",
+            "callbacks=diagnostics",
+            "callbacks.grad_health_monitor.every_n_steps=1",
+            *QUICK,
+            output_dir=tmp_path,
+        )
+    )
     logs = tmp_path / "logs"
     assert any(p.name.startswith("events.out.tfevents") for p in logs.iterdir())
     assert (logs / "scale_events.csv").is_file()
@@ -127,13 +152,28 @@ def test_no_callbacks_still_summarizes_and_plots(tmp_path):
 
 def test_resume_from_checkpoint_continues_step_count_and_loss_scale(tmp_path):
     # growth_interval=2 makes the scale move, so a resume that forgot it would show.
-    first = train(compose_config("scaler.growth_interval=2", "trainer.max_steps=6", "trainer.limit_val_batches=1",
-                                 "trainer.enable_progress_bar=false", output_dir=tmp_path / "a"))
+    first = train(
+        compose_config(
+            "scaler.growth_interval=2",
+            "trainer.max_steps=6",
+            "trainer.limit_val_batches=1",
+            "trainer.enable_progress_bar=false",
+            output_dir=tmp_path / "a",
+        )
+    )
     assert first["loss_scale"]["end"] > first["loss_scale"]["start"]
     ckpt = first["paths"]["last_checkpoint"]
     assert ckpt is not None
-    second = train(compose_config("scaler.growth_interval=2", "trainer.max_steps=10", "trainer.limit_val_batches=1",
-                                  "trainer.enable_progress_bar=false", f"ckpt_path={ckpt}", output_dir=tmp_path / "b"))
+    second = train(
+        compose_config(
+            "scaler.growth_interval=2",
+            "trainer.max_steps=10",
+            "trainer.limit_val_batches=1",
+            "trainer.enable_progress_bar=false",
+            f"ckpt_path={ckpt}",
+            output_dir=tmp_path / "b",
+        )
+    )
     assert second["resumed_from"] == ckpt
     assert (second["global_step"], second["steps"]) == (10, 4)
     assert second["loss_scale"]["start"] == first["loss_scale"]["end"]
@@ -156,15 +196,35 @@ def test_compare_reads_runs_and_reports_failures(tmp_path, capsys):
     for name, acc in (("0", 0.9), ("1", 0.95)):
         run = tmp_path / name
         run.mkdir()
-        rows = [{"step": 1.0, "train_loss": 2.0, "loss_scale": 65536.0, "skipped_steps": 0.0, "lr": 0.1},
-                {"step": 2.0, "train_loss": 1.0, "loss_scale": 32768.0, "skipped_steps": 1.0, "lr": 0.1,
-                 "val/loss": 1.1, "val/acc": acc}]
+        rows = [
+            {"step": 1.0, "train_loss": 2.0, "loss_scale": 65536.0, "skipped_steps": 0.0, "lr": 0.1},
+            {
+                "step": 2.0,
+                "train_loss": 1.0,
+                "loss_scale": 32768.0,
+                "skipped_steps": 1.0,
+                "lr": 0.1,
+                "val/loss": 1.1,
+                "val/acc": acc,
+            },
+        ]
         write_history(rows, run / "training_curves.csv")
         plot_run(rows, run / "training_curves.png", title=name)
-        (run / "summary.json").write_text(json.dumps({
-            "status": "ok", "precision": "fp16", "scaler": "dynamic", "recipe": "digits", "steps": 2,
-            "final_metrics": {"train/loss": 1.0, "val/loss": 1.1, "val/acc": acc}, "skipped_steps": 1,
-            "loss_scale": {"start": 65536.0, "end": 32768.0}, "wall_time_s": 1.5}))
+        (run / "summary.json").write_text(
+            json.dumps(
+                {
+                    "status": "ok",
+                    "precision": "fp16",
+                    "scaler": "dynamic",
+                    "recipe": "digits",
+                    "steps": 2,
+                    "final_metrics": {"train/loss": 1.0, "val/loss": 1.1, "val/acc": acc},
+                    "skipped_steps": 1,
+                    "loss_scale": {"start": 65536.0, "end": 32768.0},
+                    "wall_time_s": 1.5,
+                }
+            )
+        )
     (tmp_path / "2").mkdir()
     (tmp_path / "2" / "FAILED").write_text("ConfigError: scaler.hysteresis=0 is not allowed\n")
     runs = collect_runs([tmp_path])
@@ -185,8 +245,15 @@ def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 def test_multirun_of_two_presets_then_compare(tmp_path):
     # fp32 x static is a contradiction: that job fails, the sweep goes on, the exit status is 1.
     sweep = tmp_path / "multi"
-    proc = run_cli(str(ROOT / "train.py"), "-m", "precision=fp32,fp16", "scaler=none,static", *QUICK,
-                   f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    proc = run_cli(
+        str(ROOT / "train.py"),
+        "-m",
+        "precision=fp32,fp16",
+        "scaler=none,static",
+        *QUICK,
+        f"hydra.sweep.dir={sweep}",
+        cwd=tmp_path,
+    )
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert proc.stdout.count("amp_plugin run summary") == 3
     assert "1 job(s) of this sweep failed" in proc.stderr and "Traceback" not in proc.stderr
@@ -234,14 +301,29 @@ def test_the_cli_runs_on_pytorch_lightning(tmp_path):
     env["AMP_PLUGIN_LIGHTNING"] = "pytorch_lightning"
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parent), env.get("PYTHONPATH")]))
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "train.py"), "trainer.max_steps=5", *QUICK[1:], "plot=false",
-         "+callbacks.probe._target_=test_app.NamespaceProbe", f"+callbacks.probe.path={tmp_path / 'probe.json'}",
-         f"hydra.run.dir={run_dir}"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            str(ROOT / "train.py"),
+            "trainer.max_steps=5",
+            *QUICK[1:],
+            "plot=false",
+            "+callbacks.probe._target_=test_app.NamespaceProbe",
+            f"+callbacks.probe.path={tmp_path / 'probe.json'}",
+            f"hydra.run.dir={run_dir}",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     probe = json.loads((tmp_path / "probe.json").read_text())
-    assert probe == {"trainer": "pytorch_lightning", "loggers": ["pytorch_lightning"],
-                     "ModelCheckpoint": "pytorch_lightning"}
+    assert probe == {
+        "trainer": "pytorch_lightning",
+        "loggers": ["pytorch_lightning"],
+        "ModelCheckpoint": "pytorch_lightning",
+    }
     assert [int(row["step"]) for row in training_rows(run_dir / "logs" / "metrics.csv")] == [0, 1, 2, 3, 4]
     assert "amp_plugin run summary" in proc.stdout
 
@@ -256,9 +338,14 @@ class NamespaceProbe(pl.Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         checkpoint = next(c for c in trainer.callbacks if type(c).__name__ == "ModelCheckpoint")
         packages = {"trainer": trainer, "loggers": trainer.loggers, "ModelCheckpoint": checkpoint}
-        Path(self.path).write_text(json.dumps({
-            key: [_package(o) for o in obj] if isinstance(obj, list) else _package(obj) for key, obj in packages.items()
-        }))
+        Path(self.path).write_text(
+            json.dumps(
+                {
+                    key: [_package(o) for o in obj] if isinstance(obj, list) else _package(obj)
+                    for key, obj in packages.items()
+                }
+            )
+        )
 
 
 def _package(obj: object) -> str:

@@ -19,8 +19,9 @@ COLUMNS = ["weights", "grads", "master", "master grads", "moments", "total", "be
 
 
 def run(*args: str) -> str:
-    out = subprocess.run([sys.executable, str(SCRIPT), *args], cwd=ROOT, capture_output=True, text=True, timeout=600,
-                         check=False)
+    out = subprocess.run(
+        [sys.executable, str(SCRIPT), *args], cwd=ROOT, capture_output=True, text=True, timeout=600, check=False
+    )
     assert out.returncode == 0, f"bench_memory.py failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
     return out.stdout
 
@@ -38,21 +39,38 @@ def rows(text: str) -> dict[str, dict[str, float]]:
 @pytest.mark.slow
 def test_bench_memory_quick_counts_each_component(tmp_path):
     out_json = tmp_path / "memory.json"
-    out = run("--quick", "--configs", "ours fp32", "ours fp16", "ours bf16_pure", "ours bf16_split",
-              "Lightning bf16-mixed", "--out", str(out_json))
+    out = run(
+        "--quick",
+        "--configs",
+        "ours fp32",
+        "ours fp16",
+        "ours bf16_pure",
+        "ours bf16_split",
+        "Lightning bf16-mixed",
+        "--out",
+        str(out_json),
+    )
     assert out.startswith("# Training state per parameter")
     assert "CPU: " in out and "torch " in out and "zero_grad(set_to_none=True)" in out
     table = rows(out)
     assert list(table) == ["ours fp32", "ours fp16", "ours bf16_pure", "ours bf16_split", "Lightning bf16-mixed"]
-    assert table["ours fp32"] == {**dict.fromkeys(COLUMNS, 0.0), "weights": 4.0, "grads": 4.0, "moments": 8.0,
-                                  "total": 16.0, "between": 12.0}
+    assert table["ours fp32"] == {
+        **dict.fromkeys(COLUMNS, 0.0),
+        "weights": 4.0,
+        "grads": 4.0,
+        "moments": 8.0,
+        "total": 16.0,
+        "between": 12.0,
+    }
     assert table["Lightning bf16-mixed"] == table["ours fp32"]
     fp16 = table["ours fp16"]  # half weights and grads, FP32 masters, moments; norms stay FP32
     assert 2.0 < fp16["weights"] < 2.1 and 3.8 < fp16["master"] < 4.0 and fp16["master grads"] == 0.0
     assert fp16["moments"] == 8.0 and 15.5 < fp16["total"] <= 16.0  # the master grads are freed by the step
     assert fp16["between"] == pytest.approx(fp16["total"] - fp16["grads"], abs=0.02)
     split = table["ours bf16_split"]  # the masters' low halves instead of FP32 masters
-    assert 1.9 < split["master"] < 2.0 and split["master grads"] == 0.0 and 13.5 < split["total"] < 14.1  # FP32 norms: 16
+    assert (
+        1.9 < split["master"] < 2.0 and split["master grads"] == 0.0 and 13.5 < split["total"] < 14.1
+    )  # FP32 norms: 16
     assert table["ours bf16_pure"]["total"] == 8.0
     saved = json.loads(out_json.read_text())
     assert saved["meta"]["devices"] == 1 and saved["meta"]["params"] == 51456

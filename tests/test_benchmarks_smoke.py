@@ -17,9 +17,18 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
 END_TO_END_CONFIGS = [
-    "ours fp32", "ours fp16", "ours bf16", "ours fp16_autocast", "ours bf16_autocast", "ours fp16_pure",
-    "ours bf16_pure", "Lightning 32-true", "Lightning bf16-mixed", "Lightning 16-mixed (CPU GradScaler)",
-    "Lightning 16-true", "Lightning bf16-true",
+    "ours fp32",
+    "ours fp16",
+    "ours bf16",
+    "ours fp16_autocast",
+    "ours bf16_autocast",
+    "ours fp16_pure",
+    "ours bf16_pure",
+    "Lightning 32-true",
+    "Lightning bf16-mixed",
+    "Lightning 16-mixed (CPU GradScaler)",
+    "Lightning 16-true",
+    "Lightning bf16-true",
 ]
 
 
@@ -39,8 +48,13 @@ def table_rows(text: str) -> list[list[str]]:
     """Body rows of every Markdown table in ``text``, as lists of stripped cells."""
     rows = []
     for line in text.splitlines():
-        if line.startswith("|") and not line.startswith("|---") and not line.startswith("| config") \
-                and not line.startswith("| path") and not line.startswith("| mode"):
+        if (
+            line.startswith("|")
+            and not line.startswith("|---")
+            and not line.startswith("| config")
+            and not line.startswith("| path")
+            and not line.startswith("| mode")
+        ):
             rows.append([cell.strip() for cell in line.strip().strip("|").split("|")])
     return rows
 
@@ -48,27 +62,52 @@ def table_rows(text: str) -> list[list[str]]:
 def test_bench_step_prints_the_paths_the_traffic_floor_and_the_stages():
     out = run("bench_step.py", "--params", "0.2", "--chunks", "4", "--repeats", "2", "--threads", "1", "--stages")
     names = [row[0] for row in table_rows(out)]
-    assert names[:6] == ["floor (fused AdamW, FP32)", "ours (FP16 + FP32 masters)",
-                         'ours, torch multi-tensor (fused="torch")', "ours, stock torch ops (fused=False)",
-                         "ours, AdamW(foreach=True) (its own step)", "Lightning 16-mixed path"]
+    assert names[:6] == [
+        "floor (fused AdamW, FP32)",
+        "ours (FP16 + FP32 masters)",
+        'ours, torch multi-tensor (fused="torch")',
+        "ours, stock torch ops (fused=False)",
+        "ours, AdamW(foreach=True) (its own step)",
+        "Lightning 16-mixed path",
+    ]
     assert sum(name.startswith("memory-traffic floor") for name in names) == 2
     assert re.search(r"ours / Lightning 16-mixed path: [0-9.]+x", out)
     stages = [name for name in names if name[0].isdigit()]
     assert len(stages) == 5 and "sum of stages 1-5" in names
     assert [name for name in names if name.startswith("fused")] == [
         "fused A: nonfinite_check_ (reads the FP16 grads)",
-        "fused B: adam_step_ (FP16 grads * 1/scale in, FP16 weights out)"]
+        "fused B: adam_step_ (FP16 grads * 1/scale in, FP16 weights out)",
+    ]
     assert "sum of fused A + B (+ stage 3)" in names and "sum of base design A + B" in names
 
 
 @pytest.mark.slow
 def test_bench_emulation_prints_matmul_step_and_interception_tables():
-    out = run("bench_emulation.py", "--matmul", "32", "--d-model", "16", "--layers", "1", "--seq", "4", "--batch", "2",
-              "--repeats", "1", "--skip-native-training")
+    out = run(
+        "bench_emulation.py",
+        "--matmul",
+        "32",
+        "--d-model",
+        "16",
+        "--layers",
+        "1",
+        "--seq",
+        "4",
+        "--batch",
+        "2",
+        "--repeats",
+        "1",
+        "--skip-native-training",
+    )
     names = [row[0] for row in table_rows(out) if row[0] not in ("variant", "context")]  # minus headers
     assert names[:5] == ["FP32", "FP16 emulated", "FP16 native", "BF16 emulated", "BF16 native"]  # (a)
-    assert names[5:10] == ["FP32", "FP16 emulated", "BF16 emulated", "FP16 emulated, Python kernels",
-                          "FP16 emulated, mode backend"]  # (b), no native
+    assert names[5:10] == [
+        "FP32",
+        "FP16 emulated",
+        "BF16 emulated",
+        "FP16 emulated, Python kernels",
+        "FP16 emulated, mode backend",
+    ]  # (b), no native
     assert "kernel backend (C++ kernels for mm), inside `keep_installed()`" in names  # (c)
     assert "kernel backend (Python kernels only), inside `keep_installed()`" in names
     assert re.search(r"FP16 emulated training step: [0-9.]+x FP32 CPU time", out)
@@ -80,8 +119,16 @@ def test_host_work_of_the_master_weight_modes_stays_below_lightning_bf16_mixed()
     Counted exactly (no clock): ours with FP32 master weights must not issue more Python calls
     or computing aten ops per step than Lightning's bf16-mixed, and our autocast mode no more
     than 2% over it."""
-    out = run("host_work.py", "--steps", "2", "--configs", "ours bf16", "ours fp16", "ours bf16_autocast",
-              "Lightning bf16-mixed")
+    out = run(
+        "host_work.py",
+        "--steps",
+        "2",
+        "--configs",
+        "ours bf16",
+        "ours fp16",
+        "ours bf16_autocast",
+        "Lightning bf16-mixed",
+    )
     rows = {row[0]: row for row in table_rows(out)}
     assert list(rows) == ["ours bf16", "ours fp16", "ours bf16_autocast", "Lightning bf16-mixed"]
     ratio = {name: (float(row[5].rstrip("x")), float(row[6].rstrip("x"))) for name, row in rows.items()}
@@ -137,8 +184,24 @@ def test_gpu_script_declines_politely_without_a_gpu():
 
 @pytest.mark.slow
 def test_gpu_script_runs_its_code_path_on_cpu():
-    out = run("gpu.py", "--cpu-dry-run", "--configs", "ours fp16", "Lightning 32-true", "Lightning bf16-mixed",
-              "--batch-size", "2", "--warmup", "1", "--steps", "2", "--rounds", "2", "--profile", "ours fp16")
+    out = run(
+        "gpu.py",
+        "--cpu-dry-run",
+        "--configs",
+        "ours fp16",
+        "Lightning 32-true",
+        "Lightning bf16-mixed",
+        "--batch-size",
+        "2",
+        "--warmup",
+        "1",
+        "--steps",
+        "2",
+        "--rounds",
+        "2",
+        "--profile",
+        "ours fp16",
+    )
     rows = table_rows(out)
     assert [row[0] for row in rows] == ["ours fp16", "Lightning 32-true", "Lightning bf16-mixed"]
     assert all(not row[1].startswith("failed") for row in rows)

@@ -14,12 +14,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from _cli_batch import clean_env, run_batch
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, ValidationError
-
-from _cli_batch import clean_env, run_batch
 
 from amp_plugin import DynamicLossScaler, StaticLossScaler
 from amp_plugin.app.build import build, prepare
@@ -30,9 +29,16 @@ from amp_plugin.settings import PRESETS
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG_DIR = ROOT / "configs"
 RECIPES = sorted(p.stem for p in (CONFIG_DIR / "recipe").glob("*.yaml"))
-DEFAULT_SCALER = {"fp16": "dynamic", "fp16_autocast": "dynamic", "fp16_pure": "dynamic",
-                  "bf16": "none", "bf16_autocast": "none", "bf16_pure": "none", "bf16_split": "none",
-                  "fp32": "none"}
+DEFAULT_SCALER = {
+    "fp16": "dynamic",
+    "fp16_autocast": "dynamic",
+    "fp16_pure": "dynamic",
+    "bf16": "none",
+    "bf16_autocast": "none",
+    "bf16_pure": "none",
+    "bf16_split": "none",
+    "fp32": "none",
+}
 
 
 def compose_config(*overrides: str, output_dir: str | Path = "/nonexistent/amp_plugin_test"):
@@ -56,7 +62,11 @@ def test_default_config_is_fp16_dynamic_digits():
     cfg = compose_config()
     settings = prepare(cfg)
     assert (settings.preset, settings.precision, settings.master_weights, settings.scaling) == (
-        "fp16", "fp16", True, "dynamic")
+        "fp16",
+        "fp16",
+        True,
+        "dynamic",
+    )
     assert cfg.recipe._target_ == "amp_plugin.recipes.DigitsRecipe"
     assert cfg.logger._target_.endswith("CSVLogger")
     assert cfg.seed == 0 and cfg.ckpt_path is None
@@ -103,14 +113,25 @@ def test_every_preset_and_recipe_instantiates(preset, recipe):
     else:
         assert not plugin.scaler.is_enabled()
     assert type(run.module).__module__ == f"amp_plugin.recipes.{recipe}"
-    assert [type(c).__name__ for c in run.callbacks] == ["LossScaleMonitor", "ModelCheckpoint", "RecoveryCheckpoint",
-                                                         "PreflightChecks"]
+    assert [type(c).__name__ for c in run.callbacks] == [
+        "LossScaleMonitor",
+        "ModelCheckpoint",
+        "RecoveryCheckpoint",
+        "PreflightChecks",
+    ]
     assert run.trainer.precision_plugin is plugin
 
 
 def test_scaler_settings_reach_the_scaler():
-    settings = prepare(compose_config("scaler.init_scale=1024", "scaler.growth_interval=7", "scaler.hysteresis=2",
-                                      "scaler.on_min_scale=skip", "scaler.hysteresis_reset=finite"))
+    settings = prepare(
+        compose_config(
+            "scaler.init_scale=1024",
+            "scaler.growth_interval=7",
+            "scaler.hysteresis=2",
+            "scaler.on_min_scale=skip",
+            "scaler.hysteresis_reset=finite",
+        )
+    )
     scaler = settings.scaler
     assert isinstance(scaler, DynamicLossScaler)
     assert (scaler.get_scale(), scaler.growth_interval, scaler.hysteresis) == (1024, 7, 2)
@@ -122,9 +143,18 @@ def test_scaler_settings_reach_the_scaler():
 
 @pytest.mark.parametrize(
     "group, option",
-    [("logger", "tensorboard"), ("logger", "csv"), ("callbacks", "diagnostics"), ("callbacks", "none"),
-     ("callbacks", "default"), ("trainer", "default"), ("trainer", "ddp"), ("strategy", "auto"), ("strategy", "ddp"),
-     ("strategy", "fsdp")],
+    [
+        ("logger", "tensorboard"),
+        ("logger", "csv"),
+        ("callbacks", "diagnostics"),
+        ("callbacks", "none"),
+        ("callbacks", "default"),
+        ("trainer", "default"),
+        ("trainer", "ddp"),
+        ("strategy", "auto"),
+        ("strategy", "ddp"),
+        ("strategy", "fsdp"),
+    ],
 )
 def test_every_group_option_composes_and_builds(group, option):
     run = build(compose_config(f"{group}={option}", "trainer.accelerator=cpu"))
@@ -139,8 +169,9 @@ def test_every_group_option_composes_and_builds(group, option):
         assert type(run.loggers[0]).__name__ == {"csv": "CSVLogger", "tensorboard": "TensorBoardLogger"}[option]
 
 
-@pytest.mark.parametrize("max_steps, configured, used", [(3, None, 1), (100, None, 1), (101, None, 10), (-1, None, 10),
-                                                         (20, 5, 5)])
+@pytest.mark.parametrize(
+    "max_steps, configured, used", [(3, None, 1), (100, None, 1), (101, None, 10), (-1, None, 10), (20, 5, 5)]
+)
 def test_short_runs_log_every_step(max_steps, configured, used):
     run = build(compose_config(f"trainer.max_steps={max_steps}", f"trainer.log_every_n_steps={configured or 'null'}"))
     assert run.trainer.log_every_n_steps == used
@@ -156,19 +187,30 @@ BAD_VALUES = [
     (["scaler.init_scale=0"], ["scaler.init_scale=0", "> 0"]),
     (["scaler.init_scale=1e9"], ["scaler.init_scale=1000000000", "[min_scale, max_scale]"]),
     (["scaler.init_scale=inf"], ["scaler.init_scale=inf", "finite"]),
-    (["scaler.min_scale=100", "scaler.max_scale=10", "scaler.init_scale=50"],
-     ["scaler.min_scale=100", "max_scale=10"]),
+    (["scaler.min_scale=100", "scaler.max_scale=10", "scaler.init_scale=50"], ["scaler.min_scale=100", "max_scale=10"]),
     (["scaler=static", "scaler.scale=-1"], ["scaler.scale=-1", "> 0"]),
     (["+scaler.foo=1"], ["scaler.foo is not a setting of DynamicLossScaler", "init_scale, growth_factor"]),
     (["scaler=none", "+scaler.init_scale=8"], ["scaler.init_scale", "scaler=none"]),
-    (["precision=fp32", "scaler=static"], ["scaler=StaticLossScaler", "not allowed with precision='fp32'", "scaler=None"]),
-    (["precision=bf16_pure", "precision.master_weights=true"],
-     ["precision.master_weights=True contradicts precision='bf16_pure'", "precision='bf16'"]),
-    (["precision=fp16_pure", "precision.autocast=true"],
-     ["precision.autocast=True contradicts precision='fp16_pure'", "precision='fp16_autocast'"]),
-    (["precision=fp16_autocast", "precision.master_weights=true"],
-     ["precision.master_weights=True and autocast=True cannot be combined"]),
-    (["precision.master_weights=true", "precision.autocast=true"], ["precision.master_weights=True", "cannot be combined"]),
+    (
+        ["precision=fp32", "scaler=static"],
+        ["scaler=StaticLossScaler", "not allowed with precision='fp32'", "scaler=None"],
+    ),
+    (
+        ["precision=bf16_pure", "precision.master_weights=true"],
+        ["precision.master_weights=True contradicts precision='bf16_pure'", "precision='bf16'"],
+    ),
+    (
+        ["precision=fp16_pure", "precision.autocast=true"],
+        ["precision.autocast=True contradicts precision='fp16_pure'", "precision='fp16_autocast'"],
+    ),
+    (
+        ["precision=fp16_autocast", "precision.master_weights=true"],
+        ["precision.master_weights=True and autocast=True cannot be combined"],
+    ),
+    (
+        ["precision.master_weights=true", "precision.autocast=true"],
+        ["precision.master_weights=True", "cannot be combined"],
+    ),
     (["+precision.foo=1"], ["precision.foo is not a setting of PrecisionSettings.build", "emulate"]),
     (["trainer.max_steps=-2"], ["trainer.max_steps=-2", "non-negative integer or -1"]),
     (["trainer.limit_val_batches=1.5"], ["trainer.limit_val_batches=1.5", "[0.0, 1.0]"]),
@@ -177,10 +219,14 @@ BAD_VALUES = [
     (["+trainer.precision=16-mixed"], ["trainer.precision='16-mixed'", "precision=fp32|fp16|bf16", "bf16_split"]),
     (["trainer.strategy=fsdp_cpu_offload"], ["trainer.strategy='fsdp_cpu_offload'", "FSDP1", "Use strategy=fsdp"]),
     (["trainer.strategy=deepspeed_stage_2"], ["trainer.strategy='deepspeed_stage_2'", "its own loss scaler"]),
-    (["trainer.accelerator=cpu", "trainer.devices=4096"], ["trainer.devices=4096", "each device is a process",
-                                                          "Use at most trainer.devices="]),
-    (["strategy=fsdp", "trainer.accelerator=cpu", "trainer.devices=auto"],
-     ["trainer.devices='auto' is not allowed with strategy=fsdp", "trainer.devices=2"]),
+    (
+        ["trainer.accelerator=cpu", "trainer.devices=4096"],
+        ["trainer.devices=4096", "each device is a process", "Use at most trainer.devices="],
+    ),
+    (
+        ["strategy=fsdp", "trainer.accelerator=cpu", "trainer.devices=auto"],
+        ["trainer.devices='auto' is not allowed with strategy=fsdp", "trainer.devices=2"],
+    ),
     (["+trainer.foo=1"], ["trainer.foo is not a setting of Trainer", "max_steps"]),
     (["recipe.lr=-1"], ["recipe.lr=-1", "finite number > 0"]),
     (["recipe.lr=nan"], ["recipe.lr=nan", "finite number > 0"]),
@@ -222,6 +268,7 @@ def test_values_outside_a_choice_fail_while_composing(overrides, key, allowed):
 def test_a_fault_step_past_max_steps_warns():
     with pytest.warns(UserWarning, match=r"fault.inject_inf_at=\[3,30\]: step 30 is at or past trainer.max_steps=20"):
         validate(compose_config("trainer.max_steps=20", "+fault.inject_inf_at=[3,30]"))
+
 
 BAD_TYPES = [
     (["scaler.init_scale=abc"], "scaler.init_scale"),
@@ -300,8 +347,10 @@ CLI_CASES = [
     (["+scaler.foo=1"], ["scaler.foo is not a setting of DynamicLossScaler", "init_scale"]),
     (["precision=fp32", "scaler=static"], ["scaler=StaticLossScaler", "not allowed with precision='fp32'"]),
     (["precision=bf16_pure", "precision.master_weights=true"], ["precision.master_weights=True", "bf16_pure"]),
-    (["precision=fp16_pure", "precision.autocast=true"],
-     ["precision.autocast=True contradicts precision='fp16_pure'", "precision='fp16_autocast'"]),
+    (
+        ["precision=fp16_pure", "precision.autocast=true"],
+        ["precision.autocast=True contradicts precision='fp16_pure'", "precision='fp16_autocast'"],
+    ),
     (["trainer.max_steps=abc"], ["trainer.max_steps", "abc", "Integer"]),
     (["trainer.limit_val_batches=1.5"], ["trainer.limit_val_batches=1.5", "[0.0, 1.0]"]),
     (["ckpt_path=missing.ckpt"], ["ckpt_path='missing.ckpt'", "no such file"]),
@@ -312,13 +361,16 @@ CLI_CASES = [
     (["recipe.model=rnn"], ["recipe.model='rnn'", "'mlp', 'cnn'"]),
 ]
 
+
 @pytest.fixture(scope="module")
 def cli_results(tmp_path_factory):
     """Every CLI_CASES row through train.py's real entry point, all in one subprocess."""
     work = tmp_path_factory.mktemp("cli")
     (work / "corrupt.ckpt").write_bytes(b"\x00 truncated")
-    ops = [{"kind": "run", "name": f"run{i}", "args": [*args, "trainer.max_steps=1"]}
-           for i, (args, _) in enumerate(CLI_CASES)]
+    ops = [
+        {"kind": "run", "name": f"run{i}", "args": [*args, "trainer.max_steps=1"]}
+        for i, (args, _) in enumerate(CLI_CASES)
+    ]
     results = run_batch(work, ops)
     return [results[f"run{i}"] for i in range(len(CLI_CASES))]
 
@@ -341,12 +393,23 @@ def test_bad_input_through_the_cli_exits_nonzero_with_a_short_message(cli_result
 
 
 def run_cli(args: list[str], cwd: Path, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "train.py"), *args], cwd=cwd, env=clean_env(**env),
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), *args],
+        cwd=cwd,
+        env=clean_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
-@pytest.mark.parametrize("args, expected", [(["precision=fp17"], "Available options in 'precision'"),
-                                            (["scaler.growth_factor=0.5"], "scaler.growth_factor=0.5")])
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["precision=fp17"], "Available options in 'precision'"),
+        (["scaler.growth_factor=0.5"], "scaler.growth_factor=0.5"),
+    ],
+)
 def test_cli_process_exits_with_status_1(tmp_path, args, expected):
     run_dir = tmp_path / "run"
     proc = run_cli([*args, f"hydra.run.dir={run_dir}"], cwd=tmp_path)
@@ -401,8 +464,13 @@ print("lightning", sorted(m for m in sys.modules if m.split(".")[0] in ("lightni
 
 def test_a_bad_command_line_fails_before_lightning_is_imported(tmp_path):
     """The scaler and the precision settings are built, and checked, before Lightning is imported."""
-    proc = subprocess.run([sys.executable, "-c", _BEFORE_LIGHTNING, str(CONFIG_DIR), str(tmp_path)],
-                          env=clean_env(), capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", _BEFORE_LIGHTNING, str(CONFIG_DIR), str(tmp_path)],
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     assert "prepared BF16 weights and compute, FP32 master weights, static loss scale 65536" in lines
@@ -416,6 +484,14 @@ def test_one_cli_run_validates_once(tmp_path, monkeypatch):
 
     calls = []
     monkeypatch.setattr(build_module, "validate", lambda cfg: calls.append(cfg) or validate(cfg))
-    result = run_job(compose_config("trainer.max_steps=2", "trainer.limit_val_batches=1", "callbacks=none",
-                                    "trainer.enable_progress_bar=false", "plot=false", output_dir=tmp_path))
+    result = run_job(
+        compose_config(
+            "trainer.max_steps=2",
+            "trainer.limit_val_batches=1",
+            "callbacks=none",
+            "trainer.enable_progress_bar=false",
+            "plot=false",
+            output_dir=tmp_path,
+        )
+    )
     assert result["steps"] == 2 and len(calls) == 1

@@ -24,8 +24,7 @@ import torch.nn.functional as F
 from _emulation_helpers import DTYPES, ids, rnd
 from _emulation_helpers import simulated_cpu as _features
 
-from amp_plugin.emulation import CpuHalfEmulation, CpuPath, cpu_features, cpu_half_path, should_emulate
-from amp_plugin.emulation import _cpu
+from amp_plugin.emulation import CpuHalfEmulation, CpuPath, _cpu, cpu_features, cpu_half_path, should_emulate
 
 U32 = 2.0**-24
 
@@ -47,7 +46,7 @@ def ulp_above(r: torch.Tensor) -> torch.Tensor:
     """The spacing of the half dtype just above |r|, in FP64."""
     mag = r.abs()
     up = torch.nextafter(mag, torch.full_like(mag, float("inf")))
-    return (up.double() - mag.double())
+    return up.double() - mag.double()
 
 
 def faithfulness(r: torch.Tensor, exact: torch.Tensor, magnitude: torch.Tensor, k: int, oracle: torch.Tensor) -> dict:
@@ -70,7 +69,9 @@ def faithfulness(r: torch.Tensor, exact: torch.Tensor, magnitude: torch.Tensor, 
 
 def assert_faithful(name: str, r, exact, magnitude, k, oracle) -> dict:
     stats = faithfulness(r, exact, magnitude, k, oracle)
-    assert stats["violations"] == 0, f"{name}: {stats['violations']} elements beyond one rounding of an FP32 sum ({stats})"
+    assert stats["violations"] == 0, (
+        f"{name}: {stats['violations']} elements beyond one rounding of an FP32 sum ({stats})"
+    )
     # different FP32 summation orders round to different half values only near ties
     assert stats["over_1_ulp"] <= 0.01, f"{name}: {stats}"
     return stats
@@ -88,7 +89,7 @@ def _blocked_half_accumulation(a, b, block):
     """a @ b with the running sum rounded to the half dtype after every ``block`` terms."""
     acc = torch.zeros(a.shape[0], b.shape[1], dtype=a.dtype)
     for k0 in range(0, a.shape[1], block):
-        acc = (acc.float() + a[:, k0:k0 + block].float() @ b[k0:k0 + block].float()).to(a.dtype)
+        acc = (acc.float() + a[:, k0 : k0 + block].float() @ b[k0 : k0 + block].float()).to(a.dtype)
     return acc
 
 
@@ -117,8 +118,10 @@ def test_the_check_accepts_one_rounding_and_rejects_half_accumulation(dtype):
 def _native_or_skip(dtype) -> CpuPath:
     path = cpu_half_path(dtype)
     if not path.native:
-        pytest.skip(f"auto runs {ids[dtype].upper()} {path.reason} on this CPU ({cpu_features().model}); "
-                    "the emulated path is tested bit for bit in test_emulation.py")
+        pytest.skip(
+            f"auto runs {ids[dtype].upper()} {path.reason} on this CPU ({cpu_features().model}); "
+            "the emulated path is tested bit for bit in test_emulation.py"
+        )
     return path
 
 
@@ -153,7 +156,10 @@ def test_native_matmuls_are_faithful(dtype, op):
     g = rnd(*out_shape, dtype=dtype, seed=6)
     native, oracle = _grads_native_and_oracle(fn, inputs, g)
     a64, b64, g64 = inputs[0].double(), inputs[1].double(), g.double()
-    t = (lambda x: x.transpose(-2, -1))
+
+    def t(x):
+        return x.transpose(-2, -1)
+
     if op == "linear":
         c64 = inputs[2].double()
         checks = [
@@ -176,7 +182,11 @@ def test_native_matmuls_are_faithful(dtype, op):
 @pytest.mark.parametrize("dtype", DTYPES, ids=ids.get)
 def test_native_conv2d_is_faithful(dtype):
     _native_or_skip(dtype)
-    x, w, bias = rnd(4, 16, 12, 12, dtype=dtype, seed=7), rnd(24, 16, 3, 3, dtype=dtype, seed=8), rnd(24, dtype=dtype, seed=9)
+    x, w, bias = (
+        rnd(4, 16, 12, 12, dtype=dtype, seed=7),
+        rnd(24, 16, 3, 3, dtype=dtype, seed=8),
+        rnd(24, dtype=dtype, seed=9),
+    )
     kw = dict(padding=1)
     g = rnd(4, 24, 12, 12, dtype=dtype, seed=10)
     native, oracle = _grads_native_and_oracle(lambda x, w, b: F.conv2d(x, w, b, **kw), [x, w, bias], g)
@@ -215,10 +225,18 @@ F16, BF16 = torch.float16, torch.bfloat16
         ("AVX2 (this project's AMD EPYC)", _features(capability="AVX2", onednn_bf16=False), False, False),
         ("AVX512 without BF16 units (Ice Lake)", _features(), False, False),
         ("avx512_bf16 (Cooper Lake, Zen 4)", _features(avx512_bf16=True), True, False),
-        ("AMX-BF16 + avx512_fp16 (Sapphire Rapids)",
-         _features(avx512_bf16=True, amx_bf16=True, avx512_fp16=True, onednn_fp16=True), True, True),
-        ("AMX-FP16 (Granite Rapids)",
-         _features(avx512_bf16=True, amx_bf16=True, avx512_fp16=True, amx_fp16=True, onednn_fp16=True), True, True),
+        (
+            "AMX-BF16 + avx512_fp16 (Sapphire Rapids): FP16 emulated, native FP16 is no faster",
+            _features(avx512_bf16=True, amx_bf16=True, avx512_fp16=True, onednn_fp16=True),
+            True,
+            False,
+        ),
+        (
+            "AMX-FP16 (Granite Rapids)",
+            _features(avx512_bf16=True, amx_bf16=True, avx512_fp16=True, amx_fp16=True, onednn_fp16=True),
+            True,
+            True,
+        ),
         ("avx512_bf16, torch without oneDNN BF16", _features(avx512_bf16=True, onednn_bf16=False), False, False),
     ],
 )
@@ -240,6 +258,9 @@ def test_reasons_name_the_unit(simulate):
     simulate(_features(avx512_bf16=True))
     assert cpu_half_path(BF16).reason == "native (avx512_bf16)"
     assert cpu_half_path(F16).reason.startswith("emulated (no native FP16 GEMM")
+    simulate(_features(avx512_bf16=True, amx_bf16=True, avx512_fp16=True, onednn_fp16=True))
+    assert cpu_half_path(BF16).reason == "native (AMX-BF16)"
+    assert cpu_half_path(F16).reason.startswith("emulated (avx512_fp16 without AMX-FP16")
     simulate(_features(avx512_bf16=True, amx_bf16=True, amx_fp16=True, onednn_fp16=True))
     assert cpu_half_path(BF16).reason == "native (AMX-BF16)"
     assert cpu_half_path(F16).reason == "native (AMX-FP16)"
@@ -266,8 +287,10 @@ def test_this_cpu(capsys):
     if not (f.avx512_fp16 or f.amx_fp16):
         assert not cpu_half_path(F16).native and should_emulate("cpu", F16)
     with capsys.disabled():
-        print(f"\n{f.model} ({f.capability}; half units: {f.flags()}): "
-              f"BF16 {cpu_half_path(BF16).reason}, FP16 {cpu_half_path(F16).reason}")
+        print(
+            f"\n{f.model} ({f.capability}; half units: {f.flags()}): "
+            f"BF16 {cpu_half_path(BF16).reason}, FP16 {cpu_half_path(F16).reason}"
+        )
 
 
 def test_the_decision_is_cached(simulate, monkeypatch):
@@ -285,7 +308,9 @@ def test_the_decision_is_cached(simulate, monkeypatch):
 
 
 def test_bad_dtype_is_named():
-    with pytest.raises(ValueError, match=r"dtype=torch.float32 is not allowed: expected torch.float16 or torch.bfloat16"):
+    with pytest.raises(
+        ValueError, match=r"dtype=torch.float32 is not allowed: expected torch.float16 or torch.bfloat16"
+    ):
         cpu_half_path(torch.float32)
     with pytest.raises(ValueError, match=r"dtype='fp8'"):
         cpu_half_path("fp8")

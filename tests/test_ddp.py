@@ -19,7 +19,11 @@ def test_ranks_agree_on_skips(pl, tmp_path, precision):
     env = {**os.environ, "PYTHONPATH": str(WORKER.parent), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         [sys.executable, str(WORKER), str(tmp_path), precision, pl.__name__],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240,
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]

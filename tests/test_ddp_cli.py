@@ -15,8 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from amp_plugin.lightning import pl
 import torch
+
+from amp_plugin.lightning import pl
 
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
@@ -55,15 +56,28 @@ def test_ddp_on_two_cpu_processes_trains_and_both_ranks_skip_a_one_rank_overflow
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS), env.get("PYTHONPATH")]))
     args = [
-        "trainer.accelerator=cpu", "trainer.devices=2", "trainer.strategy=ddp", "trainer.max_steps=8",
-        "+fault.rank=1", "+fault.inject_inf_at=[2,5]",  # rank 1's gradients only, after the all-reduce
+        "trainer.accelerator=cpu",
+        "trainer.devices=2",
+        "trainer.strategy=ddp",
+        "trainer.max_steps=8",
+        "+fault.rank=1",
+        "+fault.inject_inf_at=[2,5]",  # rank 1's gradients only, after the all-reduce
         "scaler.growth_interval=3",
-        "+callbacks.rank_state._target_=test_ddp_cli.SaveRankState", f"+callbacks.rank_state.out_dir={tmp_path}",
-        "trainer.enable_progress_bar=false", "plot=false", f"hydra.run.dir={run_dir}",
+        "+callbacks.rank_state._target_=test_ddp_cli.SaveRankState",
+        f"+callbacks.rank_state.out_dir={tmp_path}",
+        "trainer.enable_progress_bar=false",
+        "plot=false",
+        f"hydra.run.dir={run_dir}",
     ]
     # A rank that skipped alone would wait forever in the next all-reduce: the timeout is the hang check.
-    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), *args], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), *args],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
 
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -95,8 +109,19 @@ def test_ddp_ranks_share_their_run_directory_refuse_another_run_and_stop_togethe
 
     run_dir = tmp_path / "ddp"
     log = tmp_path / "ddp.log"
-    ddp = start(["trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2", "trainer.max_steps=60",
-                 *QUIET, *throttle(2, 0.25), f"hydra.run.dir={run_dir}"], tmp_path, log)
+    ddp = start(
+        [
+            "trainer=ddp",
+            "trainer.accelerator=cpu",
+            "trainer.devices=2",
+            "trainer.max_steps=60",
+            *QUIET,
+            *throttle(2, 0.25),
+            f"hydra.run.dir={run_dir}",
+        ],
+        tmp_path,
+        log,
+    )
     try:
         wait_until(lambda: logged_steps(log), ddp)
         second = run(["recipe=underflow_demo", "trainer.max_steps=3", *QUIET, f"hydra.run.dir={run_dir}"], tmp_path)

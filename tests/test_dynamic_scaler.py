@@ -37,9 +37,14 @@ def run_pattern(scaler, pattern):
     growth_interval=st.integers(1, 6),
     init_scale=st.sampled_from([2.0**16, 1.0, 3.3, 2.0**120]),
 )
-def test_hysteresis_1_trajectory_equals_grad_scaler(pattern, growth_factor, backoff_factor, growth_interval, init_scale):
+def test_hysteresis_1_trajectory_equals_grad_scaler(
+    pattern, growth_factor, backoff_factor, growth_interval, init_scale
+):
     kwargs = dict(
-        init_scale=init_scale, growth_factor=growth_factor, backoff_factor=backoff_factor, growth_interval=growth_interval
+        init_scale=init_scale,
+        growth_factor=growth_factor,
+        backoff_factor=backoff_factor,
+        growth_interval=growth_interval,
     )
     ours = DynamicLossScaler(**kwargs, min_scale=F32_TINY, max_scale=F32_MAX)
     torch_scaler = torch.amp.GradScaler("cpu", **kwargs)
@@ -92,7 +97,14 @@ def test_hysteresis_is_not_refilled_by_clean_steps_in_growth_mode():
 def test_hysteresis_refills_after_every_clean_step_in_finite_mode():
     scaler = DynamicLossScaler(init_scale=1024.0, hysteresis=2, hysteresis_reset="finite", growth_interval=100)
     assert run_pattern(scaler, [True, False, True, True, False, True, True, True]) == [
-        1024, 1024, 1024, 512, 512, 512, 256, 128
+        1024,
+        1024,
+        1024,
+        512,
+        512,
+        512,
+        256,
+        128,
     ]
 
 
@@ -243,8 +255,15 @@ def test_with_the_defaults_the_trajectory_equals_grad_scaler_while_it_stays_in_1
 
 
 def test_capped_and_floored_scales_are_float32_values_inside_the_limits():
-    scaler = DynamicLossScaler(init_scale=1.0, min_scale=0.3, max_scale=1e30, growth_factor=1e10,
-                               growth_interval=1, backoff_factor=0.01, on_min_scale="skip")
+    scaler = DynamicLossScaler(
+        init_scale=1.0,
+        min_scale=0.3,
+        max_scale=1e30,
+        growth_factor=1e10,
+        growth_interval=1,
+        backoff_factor=0.01,
+        on_min_scale="skip",
+    )
     scales = run_pattern(scaler, [False] * 4 + [True] * 20)
     for s in scales:
         assert 0.3 <= s <= 1e30 and s == float(torch.tensor(s, dtype=torch.float32))

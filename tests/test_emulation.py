@@ -23,7 +23,6 @@ from hypothesis import strategies as st
 
 from amp_plugin.emulation import CpuHalfEmulation
 
-
 # ------------------------------------------------------------------ matmul family
 
 
@@ -49,9 +48,7 @@ def test_addmm(dtype, beta, alpha, backend):
     # beta/alpha powers of two: the backward's scalings are exact, so the FP32 autograd
     # oracle is still exact; the bias gradient (beta * grad_out) needs no reduction here.
     c, a, b = rnd(4, 3, dtype=dtype, seed=6), rnd(4, 5, dtype=dtype, seed=7), rnd(5, 3, dtype=dtype, seed=8)
-    emu = check_against_fp32(
-        lambda c, a, b: torch.addmm(c, a, b, beta=beta, alpha=alpha), [c, a, b], dtype, backend
-    )
+    emu = check_against_fp32(lambda c, a, b: torch.addmm(c, a, b, beta=beta, alpha=alpha), [c, a, b], dtype, backend)
     assert emu.emulated_calls["aten.addmm.default"] == 1
 
 
@@ -59,7 +56,7 @@ def test_addmm_forward_arbitrary_scalars(dtype, backend):
     c, a, b = rnd(3, 4, dtype=dtype, seed=9), rnd(3, 6, dtype=dtype, seed=10), rnd(6, 4, dtype=dtype, seed=11)
     with CpuHalfEmulation(backend=backend):
         out = torch.addmm(c, a, b, beta=0.3, alpha=1.7)
-    ref = (0.3 * c.float() + 1.7 * (a.float() @ b.float()))
+    ref = 0.3 * c.float() + 1.7 * (a.float() @ b.float())
     expected = torch.addmm(c.float(), a.float(), b.float(), beta=0.3, alpha=1.7).to(dtype)
     assert_bitwise(out, expected, "addmm")
     assert torch.allclose(out.float(), ref, rtol=1e-2, atol=1e-2)
@@ -163,7 +160,9 @@ def test_large_operands_reuse_fp32_buffers(dtype, backend):
 
     def buffers_held() -> int:
         held = len(emulation._state.scratch)  # the Python kernels' buffers, then the C++ kernels'
-        return held + (torch.ops.amp_plugin.emulation_sync(None)[-1] if hasattr(torch.ops.amp_plugin, "emulation_sync") else 0)
+        return held + (
+            torch.ops.amp_plugin.emulation_sync(None)[-1] if hasattr(torch.ops.amp_plugin, "emulation_sync") else 0
+        )
 
     x, w, b = rnd(200, 192, dtype=dtype, seed=80), rnd(176, 192, dtype=dtype, seed=81), rnd(176, dtype=dtype, seed=82)
     assert x.numel() >= emulation._SCRATCH_MIN_NUMEL and w.numel() >= emulation._SCRATCH_MIN_NUMEL
@@ -244,7 +243,11 @@ CONV_CASES = {  # name: (fn, input shape, weight shape, kwargs, bias)
     "conv2d_bias": (F.conv2d, (2, 3, 6, 5), (4, 3, 3, 3), dict(stride=1, padding=1), True),
     "conv2d_nobias": (F.conv2d, (2, 3, 6, 5), (4, 3, 3, 3), dict(padding=0), False),
     "conv2d_stride_groups_bias": (
-        F.conv2d, (1, 4, 7, 7), (6, 2, 3, 2), dict(stride=(2, 1), padding=(1, 0), groups=2), True,
+        F.conv2d,
+        (1, 4, 7, 7),
+        (6, 2, 3, 2),
+        dict(stride=(2, 1), padding=(1, 0), groups=2),
+        True,
     ),
     "conv2d_dilation": (F.conv2d, (1, 2, 7, 7), (3, 2, 3, 3), dict(dilation=2), False),
     "conv_transpose2d_bias": (F.conv_transpose2d, (1, 4, 4, 4), (4, 3, 3, 3), dict(stride=2, padding=1), True),
@@ -348,8 +351,14 @@ def flash_backward_reference(g, q, k, v, out, lse, mask=None, causal=False, scal
 
 @pytest.mark.parametrize(
     "backend,variant",
-    [("kernel", "plain"), ("kernel", "causal"), ("kernel", "float_mask"), ("kernel", "bool_mask"),
-     ("kernel", "scale"), ("mode", "float_mask")],
+    [
+        ("kernel", "plain"),
+        ("kernel", "causal"),
+        ("kernel", "float_mask"),
+        ("kernel", "bool_mask"),
+        ("kernel", "scale"),
+        ("mode", "float_mask"),
+    ],
 )
 def test_sdpa(dtype, backend, variant):
     q, k, v = (rnd(2, 2, 5, 8, dtype=dtype, seed=50 + i) for i in range(3))
@@ -403,7 +412,7 @@ def test_sdpa_fully_masked_rows(dtype, backend):
     mask[1] = -math.inf
     with CpuHalfEmulation(backend=backend):
         out, lse = SDPA(q, k, v, 0.0, False, attn_mask=mask.to(dtype))
-    native32, native_lse = SDPA(q.float(), k.float(), v.float(), 0.0, False, attn_mask=mask)
+    _native32, native_lse = SDPA(q.float(), k.float(), v.float(), 0.0, False, attn_mask=mask)
     assert torch.equal(out[:, :, 1], torch.zeros_like(out[:, :, 1])) and torch.equal(lse[:, :, 1], native_lse[:, :, 1])
     assert not out.isnan().any()
 
@@ -469,10 +478,15 @@ def test_onednn_lstm_layer_runs_in_fp32_and_rounds_once(dtype, backend):
     directly: the FP32 layer on the upcast operands, outputs rounded once; the same for its
     backward, gradients rounded once."""
     seq, batch, inp, hid = 5, 2, 3, 4
-    tensors = [rnd(seq, batch, inp, dtype=dtype, seed=92), rnd(4 * hid, inp, dtype=dtype, seed=93),
-               rnd(4 * hid, hid, dtype=dtype, seed=94), rnd(4 * hid, dtype=dtype, seed=95),
-               rnd(4 * hid, dtype=dtype, seed=96), rnd(batch, hid, dtype=dtype, seed=97),
-               rnd(batch, hid, dtype=dtype, seed=98)]
+    tensors = [
+        rnd(seq, batch, inp, dtype=dtype, seed=92),
+        rnd(4 * hid, inp, dtype=dtype, seed=93),
+        rnd(4 * hid, hid, dtype=dtype, seed=94),
+        rnd(4 * hid, dtype=dtype, seed=95),
+        rnd(4 * hid, dtype=dtype, seed=96),
+        rnd(batch, hid, dtype=dtype, seed=97),
+        rnd(batch, hid, dtype=dtype, seed=98),
+    ]
     flags = (False, [], 2, hid, 1, True, False, False, True)  # reverse, batch_sizes, mode=LSTM, ..., train
     with CpuHalfEmulation(backend=backend) as emu:
         out, hy, cy, workspace = RNN_LAYER(*tensors, *flags)
@@ -484,8 +498,9 @@ def test_onednn_lstm_layer_runs_in_fp32_and_rounds_once(dtype, backend):
     saved = [*tensors, out, hy, cy]
     with CpuHalfEmulation(backend=backend):
         grads = RNN_LAYER_BWD(*saved, *grads_out, *bwd_flags, workspace)
-    ref_grads = RNN_LAYER_BWD(*[t.float() for t in saved], *[g if g is None else g.float() for g in grads_out],
-                              *bwd_flags, ref[3])
+    ref_grads = RNN_LAYER_BWD(
+        *[t.float() for t in saved], *[g if g is None else g.float() for g in grads_out], *bwd_flags, ref[3]
+    )
     for i, (got, want) in enumerate(zip(grads, ref_grads)):
         assert_bitwise(got, want.to(dtype), f"gradient {i}")
     assert emu.emulated_calls == {str(RNN_LAYER): 1}
@@ -532,9 +547,8 @@ def test_mixed_dtypes_raise_like_native(backend):
     a, b = torch.randn(2, 2, dtype=torch.float16), torch.randn(2, 2)
     with pytest.raises(RuntimeError) as native:
         a @ b
-    with CpuHalfEmulation(backend=backend):
-        with pytest.raises(RuntimeError) as inside:
-            a @ b
+    with CpuHalfEmulation(backend=backend), pytest.raises(RuntimeError) as inside:
+        a @ b
     assert str(native.value) == str(inside.value)
 
 
@@ -549,7 +563,6 @@ def test_wrong_shapes_raise_like_native(dtype, backend, op):
     }[op]
     with pytest.raises((RuntimeError, IndexError)) as native:
         call()
-    with CpuHalfEmulation(backend=backend):
-        with pytest.raises((RuntimeError, IndexError)) as inside:
-            call()
+    with CpuHalfEmulation(backend=backend), pytest.raises((RuntimeError, IndexError)) as inside:
+        call()
     assert type(native.value) is type(inside.value) and str(native.value) == str(inside.value)

@@ -12,7 +12,6 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 
 from amp_plugin.emulation import EMULATED_OPS, HALF_DTYPES, CpuHalfEmulation, cpu_half_path, should_emulate
 
-
 # ------------------------------------------------------------------ routing and lifetime
 
 MATMULS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
@@ -56,15 +55,29 @@ def test_routes_through_fp32_kernels(dtype, backend):
     if backend == "mode":
         # the spy sits below the mode: it sees the mode's upcasts, FP32 matmuls, downcasts
         assert spy.seen == [
-            up, up, up, ("aten.addmm.default", (f32, f32, f32)), down,
-            up, up, ("aten.mm.default", (f32, f32)), down,
+            up,
+            up,
+            up,
+            ("aten.addmm.default", (f32, f32, f32)),
+            down,
+            up,
+            up,
+            ("aten.mm.default", (f32, f32)),
+            down,
         ]
     else:
         # the spy sits above the CPU kernels: it sees the half op enter the CPU kernel,
         # which upcasts the operands, runs the FP32 kernel and rounds the result
         assert spy.seen == [
-            ("aten.addmm.default", (dtype, dtype, dtype)), up, up, up, down,
-            ("aten.mm.default", (dtype, dtype)), up, up, down,
+            ("aten.addmm.default", (dtype, dtype, dtype)),
+            up,
+            up,
+            up,
+            down,
+            ("aten.mm.default", (dtype, dtype)),
+            up,
+            up,
+            down,
         ]
     with _Spy() as spy:  # outside: the native half kernel, no casts
         x @ w.t()
@@ -106,10 +119,8 @@ def test_nesting_and_exit(backend):
 def test_exception_inside_exits_cleanly(backend):
     modes, kernel = len(_get_current_dispatch_mode_stack()), _mm_kernel()
     emu = CpuHalfEmulation(backend=backend)
-    with pytest.raises(ValueError):
-        with emu:
-            with CpuHalfEmulation(backend=backend):
-                raise ValueError("boom")
+    with pytest.raises(ValueError), emu, CpuHalfEmulation(backend=backend):
+        raise ValueError("boom")
     assert not CpuHalfEmulation.is_active()
     assert (len(_get_current_dispatch_mode_stack()), _mm_kernel()) == (modes, kernel)
     with emu:  # usable again
@@ -159,8 +170,12 @@ def test_kernel_backend_runs_the_matmuls_in_cpp(monkeypatch):
     from amp_plugin.emulation import _backends
 
     assert fused.kernels() is not None, fused.unavailable_reason()
-    before = {op: _cpu_kernel_source(op) for op in _CPP_OPS + ("aten::mm.out",)}
-    x, w, b = rnd(3, 5, 8, dtype=torch.bfloat16, seed=74), rnd(6, 8, dtype=torch.bfloat16, seed=75), rnd(6, dtype=torch.bfloat16, seed=76)
+    before = {op: _cpu_kernel_source(op) for op in (*_CPP_OPS, "aten::mm.out")}
+    x, w, b = (
+        rnd(3, 5, 8, dtype=torch.bfloat16, seed=74),
+        rnd(6, 8, dtype=torch.bfloat16, seed=75),
+        rnd(6, dtype=torch.bfloat16, seed=76),
+    )
     q, k = rnd(2, 4, 8, dtype=torch.float16, seed=77), rnd(2, 8, 3, dtype=torch.float16, seed=78)
     x32, w32 = x.float(), w.float()
     plain32 = F.linear(x32, w32)
@@ -174,8 +189,12 @@ def test_kernel_backend_runs_the_matmuls_in_cpp(monkeypatch):
             att2 = torch.baddbmm(att, q, k, beta=0.5, alpha=2.0)
             with CpuHalfEmulation() as inner:  # nested: counts are split between the two
                 q @ k
-            assert emu.emulated_calls == {"aten.mm.default": 1, "aten.addmm.default": 2, "aten.bmm.default": 2,
-                                          "aten.baddbmm.default": 1}
+            assert emu.emulated_calls == {
+                "aten.mm.default": 1,
+                "aten.addmm.default": 2,
+                "aten.bmm.default": 2,
+                "aten.baddbmm.default": 1,
+            }
     assert inner.emulated_calls == {"aten.bmm.default": 1}
     assert {op: _cpu_kernel_source(op) for op in before} == before
     assert_bitwise(lin, F.linear(x.float(), w.float(), b.float()).to(torch.bfloat16), "linear 3d")
@@ -271,7 +290,9 @@ def test_dtypes_argument():
     assert CpuHalfEmulation(dtypes="bf16-true").dtypes == {torch.bfloat16}
     auto = {dt for dt in HALF_DTYPES if not cpu_half_path(dt).native}
     assert CpuHalfEmulation(dtypes="auto").dtypes == auto
-    with pytest.raises(ValueError, match=r"dtypes=torch.float32 is not allowed: expected torch.float16 or torch.bfloat16"):
+    with pytest.raises(
+        ValueError, match=r"dtypes=torch.float32 is not allowed: expected torch.float16 or torch.bfloat16"
+    ):
         CpuHalfEmulation(dtypes=[torch.float16, torch.float32])
     with pytest.raises(ValueError, match=r"dtypes='int8' is not allowed"):
         CpuHalfEmulation(dtypes="int8")
@@ -339,8 +360,10 @@ def test_transformer_fast_path_is_emulated(backend):
             out = enc16(x.half())
     calls = emu.emulated_calls
     # the fused kernel's inner matmuls (QKV, out projection, both FFN linears, two bmm)
-    inner = sum(calls.get(f"aten.{op}", 0) for op in
-                ("addmm.default", "mm.default", "_addmm_activation.default", "bmm.default", "bmm.out"))
+    inner = sum(
+        calls.get(f"aten.{op}", 0)
+        for op in ("addmm.default", "mm.default", "_addmm_activation.default", "bmm.default", "bmm.out")
+    )
     assert inner >= 4, calls
     assert torch.allclose(out.float(), ref, atol=5e-2)
 
@@ -394,7 +417,13 @@ def test_should_emulate_rejects_unknown_precision():
 
 
 def test_exported_names():
-    assert HALF_DTYPES == {torch.float16, torch.bfloat16}
-    for name in ("aten.mm.default", "aten.addmm.default", "aten.bmm.default", "aten.baddbmm.default",
-                 "aten.convolution.default", "aten.convolution_backward.default"):
+    assert {torch.float16, torch.bfloat16} == HALF_DTYPES
+    for name in (
+        "aten.mm.default",
+        "aten.addmm.default",
+        "aten.bmm.default",
+        "aten.baddbmm.default",
+        "aten.convolution.default",
+        "aten.convolution_backward.default",
+    ):
         assert name in EMULATED_OPS

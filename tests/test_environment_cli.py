@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 from _cli_procs import QUIET, env, run
+
 from amp_plugin.app.plots import write_history
 
 TINY = ["recipe=underflow_demo", "trainer.max_steps=3", *QUIET]
@@ -43,14 +44,24 @@ def _file_size_limit(limit: int):
 @pytest.mark.slow
 def test_a_disk_that_fills_while_saving_stops_with_the_file_and_the_fix(tmp_path):
     run_dir = tmp_path / "run"
-    proc = run(["trainer.max_steps=6", "callbacks.model_checkpoint.every_n_train_steps=2",
-                "trainer.limit_val_batches=1", *QUIET, f"hydra.run.dir={run_dir}"], tmp_path,
-               preexec_fn=_file_size_limit(64 * 1024))
+    proc = run(
+        [
+            "trainer.max_steps=6",
+            "callbacks.model_checkpoint.every_n_train_steps=2",
+            "trainer.limit_val_batches=1",
+            *QUIET,
+            f"hydra.run.dir={run_dir}",
+        ],
+        tmp_path,
+        preexec_fn=_file_size_limit(64 * 1024),
+    )
     assert proc.returncode == 1, proc.stderr[-3000:]
     no_traceback(proc)
     # The first checkpoint is the recovery checkpoint of the starting state.
-    assert (f"Training stopped: Could not write the checkpoint {run_dir}/checkpoints/last-good.ckpt: "
-            "[Errno 27] File too large. Fix: the file size limit is reached") in proc.stderr
+    assert (
+        f"Training stopped: Could not write the checkpoint {run_dir}/checkpoints/last-good.ckpt: "
+        "[Errno 27] File too large. Fix: the file size limit is reached"
+    ) in proc.stderr
     assert not list((run_dir / "checkpoints").iterdir())  # no partial file left behind
     assert "CheckpointWriteError" in (run_dir / "FAILED").read_text()
 
@@ -74,8 +85,9 @@ def read_only(path: Path):
         subprocess.run(["chattr", "-i", str(path)], check=True)
 
 
-@pytest.mark.parametrize("sub, key", [("logs", "logger.save_dir"),
-                                      ("checkpoints", "callbacks.model_checkpoint.dirpath")])
+@pytest.mark.parametrize(
+    "sub, key", [("logs", "logger.save_dir"), ("checkpoints", "callbacks.model_checkpoint.dirpath")]
+)
 def test_a_read_only_log_or_checkpoint_directory_is_found_before_training(tmp_path, sub, key):
     run_dir = tmp_path / "run"
     with read_only(run_dir / sub):
@@ -98,8 +110,12 @@ def test_a_stray_local_rank_is_refused_instead_of_dropping_the_metrics(tmp_path)
 
 def test_a_config_dir_that_does_not_exist_is_an_error(tmp_path):
     missing = tmp_path / "no_such_dir"
-    proc = run([*TINY], tmp_path, entry=[sys.executable, "-m", "amp_plugin.app.cli"],
-               extra_env={"AMP_PLUGIN_CONFIG_DIR": str(missing)})
+    proc = run(
+        [*TINY],
+        tmp_path,
+        entry=[sys.executable, "-m", "amp_plugin.app.cli"],
+        extra_env={"AMP_PLUGIN_CONFIG_DIR": str(missing)},
+    )
     assert proc.returncode == 1
     no_traceback(proc)
     assert f"Invalid configuration: AMP_PLUGIN_CONFIG_DIR={missing} is not a directory" in proc.stderr
@@ -109,17 +125,36 @@ def test_a_config_dir_that_does_not_exist_is_an_error(tmp_path):
 # ---------------------------------------------------------------------------------- amp-compare
 def _fake_run(run_dir: Path) -> None:
     run_dir.mkdir(parents=True)
-    write_history([{"step": 1.0, "train_loss": 1.0, "loss_scale": 65536.0, "skipped_steps": 0.0, "lr": 0.1}],
-                  run_dir / "training_curves.csv")
-    (run_dir / "summary.json").write_text(json.dumps({
-        "status": "ok", "precision": "fp16", "scaler": "dynamic", "recipe": "digits", "steps": 1,
-        "final_metrics": {"train/loss": 1.0}, "skipped_steps": 0, "loss_scale": {"start": 65536.0, "end": 65536.0},
-        "wall_time_s": 1.0}))
+    write_history(
+        [{"step": 1.0, "train_loss": 1.0, "loss_scale": 65536.0, "skipped_steps": 0.0, "lr": 0.1}],
+        run_dir / "training_curves.csv",
+    )
+    (run_dir / "summary.json").write_text(
+        json.dumps(
+            {
+                "status": "ok",
+                "precision": "fp16",
+                "scaler": "dynamic",
+                "recipe": "digits",
+                "steps": 1,
+                "final_metrics": {"train/loss": 1.0},
+                "skipped_steps": 0,
+                "loss_scale": {"start": 65536.0, "end": 65536.0},
+                "wall_time_s": 1.0,
+            }
+        )
+    )
 
 
 def compare(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "amp_plugin.app.compare", *args], cwd=cwd, env=env(),
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "amp_plugin.app.compare", *args],
+        cwd=cwd,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_compare_names_damaged_files_and_refuses_a_file_as_out(tmp_path):
@@ -151,9 +186,18 @@ def test_compare_names_damaged_files_and_refuses_a_file_as_out(tmp_path):
 @pytest.mark.slow
 def test_a_sweep_job_that_crashes_is_listed_and_the_sweep_goes_on(tmp_path):
     sweep = tmp_path / "sweep"
-    proc = run(["-m", "recipe=underflow_demo", "trainer.max_steps=2,3", *QUIET,
-                "+callbacks.boom._target_=_cli_procs.Boom", "+callbacks.boom.at_step=2", f"hydra.sweep.dir={sweep}"],
-               tmp_path)
+    proc = run(
+        [
+            "-m",
+            "recipe=underflow_demo",
+            "trainer.max_steps=2,3",
+            *QUIET,
+            "+callbacks.boom._target_=_cli_procs.Boom",
+            "+callbacks.boom.at_step=2",
+            f"hydra.sweep.dir={sweep}",
+        ],
+        tmp_path,
+    )
     assert proc.returncode == 1
     no_traceback(proc)
     assert "Job failed: RuntimeError: boom at step 2" in proc.stderr

@@ -9,8 +9,8 @@ import torch
 from _models import TinyClassifier, as_lightning, quiet_trainer
 
 from amp_plugin import DynamicLossScaler, MixedPrecisionPlugin
-from amp_plugin.lightning._namespace import Callback
 from amp_plugin.callbacks import FaultInjector
+from amp_plugin.lightning._namespace import Callback
 
 
 class FullSnapshots(Callback):
@@ -68,7 +68,7 @@ def run(pl, faults, steps=30):
     ],
 )
 def test_fault_is_skipped_counted_and_changes_nothing(pl, faults, kind):
-    model, plugin, snaps, injector, _ = run(pl, faults)
+    _model, plugin, snaps, injector, _ = run(pl, faults)
     assert injector.injected == [(3, kind), (9, kind)]
     assert plugin.scaler.skipped_steps == 2
     for step in (3, 9):
@@ -110,6 +110,8 @@ def test_bad_steps_are_rejected(bad):
 def test_unknown_param_is_a_clear_error(pl):
     model = as_lightning(pl, TinyClassifier)()
     plugin = MixedPrecisionPlugin("fp16")
-    trainer = quiet_trainer(pl, plugins=[plugin], max_steps=3, callbacks=[FaultInjector(inject_inf_at=[0], param="nope")])
+    trainer = quiet_trainer(
+        pl, plugins=[plugin], max_steps=3, callbacks=[FaultInjector(inject_inf_at=[0], param="nope")]
+    )
     with pytest.raises(ValueError, match="param='nope'.*net.0.weight"):
         trainer.fit(model)

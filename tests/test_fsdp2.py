@@ -21,24 +21,23 @@ what an uninterrupted one does, and two ranks together read what one process rea
 
 from __future__ import annotations
 
+import importlib
 import math
 import os
 import subprocess
 import sys
 from pathlib import Path
 
-import importlib
 import pytest
 import torch
 import torch.nn.functional as F
+from _models import as_lightning
 from torch import nn
 
 from amp_plugin import DynamicLossScaler, MixedPrecisionPlugin
 from amp_plugin.fsdp import fully_shard_mixed, local_grad, policy_for
 from amp_plugin.lightning.plugin import CHECKPOINT_KEY
 from amp_plugin.settings import PRESETS, PrecisionSettings
-
-from _models import as_lightning
 
 pl = importlib.import_module("lightning.pytorch")  # the worker's namespace (a command-line argument)
 
@@ -66,8 +65,14 @@ class Net:
         self.shard = shard
         self.overflow_at = set(overflow_at)
         self.lr = lr
-        self.record: dict[str, list] = {"lr": [], "local": [], "fc_dtype": [], "norm_out": [], "nonfinite": [],
-                                         "grad_norm": []}
+        self.record: dict[str, list] = {
+            "lr": [],
+            "local": [],
+            "fc_dtype": [],
+            "norm_out": [],
+            "nonfinite": [],
+            "grad_norm": [],
+        }
         self.full_params: list[torch.Tensor] = []
         self.init_params: list[torch.Tensor] = []
 
@@ -153,14 +158,24 @@ def scaler() -> DynamicLossScaler:
 
 def trainer(devices: int, plugin, max_steps: int, distributed_checkpoint: bool = True, **kwargs):
     strategy = (
-        pl.strategies.ModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1,
-                              save_distributed_checkpoint=distributed_checkpoint)
-        if devices > 1 else "auto"
+        pl.strategies.ModelParallelStrategy(
+            data_parallel_size=devices, tensor_parallel_size=1, save_distributed_checkpoint=distributed_checkpoint
+        )
+        if devices > 1
+        else "auto"
     )
     return pl.Trainer(
-        accelerator="cpu", devices=devices, strategy=strategy, plugins=[plugin], max_steps=max_steps,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        use_distributed_sampler=False, **kwargs,
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        plugins=[plugin],
+        max_steps=max_steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        **kwargs,
     )
 
 
@@ -229,10 +244,12 @@ def worker(out_dir: str, scenario: str, precision: str, namespace: str) -> None:
             in_checkpoint = torch.load(meta, weights_only=False)[CHECKPOINT_KEY]
 
             plugin = MixedPrecisionPlugin(precision, scaler=scaler())
-            t, m = fit(2, plugin, "helper", 8, overflow_at=(2, 5), distributed_checkpoint=dist_ckpt,
-                       ckpt_path=path)
-            save(f"resume_{kind}_resumed", t, {**result(t, m, plugin), "saved_scaler": saved_state,
-                                                          "in_checkpoint": in_checkpoint})
+            t, m = fit(2, plugin, "helper", 8, overflow_at=(2, 5), distributed_checkpoint=dist_ckpt, ckpt_path=path)
+            save(
+                f"resume_{kind}_resumed",
+                t,
+                {**result(t, m, plugin), "saved_scaler": saved_state, "in_checkpoint": in_checkpoint},
+            )
     elif scenario == "bad_policy":
         plugin = MixedPrecisionPlugin(precision, scaler=scaler() if precision == "fp16" else None)
         t = trainer(2, plugin, 2)
@@ -260,7 +277,12 @@ def run(tmp_path_factory, scenario: str, precision: str, namespace: str = "light
         env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
         proc = subprocess.run(
             [sys.executable, __file__, str(out), scenario, precision, namespace],
-            cwd=out, env=env, capture_output=True, text=True, timeout=400, check=False,
+            cwd=out,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=400,
+            check=False,
         )
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
         _RUNS[key] = out

@@ -18,16 +18,21 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from _cli_procs import ROOT, env
 
-TWO_CPU = ["trainer.accelerator=cpu", "trainer.devices=2", "trainer.enable_progress_bar=false", "plot=false",
-           "scaler.growth_interval=4"]
+TWO_CPU = [
+    "trainer.accelerator=cpu",
+    "trainer.devices=2",
+    "trainer.enable_progress_bar=false",
+    "plot=false",
+    "scaler.growth_interval=4",
+]
 
 
 def train(cwd: Path, *args: str) -> tuple[dict, str]:
-    result = subprocess.run([sys.executable, str(ROOT / "train.py"), *args], cwd=cwd, env=env(),
-                            capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), *args], cwd=cwd, env=env(), capture_output=True, text=True, timeout=600
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     run_dir = next(a.split("=", 1)[1] for a in args if a.startswith("hydra.run.dir="))
     return json.loads((cwd / run_dir / "summary.json").read_text()), result.stdout
@@ -41,10 +46,12 @@ def scale_events(run: Path) -> list[dict[str, str]]:
 @pytest.mark.slow
 def test_fsdp_on_two_cpu_processes_trains_like_ddp_skips_together_and_resumes(tmp_path):
     fault = ["+fault.rank=1", "+fault.inject_inf_at=[3]"]  # rank 1's gradients only
-    fsdp, printed = train(tmp_path, "precision=fp16", "strategy=fsdp", *TWO_CPU, *fault, "trainer.max_steps=10",
-                          "hydra.run.dir=fsdp")
-    ddp, _ = train(tmp_path, "precision=fp16", "strategy=ddp", *TWO_CPU, *fault, "trainer.max_steps=10",
-                   "hydra.run.dir=ddp")
+    fsdp, printed = train(
+        tmp_path, "precision=fp16", "strategy=fsdp", *TWO_CPU, *fault, "trainer.max_steps=10", "hydra.run.dir=fsdp"
+    )
+    ddp, _ = train(
+        tmp_path, "precision=fp16", "strategy=ddp", *TWO_CPU, *fault, "trainer.max_steps=10", "hydra.run.dir=ddp"
+    )
 
     assert fsdp["strategy"] == {"name": "ModelParallelStrategy", "processes": 2, "sharded": True}
     assert ddp["strategy"] == {"name": "DDPStrategy", "processes": 2, "sharded": False}
@@ -65,14 +72,28 @@ def test_fsdp_on_two_cpu_processes_trains_like_ddp_skips_together_and_resumes(tm
         assert math.isclose(fsdp["final_metrics"][key], ddp["final_metrics"][key], rel_tol=2e-2), key
 
     # Resume in place under FSDP, then from the same kind of file in one process.
-    resumed, _ = train(tmp_path, "precision=fp16", "strategy=fsdp", *TWO_CPU, "trainer.max_steps=14",
-                       "ckpt_path=fsdp/checkpoints/last.ckpt", "hydra.run.dir=fsdp")
+    resumed, _ = train(
+        tmp_path,
+        "precision=fp16",
+        "strategy=fsdp",
+        *TWO_CPU,
+        "trainer.max_steps=14",
+        "ckpt_path=fsdp/checkpoints/last.ckpt",
+        "hydra.run.dir=fsdp",
+    )
     assert resumed["global_step"] == 14 and resumed["steps"] == 4
     assert resumed["loss_scale"]["start"] == fsdp["loss_scale"]["end"]
     assert resumed["skipped_steps_total"] == 1  # the skip count goes on from the checkpoint
-    single, _ = train(tmp_path, "precision=fp16", "trainer.accelerator=cpu", "trainer.enable_progress_bar=false",
-                      "plot=false", "trainer.max_steps=16", "ckpt_path=fsdp/checkpoints/last.ckpt",
-                      "hydra.run.dir=single")
+    single, _ = train(
+        tmp_path,
+        "precision=fp16",
+        "trainer.accelerator=cpu",
+        "trainer.enable_progress_bar=false",
+        "plot=false",
+        "trainer.max_steps=16",
+        "ckpt_path=fsdp/checkpoints/last.ckpt",
+        "hydra.run.dir=single",
+    )
     assert single["strategy"]["processes"] == 1 and single["global_step"] == 16
     assert single["loss_scale"]["start"] == resumed["loss_scale"]["end"]
     assert single["final_metrics"]["val/acc"] > 0.85
@@ -80,9 +101,18 @@ def test_fsdp_on_two_cpu_processes_trains_like_ddp_skips_together_and_resumes(tm
     # The recovery checkpoint of step 0 resumes to the very same first step.
     train(tmp_path, "precision=fp16", "strategy=fsdp", *TWO_CPU, "trainer.max_steps=1", "hydra.run.dir=one")
     assert torch.load(tmp_path / "one/checkpoints/last-good.ckpt", weights_only=False)["global_step"] == 0
-    first, _ = train(tmp_path, "precision=fp16", "strategy=fsdp", *TWO_CPU, "trainer.max_steps=1",
-                     "ckpt_path=one/checkpoints/last-good.ckpt", "hydra.run.dir=from_start")
+    first, _ = train(
+        tmp_path,
+        "precision=fp16",
+        "strategy=fsdp",
+        *TWO_CPU,
+        "trainer.max_steps=1",
+        "ckpt_path=one/checkpoints/last-good.ckpt",
+        "hydra.run.dir=from_start",
+    )
     assert first["global_step"] == 1
-    a, b = (torch.load(tmp_path / run / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
-            for run in ("from_start", "one"))
+    a, b = (
+        torch.load(tmp_path / run / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
+        for run in ("from_start", "one")
+    )
     assert all(torch.equal(a[k], b[k]) for k in b)

@@ -8,8 +8,7 @@ import warnings
 import pytest
 import torch
 
-from amp_plugin import DynamicLossScaler, MasterWeightOptimizer
-from amp_plugin import fused
+from amp_plugin import DynamicLossScaler, MasterWeightOptimizer, fused
 from amp_plugin.fused import adam as fused_adam
 
 HALF = [torch.float16, torch.bfloat16]
@@ -43,8 +42,9 @@ def test_unscale_into_flags_non_finite_anywhere(ops, dtype, bad):
         half = torch.ones((1 << 20) + 13, dtype=dtype)
         half[where] = bad
         found = torch.zeros(())
-        ops.unscale_into_([torch.ones(5, dtype=dtype), half], [torch.empty(5), torch.empty(half.numel())], found,
-                          torch.tensor(0.5))
+        ops.unscale_into_(
+            [torch.ones(5, dtype=dtype), half], [torch.empty(5), torch.empty(half.numel())], found, torch.tensor(0.5)
+        )
         assert found.item() == 1.0
 
 
@@ -71,8 +71,10 @@ def test_the_unscale_kernels_check_values_before_scaling_them_as_torch_does(ops)
     inv = torch.tensor(2.0**120)
     torch_found = torch.zeros(())
     torch._amp_foreach_non_finite_check_and_unscale_([half.float()], torch_found, inv)
-    for run in (lambda f: ops.unscale_into_([half], [torch.empty(5)], f, inv),
-                lambda f: ops.unscale_copy([half], f, inv)):
+    for run in (
+        lambda f: ops.unscale_into_([half], [torch.empty(5)], f, inv),
+        lambda f: ops.unscale_copy([half], f, inv),
+    ):
         found = torch.zeros(())
         run(found)
         assert found.item() == torch_found.item() == 0.0
@@ -87,7 +89,8 @@ def test_unscale_into_never_clears_a_raised_flag(ops):
 def reference_adam(master, grads, adamw, steps=12, lr=1e-3, betas=(0.9, 0.999), weight_decay=0.01, maximize=False):
     p = master.clone().requires_grad_()
     opt = (torch.optim.AdamW if adamw else torch.optim.Adam)(
-        [p], lr=lr, betas=betas, weight_decay=weight_decay, maximize=maximize, fused=True)
+        [p], lr=lr, betas=betas, weight_decay=weight_decay, maximize=maximize, fused=True
+    )
     for g in grads[:steps]:
         p.grad = g.clone()
         opt.step()
@@ -96,14 +99,18 @@ def reference_adam(master, grads, adamw, steps=12, lr=1e-3, betas=(0.9, 0.999), 
 
 @pytest.mark.parametrize("dtype", HALF)
 @pytest.mark.parametrize("numel", SIZES)
-@pytest.mark.parametrize("adamw,betas,weight_decay,maximize", [
-    (True, (0.9, 0.999), 0.01, False),
-    (False, (0.9, 0.999), 0.0, False),
-    (False, (0.9, 0.95), 0.1, True),  # Adam's L2 decay, maximize
-    (True, (0.3, 0.99), 0.0, False),  # 1 - beta1 >= 0.5: the other branch of lerp
-])
-def test_adam_step_matches_torch_fused_adam_and_writes_the_rounded_weight(ops, dtype, numel, adamw, betas,
-                                                                         weight_decay, maximize):
+@pytest.mark.parametrize(
+    "adamw,betas,weight_decay,maximize",
+    [
+        (True, (0.9, 0.999), 0.01, False),
+        (False, (0.9, 0.999), 0.0, False),
+        (False, (0.9, 0.95), 0.1, True),  # Adam's L2 decay, maximize
+        (True, (0.3, 0.99), 0.0, False),  # 1 - beta1 >= 0.5: the other branch of lerp
+    ],
+)
+def test_adam_step_matches_torch_fused_adam_and_writes_the_rounded_weight(
+    ops, dtype, numel, adamw, betas, weight_decay, maximize
+):
     g = torch.Generator().manual_seed(1)
     master = (torch.randn(numel, generator=g) * 0.02).to(dtype).float()
     grads = [torch.randn(numel, generator=g) * 1e-2 for _ in range(12)]
@@ -130,8 +137,9 @@ ADAM_CONFIGS = [  # adamw, betas, weight_decay, maximize
 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("adamw,betas,weight_decay,maximize", ADAM_CONFIGS)
-def test_adam_step_equals_torch_fused_adam_on_every_element_tail_included(ops, adamw, betas, weight_decay, maximize,
-                                                                          threads):
+def test_adam_step_equals_torch_fused_adam_on_every_element_tail_included(
+    ops, adamw, betas, weight_decay, maximize, threads
+):
     """torch's kernel finishes each tensor's last numel % 8 elements in a scalar loop that
     rounds one product differently: every numel from 1 to 40 (all tail lengths, tensors that
     are all tail) and a few large ones, bit for bit."""
@@ -142,14 +150,19 @@ def test_adam_step_equals_torch_fused_adam_on_every_element_tail_included(ops, a
             g = torch.Generator().manual_seed(numel)
             master = (torch.randn(numel, generator=g) * 0.02).half().float()
             grads = [torch.randn(numel, generator=g) * 1e-2 for _ in range(6)]
-            ref, ref_state = reference_adam(master, grads, adamw, steps=6, betas=betas, weight_decay=weight_decay,
-                                            maximize=maximize)
+            ref, ref_state = reference_adam(
+                master, grads, adamw, steps=6, betas=betas, weight_decay=weight_decay, maximize=maximize
+            )
             m, v, step = torch.zeros(numel), torch.zeros(numel), torch.zeros(())
             for grad in grads:
-                ops.adam_step_([master], [grad], [m], [v], [step], [None], 1e-3, *betas, weight_decay, 1e-8, adamw,
-                               maximize)
-            for name, ours, theirs in (("param", master, ref), ("exp_avg", m, ref_state["exp_avg"]),
-                                       ("exp_avg_sq", v, ref_state["exp_avg_sq"])):
+                ops.adam_step_(
+                    [master], [grad], [m], [v], [step], [None], 1e-3, *betas, weight_decay, 1e-8, adamw, maximize
+                )
+            for name, ours, theirs in (
+                ("param", master, ref),
+                ("exp_avg", m, ref_state["exp_avg"]),
+                ("exp_avg_sq", v, ref_state["exp_avg_sq"]),
+            ):
                 differ = (ours != theirs).nonzero().flatten().tolist()
                 assert not differ, f"numel={numel}: {name} differs from torch at {differ[:10]}"
     finally:
@@ -183,8 +196,9 @@ def test_nonfinite_check_flags_any_inf_or_nan_and_only_reads(ops, dtype):
 @pytest.mark.parametrize("grad_dtype", HALF)
 @pytest.mark.parametrize("inv_scale", [2.0**-10, 1.0, 1 / 3])
 @pytest.mark.parametrize("adamw,betas,weight_decay,maximize", ADAM_CONFIGS)
-def test_adam_step_reads_half_gradients_times_the_unscale_factor(ops, grad_dtype, inv_scale, adamw, betas,
-                                                                 weight_decay, maximize):
+def test_adam_step_reads_half_gradients_times_the_unscale_factor(
+    ops, grad_dtype, inv_scale, adamw, betas, weight_decay, maximize
+):
     """A half gradient read with the factor s steps as the FP32 gradient half.float() * s
     does (what copy-then-unscale stores), through torch's fused Adam: every element, the
     scalar tail included, whatever the factor (1/3 is not a power of two)."""
@@ -194,15 +208,32 @@ def test_adam_step_reads_half_gradients_times_the_unscale_factor(ops, grad_dtype
         halves = [(torch.randn(numel, generator=g) * 300).to(grad_dtype) for _ in range(4)]
         fp32 = [h.float() for h in halves]
         torch._amp_foreach_non_finite_check_and_unscale_(fp32, torch.zeros(()), torch.tensor(inv_scale))
-        ref, ref_state = reference_adam(master, fp32, adamw, steps=4, betas=betas, weight_decay=weight_decay,
-                                        maximize=maximize)
+        ref, ref_state = reference_adam(
+            master, fp32, adamw, steps=4, betas=betas, weight_decay=weight_decay, maximize=maximize
+        )
         m, v, step = torch.zeros(numel), torch.zeros(numel), torch.zeros(())
         model = master.half()
         for half in halves:
-            ops.adam_step_([master], [half], [m], [v], [step], [model], 1e-3, *betas, weight_decay, 1e-8, adamw,
-                           maximize, inv_scale)
-        for name, ours, theirs in (("param", master, ref), ("exp_avg", m, ref_state["exp_avg"]),
-                                   ("exp_avg_sq", v, ref_state["exp_avg_sq"])):
+            ops.adam_step_(
+                [master],
+                [half],
+                [m],
+                [v],
+                [step],
+                [model],
+                1e-3,
+                *betas,
+                weight_decay,
+                1e-8,
+                adamw,
+                maximize,
+                inv_scale,
+            )
+        for name, ours, theirs in (
+            ("param", master, ref),
+            ("exp_avg", m, ref_state["exp_avg"]),
+            ("exp_avg_sq", v, ref_state["exp_avg_sq"]),
+        ):
             differ = (ours != theirs).nonzero().flatten().tolist()
             assert not differ, f"numel={numel}: {name} differs from torch at {differ[:10]}"
         assert torch.equal(model, master.half())
@@ -210,8 +241,9 @@ def test_adam_step_reads_half_gradients_times_the_unscale_factor(ops, grad_dtype
 
 @pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("adamw,betas,weight_decay,maximize", ADAM_CONFIGS)
-def test_split_adam_step_is_torch_fused_adam_on_the_joined_master(ops, grad_dtype, adamw, betas, weight_decay,
-                                                                   maximize):
+def test_split_adam_step_is_torch_fused_adam_on_the_joined_master(
+    ops, grad_dtype, adamw, betas, weight_decay, maximize
+):
     """BF16 weight + 16-bit extension: the kernel updates the FP32 master they form exactly
     as torch's fused Adam does, and writes back its two halves (the weight: the master
     truncated)."""
@@ -221,19 +253,30 @@ def test_split_adam_step_is_torch_fused_adam_on_the_joined_master(ops, grad_dtyp
         g = torch.Generator().manual_seed(numel)
         master = torch.randn(numel, generator=g) * 0.02  # full FP32 masters: both halves matter
         grads = [(torch.randn(numel, generator=g) * 1e-2).to(grad_dtype) for _ in range(4)]
-        ref, ref_state = reference_adam(master, [x.float() for x in grads], adamw, steps=4, betas=betas,
-                                        weight_decay=weight_decay, maximize=maximize)
+        ref, ref_state = reference_adam(
+            master,
+            [x.float() for x in grads],
+            adamw,
+            steps=4,
+            betas=betas,
+            weight_decay=weight_decay,
+            maximize=maximize,
+        )
         bits = master.view(torch.int32)
         weight = (bits >> 16).to(torch.int16).view(torch.bfloat16)
         low = bits.to(torch.int16)
         assert torch.equal(join(weight, low), master)
         m, v, step = torch.zeros(numel), torch.zeros(numel), torch.zeros(())
         for grad in grads:
-            ops.adam_step_split_([weight], [low], [grad], [m], [v], [step], 1e-3, *betas, weight_decay, 1e-8, adamw,
-                                 maximize)
+            ops.adam_step_split_(
+                [weight], [low], [grad], [m], [v], [step], 1e-3, *betas, weight_decay, 1e-8, adamw, maximize
+            )
         joined = join(weight, low)
-        for name, ours, theirs in (("master", joined, ref), ("exp_avg", m, ref_state["exp_avg"]),
-                                   ("exp_avg_sq", v, ref_state["exp_avg_sq"])):
+        for name, ours, theirs in (
+            ("master", joined, ref),
+            ("exp_avg", m, ref_state["exp_avg"]),
+            ("exp_avg_sq", v, ref_state["exp_avg_sq"]),
+        ):
             differ = (ours != theirs).nonzero().flatten().tolist()
             assert not differ, f"numel={numel}: {name} differs from torch at {differ[:10]}"
         truncated = (ref.view(torch.int32) & -65536).view(torch.float32)
@@ -243,8 +286,21 @@ def test_split_adam_step_is_torch_fused_adam_on_the_joined_master(ops, grad_dtyp
 def test_adam_step_without_a_model_tensor_updates_the_master_only(ops):
     master, grad = torch.randn(100), torch.randn(100)
     ref, _ = reference_adam(master, [grad], adamw=True, steps=1)
-    ops.adam_step_([master], [grad], [torch.zeros(100)], [torch.zeros(100)], [torch.zeros(())], [None],
-                   1e-3, 0.9, 0.999, 0.01, 1e-8, True, False)
+    ops.adam_step_(
+        [master],
+        [grad],
+        [torch.zeros(100)],
+        [torch.zeros(100)],
+        [torch.zeros(())],
+        [None],
+        1e-3,
+        0.9,
+        0.999,
+        0.01,
+        1e-8,
+        True,
+        False,
+    )
     assert torch.allclose(master, ref, rtol=2e-6, atol=0)
 
 
@@ -252,17 +308,37 @@ def test_kernels_reject_mismatched_tensors(ops):
     with pytest.raises(RuntimeError, match="sizes differ"):
         ops.unscale_into_([torch.ones(3, dtype=torch.float16)], [torch.empty(4)], torch.zeros(()), torch.tensor(1.0))
     with pytest.raises(RuntimeError, match="expected a float32 tensor"):
-        ops.unscale_into_([torch.ones(3, dtype=torch.float16)], [torch.empty(3, dtype=torch.float64)],
-                          torch.zeros(()), torch.tensor(1.0))
+        ops.unscale_into_(
+            [torch.ones(3, dtype=torch.float16)],
+            [torch.empty(3, dtype=torch.float64)],
+            torch.zeros(()),
+            torch.tensor(1.0),
+        )
     with pytest.raises(RuntimeError, match="contiguous"):
-        ops.adam_step_([torch.ones(4, 2).t()], [torch.ones(2, 4)], [torch.zeros(2, 4)], [torch.zeros(2, 4)],
-                       [torch.zeros(())], [None], 1e-3, 0.9, 0.999, 0.0, 1e-8, True, False)
+        ops.adam_step_(
+            [torch.ones(4, 2).t()],
+            [torch.ones(2, 4)],
+            [torch.zeros(2, 4)],
+            [torch.zeros(2, 4)],
+            [torch.zeros(())],
+            [None],
+            1e-3,
+            0.9,
+            0.999,
+            0.0,
+            1e-8,
+            True,
+            False,
+        )
 
 
 def half_model(seed=0):
     torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.LayerNorm(64), torch.nn.Linear(64, 8)).half().apply(
-        lambda m: m.float() if isinstance(m, torch.nn.LayerNorm) else None)
+    return (
+        torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.LayerNorm(64), torch.nn.Linear(64, 8))
+        .half()
+        .apply(lambda m: m.float() if isinstance(m, torch.nn.LayerNorm) else None)
+    )
 
 
 def train(fused_mode, steps=8, inf_at=(3,), optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True)):
@@ -288,7 +364,7 @@ def train(fused_mode, steps=8, inf_at=(3,), optimizer=lambda ps: torch.optim.Ada
 
 def test_the_fused_path_trains_like_the_stock_path():
     fast_model, fast_opt, fast_scaler = train(None)
-    stock_model, stock_opt, stock_scaler = train(False)
+    _stock_model, stock_opt, stock_scaler = train(False)
     assert fast_scaler.skipped_steps == stock_scaler.skipped_steps == 1
     assert fast_scaler.get_scale() == stock_scaler.get_scale()
     for a, b in zip(fast_opt.master_params(), stock_opt.master_params()):
@@ -337,7 +413,7 @@ def test_a_failed_build_warns_once_and_the_stock_path_carries_on(monkeypatch, tm
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no second warning
         assert fused.kernels() is None
-        model, opt, scaler = train(None, steps=5)
+        _model, _opt, scaler = train(None, steps=5)
     assert scaler.skipped_steps == 1
     with pytest.raises(ValueError, match="the kernels are unavailable"):
         MasterWeightOptimizer(torch.optim.AdamW(half_model().parameters(), fused=True), fused=True)
@@ -365,8 +441,10 @@ def test_every_gradient_is_unscaled_exactly_once_on_either_path(contiguous):
     scaler.unscale_(opt)
     for master, grad in zip(opt.master_params(), before):
         assert torch.equal(master.grad, grad * 2.0**-8)
-    assert all(p.grad is g and g._version == v for p, (g, v) in
-               zip([p for p in model.parameters() if p.dtype == torch.float16], half_before))
+    assert all(
+        p.grad is g and g._version == v
+        for p, (g, v) in zip([p for p in model.parameters() if p.dtype == torch.float16], half_before)
+    )
 
 
 def test_a_gradient_the_kernel_cannot_take_sends_the_step_the_stock_way():
@@ -406,7 +484,11 @@ def test_a_non_contiguous_parameter_takes_the_stock_way_for_itself(fused_mode, m
             scaler.step(opt)
             scaler.update()
             opt.zero_grad()
-        runs[name] = [weight.detach().clone(), bias.detach().clone(), *(m.detach().clone() for m in opt.master_params())]
+        runs[name] = [
+            weight.detach().clone(),
+            bias.detach().clone(),
+            *(m.detach().clone() for m in opt.master_params()),
+        ]
     assert len(calls) == 3  # the fused run took the fused step, the non-contiguous weight included
     for a, b in zip(runs["fused"], runs["stock"]):
         assert torch.equal(a, b)

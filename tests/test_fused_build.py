@@ -106,8 +106,19 @@ def test_variant_compiles(tmp_path, variant_name):
     objects = []
     for src in SOURCES:
         obj = tmp_path / f"{src.stem}.o"
-        cmd = [cxx, "-c", str(src), "-o", str(obj), "-std=c++17", "-fPIC", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-               "-DTORCH_EXTENSION_NAME=amp_plugin_compile_check", *includes, *flags]
+        cmd = [
+            cxx,
+            "-c",
+            str(src),
+            "-o",
+            str(obj),
+            "-std=c++17",
+            "-fPIC",
+            f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+            "-DTORCH_EXTENSION_NAME=amp_plugin_compile_check",
+            *includes,
+            *flags,
+        ]
         result = subprocess.run(cmd, capture_output=True, text=True)
         assert result.returncode == 0, result.stderr[-3000:]
         objects.append(obj)

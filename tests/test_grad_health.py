@@ -7,17 +7,17 @@ import math
 
 import pytest
 import torch
+from _models import as_lightning
 from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.data import DataLoader, TensorDataset
 
-from _models import as_lightning
 from amp_plugin import DynamicLossScaler
-from amp_plugin.lightning._namespace import Callback
 from amp_plugin.callbacks import GradientHealthMonitor
+from amp_plugin.lightning._namespace import Callback
 from amp_plugin.lightning.callbacks import grad_health
-from amp_plugin.master_weights import MasterWeightOptimizer
 from amp_plugin.lightning.plugin import MixedPrecisionPlugin
+from amp_plugin.master_weights import MasterWeightOptimizer
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:.*does not have many workers.*"),
@@ -48,8 +48,7 @@ class Planted:
 
     def train_dataloader(self):
         g = torch.Generator().manual_seed(1)
-        return DataLoader(TensorDataset(torch.randn(32, 4, generator=g), torch.randn(32, 2, generator=g)),
-                          batch_size=4)
+        return DataLoader(TensorDataset(torch.randn(32, 4, generator=g), torch.randn(32, 2, generator=g)), batch_size=4)
 
 
 class GradCapture(Callback):
@@ -59,8 +58,11 @@ class GradCapture(Callback):
         self.grads = {}
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-        params = optimizer.master_params() if isinstance(optimizer, MasterWeightOptimizer) else [
-            p for g in optimizer.param_groups for p in g["params"]]
+        params = (
+            optimizer.master_params()
+            if isinstance(optimizer, MasterWeightOptimizer)
+            else [p for g in optimizer.param_groups for p in g["params"]]
+        )
         model = optimizer.model_params() if isinstance(optimizer, MasterWeightOptimizer) else params
         names = {id(p): n for n, p in pl_module.named_parameters()}
         self.grads[trainer.global_step] = {names[id(m)]: p.grad.detach().float().clone() for m, p in zip(model, params)}
@@ -68,9 +70,15 @@ class GradCapture(Callback):
 
 def fit(pl, tmp_path, monitor, plugin, max_steps=1, logger=True, extra=()):
     trainer = pl.Trainer(
-        max_steps=max_steps, plugins=[plugin], callbacks=[monitor, *extra],
-        logger=pl.loggers.CSVLogger(tmp_path, name="run") if logger else False, default_root_dir=tmp_path,
-        log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        max_steps=max_steps,
+        plugins=[plugin],
+        callbacks=[monitor, *extra],
+        logger=pl.loggers.CSVLogger(tmp_path, name="run") if logger else False,
+        default_root_dir=tmp_path,
+        log_every_n_steps=1,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
     )
     trainer.fit(as_lightning(pl, Planted)())
     return trainer
@@ -90,7 +98,8 @@ def test_tiny_gradients_underflow_at_scale_1_and_not_at_2_16(pl, tmp_path):
     fit(pl, tmp_path, monitor, MixedPrecisionPlugin("fp16", scaler=DynamicLossScaler(init_scale=2.0**16)))
     with open(monitor.csv_path) as f:
         assert f.readline().strip() == (
-            "step,param,numel,zero_frac,underflow_frac_scale1,underflow_frac_current,amax,headroom_bits")
+            "step,param,numel,zero_frac,underflow_frac_scale1,underflow_frac_current,amax,headroom_bits"
+        )
     rows = by_param(read_rows(monitor.csv_path))
     assert set(rows) == {"big.weight", "big.bias", "tiny.weight"}  # model names, not master copies
     tiny = rows["tiny.weight"]
@@ -113,12 +122,19 @@ def test_without_scaling_the_same_gradients_flush_to_zero(pl, tmp_path):
     assert float(tiny["amax"]) == 0.0 and tiny["headroom_bits"] == "inf"
 
 
-@pytest.mark.parametrize("plugin", [
-    pytest.param(lambda: MixedPrecisionPlugin("fp16", scaler=DynamicLossScaler(init_scale=2.0**12)), id="master"),
-    pytest.param(lambda: MixedPrecisionPlugin("fp16", master_weights=False, autocast=True,
-                                              scaler=DynamicLossScaler(init_scale=2.0**12)), id="autocast"),
-    pytest.param(lambda: MixedPrecisionPlugin("fp32"), id="fp32"),
-])
+@pytest.mark.parametrize(
+    "plugin",
+    [
+        pytest.param(lambda: MixedPrecisionPlugin("fp16", scaler=DynamicLossScaler(init_scale=2.0**12)), id="master"),
+        pytest.param(
+            lambda: MixedPrecisionPlugin(
+                "fp16", master_weights=False, autocast=True, scaler=DynamicLossScaler(init_scale=2.0**12)
+            ),
+            id="autocast",
+        ),
+        pytest.param(lambda: MixedPrecisionPlugin("fp32"), id="fp32"),
+    ],
+)
 def test_every_column_matches_its_definition(pl, tmp_path, plugin):
     plugin = plugin()
     scale = plugin.scaler.get_scale()  # 1.0 without loss scaling
@@ -145,7 +161,8 @@ def test_every_column_matches_its_definition(pl, tmp_path, plugin):
     assert float(logged[2]["amp/underflow_frac_scale1"]) == pytest.approx(expected)
     assert float(logged[2]["amp/min_headroom_bits"]) == pytest.approx(min(float(r["headroom_bits"]) for r in last))
     assert float(logged[2]["amp/worst_underflow_frac_current"]) == pytest.approx(
-        max(float(r["underflow_frac_current"]) for r in last))
+        max(float(r["underflow_frac_current"]) for r in last)
+    )
     assert monitor.last_summary["amp/underflow_frac_scale1"] == pytest.approx(expected)
 
 
@@ -212,17 +229,28 @@ def test_without_logger_the_csv_goes_to_default_root_dir(pl, tmp_path):
 
 def test_resume_keeps_rows_before_the_checkpoint_and_redoes_the_rest(pl, tmp_path):
     def trainer(max_steps, monitor):
-        return pl.Trainer(max_steps=max_steps, plugins=[MixedPrecisionPlugin("fp16")], callbacks=[monitor],
-                          logger=False, default_root_dir=tmp_path, enable_checkpointing=False,
-                          enable_progress_bar=False, enable_model_summary=False)
+        return pl.Trainer(
+            max_steps=max_steps,
+            plugins=[MixedPrecisionPlugin("fp16")],
+            callbacks=[monitor],
+            logger=False,
+            default_root_dir=tmp_path,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
 
     first = trainer(2, GradientHealthMonitor(every_n_steps=1, verbose=False))
     first.fit(as_lightning(pl, Planted)())
     first.save_checkpoint(tmp_path / "step2.ckpt")
-    trainer(4, GradientHealthMonitor(every_n_steps=1, verbose=False)).fit(as_lightning(pl, Planted)(), ckpt_path=tmp_path / "step2.ckpt")
+    trainer(4, GradientHealthMonitor(every_n_steps=1, verbose=False)).fit(
+        as_lightning(pl, Planted)(), ckpt_path=tmp_path / "step2.ckpt"
+    )
     assert [int(r["step"]) for r in read_rows(tmp_path / "grad_health.csv")] == [0] * 3 + [1] * 3 + [2] * 3 + [3] * 3
     before = read_rows(tmp_path / "grad_health.csv")[:6]
-    trainer(3, GradientHealthMonitor(every_n_steps=1, verbose=False)).fit(as_lightning(pl, Planted)(), ckpt_path=tmp_path / "step2.ckpt")
+    trainer(3, GradientHealthMonitor(every_n_steps=1, verbose=False)).fit(
+        as_lightning(pl, Planted)(), ckpt_path=tmp_path / "step2.ckpt"
+    )
     rows = read_rows(tmp_path / "grad_health.csv")
     assert [int(r["step"]) for r in rows] == [0] * 3 + [1] * 3 + [2] * 3
     assert rows[:6] == before
@@ -238,8 +266,15 @@ def test_console_line_names_the_worst_layer(pl, tmp_path, monkeypatch):
 
 def test_other_precision_plugins_measure_at_scale_1(pl, tmp_path):
     monitor = GradientHealthMonitor(every_n_steps=1, verbose=False)
-    trainer = pl.Trainer(max_steps=1, callbacks=[monitor], logger=False, default_root_dir=tmp_path,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = pl.Trainer(
+        max_steps=1,
+        callbacks=[monitor],
+        logger=False,
+        default_root_dir=tmp_path,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     with pytest.warns(UserWarning, match="as if the loss scale were 1"):
         trainer.fit(as_lightning(pl, Planted)())
     tiny = by_param(read_rows(monitor.csv_path))["tiny.weight"]

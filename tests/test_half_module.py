@@ -34,8 +34,16 @@ def model() -> nn.Sequential:
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_norm_layers_compute_in_fp32_and_hand_back_half(dtype):
     m = cast_module(model(), dtype)
-    assert [p.dtype for p in m.parameters()] == [dtype, dtype, torch.float32, torch.float32, dtype, dtype,
-                                                 torch.float32, torch.float32]
+    assert [p.dtype for p in m.parameters()] == [
+        dtype,
+        dtype,
+        torch.float32,
+        torch.float32,
+        dtype,
+        dtype,
+        torch.float32,
+        torch.float32,
+    ]
     x = torch.randn(3, 4).to(dtype)
     h = m[0](x)
     ln = m[1]

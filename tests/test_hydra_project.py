@@ -50,8 +50,15 @@ def run(out: Path, *overrides: str):
     from src.train import train
 
     with initialize_config_dir(config_dir=str(PROJECT / "configs"), version_base="1.3"):
-        cfg = compose("train", overrides=[f"paths.output_dir={out}", "+trainer.log_every_n_steps=1",
-                                          "+trainer.enable_progress_bar=false", *overrides])
+        cfg = compose(
+            "train",
+            overrides=[
+                f"paths.output_dir={out}",
+                "+trainer.log_every_n_steps=1",
+                "+trainer.enable_progress_bar=false",
+                *overrides,
+            ],
+        )
     _, trainer = train(cfg)
     return trainer
 
@@ -76,8 +83,10 @@ def test_the_template_project_trains_logs_and_resumes_under_every_preset(tmp_pat
     scaled = preset.startswith("fp16")
     overrides = [f"trainer.plugins.0.precision={preset}", "data.n=256"]  # 6 steps per epoch
     if scaled:  # one overflow before the checkpoint, one after
-        overrides += ["+callbacks.fault._target_=amp_plugin.lightning.FaultInjector",
-                      "+callbacks.fault.inject_inf_at=[4,9]"]
+        overrides += [
+            "+callbacks.fault._target_=amp_plugin.lightning.FaultInjector",
+            "+callbacks.fault.inject_inf_at=[4,9]",
+        ]
     else:
         overrides += ["trainer.plugins.0.scaler=null"]
     if preset == "fp16_pure":  # Adam's eps=1e-8 is 0 in FP16 state: NaN weights (PreflightChecks says so)
@@ -101,15 +110,18 @@ def test_the_template_project_trains_logs_and_resumes_under_every_preset(tmp_pat
     else:
         assert not scaler.is_enabled()
 
-    second = run(tmp_path / "b", *overrides, "+trainer.max_steps=12",
-                 f"ckpt_path={tmp_path / 'a' / 'checkpoints' / 'last.ckpt'}")
+    second = run(
+        tmp_path / "b", *overrides, "+trainer.max_steps=12", f"ckpt_path={tmp_path / 'a' / 'checkpoints' / 'last.ckpt'}"
+    )
     assert second.global_step == 12
     resumed = second.precision_plugin.scaler
     if scaled:
         events_b = read_csv(tmp_path / "b" / "csv" / "version_0" / "scale_events.csv")
         assert events_b[: len(events_a)] == events_a  # the history continues...
-        assert any(e["step"] == "9" for e in events_b[len(events_a):])  # ...and so does the run
-        assert resumed.skipped_steps == skipped_a + len([e for e in events_b[len(events_a):] if e["reason"] != "growth"])
+        assert any(e["step"] == "9" for e in events_b[len(events_a) :])  # ...and so does the run
+        assert resumed.skipped_steps == skipped_a + len(
+            [e for e in events_b[len(events_a) :] if e["reason"] != "growth"]
+        )
         metrics_b = read_csv(tmp_path / "b" / "csv" / "version_0" / "metrics.csv")
         first_scale = next(float(r["amp/loss_scale"]) for r in metrics_b if r.get("amp/loss_scale"))
         assert first_scale == scale_a  # the scale continues from the checkpoint

@@ -8,13 +8,13 @@ import warnings
 
 import pytest
 import torch
+from _models import as_lightning
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from _models import as_lightning
 from amp_plugin import DynamicLossScaler, LossScaleCollapseError, StaticLossScaler
-from amp_plugin.lightning._namespace import Callback
 from amp_plugin.callbacks import LossScaleMonitor, ScaleEvent
+from amp_plugin.lightning._namespace import Callback
 from amp_plugin.lightning.plugin import MixedPrecisionPlugin
 
 pytestmark = [
@@ -49,8 +49,9 @@ class Net:
 
     def train_dataloader(self):
         g = torch.Generator().manual_seed(1)
-        return DataLoader(TensorDataset(torch.randn(self.n, 4, generator=g), torch.randn(self.n, 1, generator=g)),
-                          batch_size=4)
+        return DataLoader(
+            TensorDataset(torch.randn(self.n, 4, generator=g), torch.randn(self.n, 1, generator=g)), batch_size=4
+        )
 
 
 def small_scaler(**kwargs):
@@ -60,10 +61,16 @@ def small_scaler(**kwargs):
 def fit(pl, tmp_path, model, monitor, max_steps, scaler=None, logger=True, plugin=None, **kwargs):
     plugin = plugin or MixedPrecisionPlugin("fp16", scaler=scaler if scaler is not None else small_scaler())
     trainer = pl.Trainer(
-        max_steps=max_steps, plugins=[plugin], callbacks=[monitor],
+        max_steps=max_steps,
+        plugins=[plugin],
+        callbacks=[monitor],
         logger=pl.loggers.CSVLogger(tmp_path, name="run") if logger else False,
-        default_root_dir=tmp_path, log_every_n_steps=1, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, **kwargs,
+        default_root_dir=tmp_path,
+        log_every_n_steps=1,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **kwargs,
     )
     trainer.fit(model)
     return trainer
@@ -122,7 +129,10 @@ def test_gradient_accumulation_logs_once_per_optimizer_step(pl, tmp_path):
     assert [(e.step, e.old_scale, e.new_scale, e.reason) for e in monitor.events] == [(1, 1024.0, 512.0, "overflow")]
     metrics = step_metrics(trainer, "amp/loss_scale", "amp/skipped_steps")
     assert {s: (m["amp/loss_scale"], m["amp/skipped_steps"]) for s, m in metrics.items()} == {
-        0: (1024, 0), 1: (1024, 1), 2: (512, 1), 3: (512, 1),
+        0: (1024, 0),
+        1: (1024, 1),
+        2: (512, 1),
+        3: (512, 1),
     }
 
 
@@ -178,7 +188,13 @@ def notices():
 
 
 def test_every_event_noticed_with_overflowing_param_names(pl, tmp_path, notices):
-    fit(pl, tmp_path, as_lightning(pl, Net)(inf_at={2, 3, 9}, nan_bias_at={3}), LossScaleMonitor(notice_interval_s=0), max_steps=12)
+    fit(
+        pl,
+        tmp_path,
+        as_lightning(pl, Net)(inf_at={2, 3, 9}, nan_bias_at={3}),
+        LossScaleMonitor(notice_interval_s=0),
+        max_steps=12,
+    )
     assert len(notices) == 4
     assert "step 3" in notices[1] and "l2.weight:3;l1.bias:1" in notices[1] and "512 -> 256" in notices[1]
     assert "256 -> 512" in notices[2] and "growth" in notices[2]
@@ -265,9 +281,16 @@ def item_calls_per_run(pl, tmp_path, monkeypatch, monitors, device="cpu"):
         counts.append(0)
         callbacks = [_Window(counter, opens=True)] + ([monitor] if monitor else []) + [_Window(counter, opens=False)]
         trainer = pl.Trainer(
-            max_steps=6, plugins=[MixedPrecisionPlugin("fp16", scaler=small_scaler())], callbacks=callbacks,
-            logger=pl.loggers.CSVLogger(tmp_path), log_every_n_steps=1, accelerator=device, devices=1,
-            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            max_steps=6,
+            plugins=[MixedPrecisionPlugin("fp16", scaler=small_scaler())],
+            callbacks=callbacks,
+            logger=pl.loggers.CSVLogger(tmp_path),
+            log_every_n_steps=1,
+            accelerator=device,
+            devices=1,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
         )
         trainer.fit(as_lightning(pl, Net)(inf_at={2}))
     return counts
@@ -285,9 +308,16 @@ def test_same_device_syncs_with_and_without_the_monitor_on_cuda(pl, tmp_path):
     counts = []
     for callbacks in ([], [LossScaleMonitor(notice_interval_s=0)]):
         trainer = pl.Trainer(
-            max_steps=6, plugins=[MixedPrecisionPlugin("fp16", scaler=small_scaler())], callbacks=callbacks,
-            logger=pl.loggers.CSVLogger(tmp_path), log_every_n_steps=1, accelerator="cuda", devices=1,
-            enable_checkpointing=False, enable_progress_bar=True, enable_model_summary=False,
+            max_steps=6,
+            plugins=[MixedPrecisionPlugin("fp16", scaler=small_scaler())],
+            callbacks=callbacks,
+            logger=pl.loggers.CSVLogger(tmp_path),
+            log_every_n_steps=1,
+            accelerator="cuda",
+            devices=1,
+            enable_checkpointing=False,
+            enable_progress_bar=True,
+            enable_model_summary=False,
         )
         torch.cuda.set_sync_debug_mode("warn")
         try:
@@ -311,8 +341,14 @@ def test_resume_rewrites_the_history_then_appends(pl, tmp_path):
     resumed = LossScaleMonitor()
     plugin = MixedPrecisionPlugin("fp16", scaler=small_scaler())
     trainer = pl.Trainer(
-        max_steps=12, plugins=[plugin], callbacks=[resumed], logger=pl.loggers.CSVLogger(tmp_path / "b", name="run"),
-        log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        max_steps=12,
+        plugins=[plugin],
+        callbacks=[resumed],
+        logger=pl.loggers.CSVLogger(tmp_path / "b", name="run"),
+        log_every_n_steps=1,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
     )
     trainer.fit(as_lightning(pl, Net)(inf_at={2, 3, 9}), ckpt_path=ckpt)
     assert resumed.events == straight.events
@@ -322,8 +358,15 @@ def test_resume_rewrites_the_history_then_appends(pl, tmp_path):
 
 def test_other_precision_plugins_warn_once_and_log_nothing(pl, tmp_path):
     monitor = LossScaleMonitor()
-    trainer = pl.Trainer(max_steps=2, callbacks=[monitor], logger=pl.loggers.CSVLogger(tmp_path), log_every_n_steps=1,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = pl.Trainer(
+        max_steps=2,
+        callbacks=[monitor],
+        logger=pl.loggers.CSVLogger(tmp_path),
+        log_every_n_steps=1,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     with pytest.warns(UserWarning, match="LossScaleMonitor reads the state of amp_plugin's MixedPrecisionPlugin"):
         trainer.fit(as_lightning(pl, Net)())
     assert monitor.events == [] and "amp/loss_scale" not in trainer.logged_metrics

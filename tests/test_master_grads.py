@@ -118,8 +118,11 @@ def test_clipping_the_masters_equals_clipping_fp32_params(mode, enabled, where):
     for step in range(3):
         set_grads(ref, half, step, scaler.get_scale())
         scaler.unscale_(opt)
-        params = opt.master_params() if where == "master_params" else [
-            p for group in opt.param_groups for p in group["params"]]
+        params = (
+            opt.master_params()
+            if where == "master_params"
+            else [p for group in opt.param_groups for p in group["params"]]
+        )
         norm = torch.nn.utils.clip_grad_norm_(params, 0.05)
         ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
         assert torch.equal(norm, ref_norm) and norm > 0.05  # it really clipped

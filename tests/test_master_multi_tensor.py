@@ -14,15 +14,17 @@ CONFIGS = {
     "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, fused=True),
     "adam_l2_maximize": lambda ps: torch.optim.Adam(ps, lr=1e-2, weight_decay=0.05, maximize=True, fused=True),
     "adamw_betas": lambda ps: torch.optim.AdamW(ps, lr=3e-3, betas=(0.3, 0.95), fused=True),
-    "two_groups": lambda ps: torch.optim.AdamW([{"params": ps[:3]}, {"params": ps[3:], "lr": 1e-3,
-                                                                        "weight_decay": 0.0}], lr=1e-2, fused=True),
+    "two_groups": lambda ps: torch.optim.AdamW(
+        [{"params": ps[:3]}, {"params": ps[3:], "lr": 1e-3, "weight_decay": 0.0}], lr=1e-2, fused=True
+    ),
 }
 
 
 def model_for(seed=0, dtype=torch.float16):
     torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.LayerNorm(32), torch.nn.Linear(32, 8),
-                                torch.nn.Linear(8, 8))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(16, 32), torch.nn.LayerNorm(32), torch.nn.Linear(32, 8), torch.nn.Linear(8, 8)
+    )
     for m in (model[0], model[2], model[3]):
         m.to(dtype)
     return model

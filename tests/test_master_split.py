@@ -166,8 +166,7 @@ def test_a_lightning_module_can_return_a_split_master_optimizer(pl):
 
     class Split(TinyClassifier):
         def configure_optimizers(self):
-            return MasterWeightOptimizer(torch.optim.AdamW(self.parameters(), lr=1e-2, fused=True),
-                                         master="bf16_split")
+            return MasterWeightOptimizer(torch.optim.AdamW(self.parameters(), lr=1e-2, fused=True), master="bf16_split")
 
     module = as_lightning(pl, Split)()
     trainer = quiet_trainer(pl, plugins=[MixedPrecisionPlugin("bf16")], max_steps=4)

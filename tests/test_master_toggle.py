@@ -112,8 +112,13 @@ def gan_module(pl, records, init_dtype):
             self.toggle_optimizer(g_opt)
             g_loss = -self.discriminator(self.generator(z)).float().mean()
             self.manual_backward(g_loss)
-            records.append(("g", [p.grad is None for p in self.discriminator.parameters()],
-                            [p.grad is None for p in self.generator.parameters()]))
+            records.append(
+                (
+                    "g",
+                    [p.grad is None for p in self.discriminator.parameters()],
+                    [p.grad is None for p in self.generator.parameters()],
+                )
+            )
             g_opt.step()
             g_opt.zero_grad()
             self.untoggle_optimizer(g_opt)
@@ -122,15 +127,22 @@ def gan_module(pl, records, init_dtype):
             fake = self.generator(z)
             d_loss = (self.discriminator(fake).float() - self.discriminator(real.to(dtype)).float()).mean()
             self.manual_backward(d_loss)
-            records.append(("d", [p.grad is None for p in self.generator.parameters()],
-                            [p.grad is None for p in self.discriminator.parameters()]))
+            records.append(
+                (
+                    "d",
+                    [p.grad is None for p in self.generator.parameters()],
+                    [p.grad is None for p in self.discriminator.parameters()],
+                )
+            )
             d_opt.step()
             d_opt.zero_grad()
             self.untoggle_optimizer(d_opt)
 
         def configure_optimizers(self):
-            return (torch.optim.AdamW(self.generator.parameters(), lr=1e-3, fused=True),
-                    torch.optim.AdamW(self.discriminator.parameters(), lr=1e-3, fused=True))
+            return (
+                torch.optim.AdamW(self.generator.parameters(), lr=1e-3, fused=True),
+                torch.optim.AdamW(self.discriminator.parameters(), lr=1e-3, fused=True),
+            )
 
         def train_dataloader(self):
             real = torch.randn(64, 6, generator=torch.Generator().manual_seed(7))
@@ -153,14 +165,17 @@ def test_a_lightning_gan_with_toggle_optimizer_trains_like_fp32(pl, precision):
         module = gan_module(pl, records, dtype)()
         start = torch.cat([p.detach().flatten().clone() for p in module.parameters()])
         # a scale the first steps do not overflow: no step of the FP16 run is skipped
-        plugin = MixedPrecisionPlugin(name, **({"scaler": DynamicLossScaler(init_scale=2.0**8)} if name == "fp16" else {}))
+        plugin = MixedPrecisionPlugin(
+            name, **({"scaler": DynamicLossScaler(init_scale=2.0**8)} if name == "fp16" else {})
+        )
         trainer = quiet_trainer(pl, plugins=[plugin], max_steps=16, max_epochs=1)
         trainer.fit(module)
         if name != "fp32":
             assert all(isinstance(o, MasterWeightOptimizer) for o in trainer.optimizers)
             assert plugin.scaler.skipped_steps == 0
-        assert len(records) == 16 and all(all(frozen) and not any(trained) for _, frozen, trained in records), \
-            records[:2]
+        assert len(records) == 16 and all(all(frozen) and not any(trained) for _, frozen, trained in records), records[
+            :2
+        ]
         results[name] = torch.cat([p.detach().float().flatten() for p in module.parameters()]) - start
     fp32, half = results["fp32"], results[precision]  # what training changed, in each run
     tolerance = 0.03 if precision == "fp16" else 0.15  # BF16 computes with 3 digits: Adam amplifies the noise

@@ -67,8 +67,12 @@ def write_init(model):
 
 
 def write_load_state_dict(model):
-    model.load_state_dict({"weight": half_values(4, 6, seed=7).to(model.weight.dtype),
-                           "bias": half_values(4, seed=8).to(model.bias.dtype)})
+    model.load_state_dict(
+        {
+            "weight": half_values(4, 6, seed=7).to(model.weight.dtype),
+            "bias": half_values(4, seed=8).to(model.bias.dtype),
+        }
+    )
 
 
 def write_ema_swap(model):  # an EMA/SWA swap copies the averaged weights in
@@ -183,8 +187,10 @@ def test_one_parameter_in_two_optimizers_has_one_master():
     ref_p = torch.nn.Parameter(half_values(8, seed=1).float())
     half_p = torch.nn.Parameter(half_values(8, seed=1))
     ref_opts = [torch.optim.SGD([ref_p], lr=0.1), torch.optim.SGD([ref_p], lr=0.01, momentum=0.9)]
-    opts = [MasterWeightOptimizer(torch.optim.SGD([half_p], lr=0.1)),
-            MasterWeightOptimizer(torch.optim.SGD([half_p], lr=0.01, momentum=0.9))]
+    opts = [
+        MasterWeightOptimizer(torch.optim.SGD([half_p], lr=0.1)),
+        MasterWeightOptimizer(torch.optim.SGD([half_p], lr=0.01, momentum=0.9)),
+    ]
     assert opts[0].master_params()[0] is opts[1].master_params()[0]
     for step in range(4):
         for k, (ref_opt, opt) in enumerate(zip(ref_opts, opts)):
@@ -242,10 +248,14 @@ def test_a_duplicate_param_group_raises_like_torch():
 
 
 # ---------------------------------------------------------------- sparse gradients
-@pytest.mark.parametrize("optimizer", [
-    lambda ps: torch.optim.SGD(ps, lr=0.5),
-    lambda ps: torch.optim.SparseAdam(ps, lr=0.01),
-], ids=["sgd", "sparse_adam"])
+@pytest.mark.parametrize(
+    "optimizer",
+    [
+        lambda ps: torch.optim.SGD(ps, lr=0.5),
+        lambda ps: torch.optim.SparseAdam(ps, lr=0.01),
+    ],
+    ids=["sgd", "sparse_adam"],
+)
 @pytest.mark.parametrize("scaled", [False, True])
 def test_sparse_embedding_gradients_train_like_fp32(optimizer, scaled):
     weights = half_values(10, 4, seed=0)
@@ -317,8 +327,12 @@ def test_lbfgs_is_refused_at_construction():
 # ---------------------------------------------------------------- gradients changed after unscale_
 def clip_setup():
     ref, half = twin_models()
-    return ref, half, torch.optim.SGD(ref.parameters(), lr=0.5), MasterWeightOptimizer(
-        torch.optim.SGD(half.parameters(), lr=0.5))
+    return (
+        ref,
+        half,
+        torch.optim.SGD(ref.parameters(), lr=0.5),
+        MasterWeightOptimizer(torch.optim.SGD(half.parameters(), lr=0.5)),
+    )
 
 
 def test_clipping_the_model_grads_after_unscale_warns_once_with_the_fix():

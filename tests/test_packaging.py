@@ -28,6 +28,7 @@ def test_every_package_under_amp_plugin_is_listed():
 def test_every_config_group_ships_in_the_wheel():
     """Each folder of configs/ is a package of the wheel, or amp-train outside a checkout misses that group."""
     listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
-    groups = {f"amp_plugin.app.configs.{d.name}" for d in (ROOT / "configs").iterdir() if d.is_dir()
-              and any(d.glob("*.yaml"))}
+    groups = {
+        f"amp_plugin.app.configs.{d.name}" for d in (ROOT / "configs").iterdir() if d.is_dir() and any(d.glob("*.yaml"))
+    }
     assert groups and groups <= listed, f"missing from pyproject.toml: {sorted(groups - listed)}"

@@ -33,8 +33,20 @@ def fit(pl, model, plugin, **trainer_kwargs):
     [
         (dict(precision="fp16"), torch.float16, torch.float32, torch.float16, True),
         (dict(precision="bf16"), torch.bfloat16, torch.float32, torch.bfloat16, True),
-        (dict(precision="fp16", master_weights=False, autocast=True), torch.float32, torch.float32, torch.float32, False),
-        (dict(precision="bf16", master_weights=False, autocast=True), torch.float32, torch.float32, torch.float32, False),
+        (
+            dict(precision="fp16", master_weights=False, autocast=True),
+            torch.float32,
+            torch.float32,
+            torch.float32,
+            False,
+        ),
+        (
+            dict(precision="bf16", master_weights=False, autocast=True),
+            torch.float32,
+            torch.float32,
+            torch.float32,
+            False,
+        ),
         (dict(precision="fp16", master_weights=False), torch.float16, torch.float16, torch.float16, False),
         (dict(precision="bf16", master_weights=False), torch.bfloat16, torch.bfloat16, torch.bfloat16, False),
         (dict(precision="fp32"), torch.float32, torch.float32, torch.float32, False),
@@ -56,7 +68,11 @@ def test_param_and_input_dtypes_per_mode(pl, kwargs, linear, norm, inputs, wrapp
 def test_default_scaler_per_precision():
     assert isinstance(MixedPrecisionPlugin("fp16").scaler, DynamicLossScaler)
     assert MixedPrecisionPlugin("fp16").scaler.is_enabled()
-    for plugin in (MixedPrecisionPlugin("bf16"), MixedPrecisionPlugin("fp32"), MixedPrecisionPlugin("fp16", scaler=None)):
+    for plugin in (
+        MixedPrecisionPlugin("bf16"),
+        MixedPrecisionPlugin("fp32"),
+        MixedPrecisionPlugin("fp16", scaler=None),
+    ):
         # No loss scaling is a disabled scaler: same interface, scale 1, nothing skipped.
         assert not plugin.scaler.is_enabled()
         assert plugin.scaler.get_scale() == 1.0 and plugin.scaler.skipped_steps == 0
@@ -75,8 +91,11 @@ def test_autocast_on_cpu_really_is_fp16(pl):
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(precision="fp17"), "precision='fp17' is not allowed: precision must be one of 'fp32', 'fp16', 'bf16', "
-                                 "'fp16_autocast', 'bf16_autocast', 'fp16_pure', 'bf16_pure'"),
+        (
+            dict(precision="fp17"),
+            "precision='fp17' is not allowed: precision must be one of 'fp32', 'fp16', 'bf16', "
+            "'fp16_autocast', 'bf16_autocast', 'fp16_pure', 'bf16_pure'",
+        ),
         (dict(emulate="maybe"), "emulate='maybe'"),
         (dict(master_weights=True, autocast=True), "cannot be combined"),
         (dict(precision="fp32", scaler=StaticLossScaler(2.0)), "precision='fp32'"),
@@ -272,8 +291,12 @@ AVX512_BF16 = simulated_cpu(avx512_bf16=True)
         (AVX512_BF16, dict(precision="bf16_autocast"), False, "bf16: native (avx512_bf16)"),
         (AVX512_BF16, dict(precision="fp16"), True, "fp16: emulated (no native FP16 GEMM"),
         (AVX2_ONLY, dict(precision="fp16", emulate="off"), False, "fp16: native CPU kernels, forced by emulate='off'"),
-        (AVX512_BF16, dict(precision="bf16", emulate="on"), True, "bf16: emulated (FP32 matmuls rounded once), "
-                                                                  "forced by emulate='on' (auto: native (avx512_bf16))"),
+        (
+            AVX512_BF16,
+            dict(precision="bf16", emulate="on"),
+            True,
+            "bf16: emulated (FP32 matmuls rounded once), forced by emulate='on' (auto: native (avx512_bf16))",
+        ),
         (AVX2_ONLY, dict(precision="fp32", emulate="on"), False, "fp32"),
     ],
 )
@@ -447,8 +470,11 @@ class ManualClip(TinyClassifier):
     def on_fit_start(self):
         inner = self.trainer.optimizers[0]
         inner = getattr(inner, "optimizer", inner)  # the optimizer inside MasterWeightOptimizer
-        inner.register_step_pre_hook(lambda opt, args, kwargs: self.stepped_grads.append(
-            [p.grad.clone() for g in opt.param_groups for p in g["params"]]))
+        inner.register_step_pre_hook(
+            lambda opt, args, kwargs: self.stepped_grads.append(
+                [p.grad.clone() for g in opt.param_groups for p in g["params"]]
+            )
+        )
 
     def training_step(self, batch, batch_idx):
         opt = self.optimizers()
@@ -493,8 +519,9 @@ class WeightsSetAtFitStart(TinyClassifier):
     def on_fit_start(self):
         with torch.no_grad():
             self.net[0].weight.fill_(0.125)
-            self.net[3].load_state_dict({"weight": torch.full_like(self.net[3].weight, -0.25),
-                                         "bias": torch.zeros_like(self.net[3].bias)})
+            self.net[3].load_state_dict(
+                {"weight": torch.full_like(self.net[3].weight, -0.25), "bias": torch.zeros_like(self.net[3].bias)}
+            )
 
 
 class SwapInWeights(Callback):
@@ -537,11 +564,13 @@ class ReadsGradsInHook(TinyClassifier):
         from lightning.pytorch.utilities import grad_norm
 
         masters = optimizer.master_params() if hasattr(optimizer, "master_params") else list(self.parameters())
-        self.seen.append({
-            "model": [p.grad.clone() for p in self.parameters()],
-            "master": [m.grad.clone() for m in masters],
-            "norm": grad_norm(self, norm_type=2)["grad_2.0_norm_total"],
-        })
+        self.seen.append(
+            {
+                "model": [p.grad.clone() for p in self.parameters()],
+                "master": [m.grad.clone() for m in masters],
+                "norm": grad_norm(self, norm_type=2)["grad_2.0_norm_total"],
+            }
+        )
         if self.zero_first_layer:
             self.net[0].weight.grad.zero_()
 

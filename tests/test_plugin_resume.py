@@ -100,7 +100,9 @@ def test_changed_scaler_settings_warn_and_win(pl, tmp_path):
     scale = plugin.scaler.get_scale()
     trainer.save_checkpoint(tmp_path / "c.ckpt")
     model = as_lightning(pl, TinyClassifier)(n=32)
-    plugin = MixedPrecisionPlugin("fp16", scaler=DynamicLossScaler(init_scale=2.0**10, growth_interval=50, hysteresis=2))
+    plugin = MixedPrecisionPlugin(
+        "fp16", scaler=DynamicLossScaler(init_scale=2.0**10, growth_interval=50, hysteresis=2)
+    )
     trainer = quiet_trainer(pl, plugins=[plugin], max_steps=3)
     with pytest.warns(UserWarning, match=r"growth_interval: 2 -> 50"):
         trainer.fit(model, ckpt_path=tmp_path / "c.ckpt")

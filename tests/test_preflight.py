@@ -7,10 +7,10 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from _models import as_lightning
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from _models import as_lightning
 from amp_plugin.callbacks import PreflightChecks
 from amp_plugin.lightning.plugin import MixedPrecisionPlugin
 from amp_plugin.preflight import (
@@ -52,17 +52,24 @@ class Net:
 
     def train_dataloader(self):
         g = torch.Generator().manual_seed(1)
-        return DataLoader(TensorDataset(torch.randn(16, 4, generator=g), torch.randint(0, 3, (16,), generator=g)),
-                          batch_size=4)
+        return DataLoader(
+            TensorDataset(torch.randn(16, 4, generator=g), torch.randint(0, 3, (16,), generator=g)), batch_size=4
+        )
 
 
 def run(pl, model, plugin, checks=None, max_steps=2, tmp_path=None, **trainer_kwargs):
     """Fit and return the preflight messages that were warned."""
     checks = checks or PreflightChecks()
     trainer = pl.Trainer(
-        max_steps=max_steps, plugins=[plugin] if plugin is not None else None, callbacks=[checks], logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        default_root_dir=tmp_path, **trainer_kwargs,
+        max_steps=max_steps,
+        plugins=[plugin] if plugin is not None else None,
+        callbacks=[checks],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+        **trainer_kwargs,
     )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -145,10 +152,13 @@ def test_lightning_16_mixed_with_a_half_model_is_stopped_before_it_fails(pl, tmp
         run(pl, as_lightning(pl, Net)(half=True), plugin, checks=checks, tmp_path=tmp_path)
 
 
-@pytest.mark.parametrize("plugin", [
-    pytest.param(lambda: MixedPrecisionPlugin("fp16"), id="scaled"),  # the hook sees the scaled FP32 loss
-    pytest.param(lambda: MixedPrecisionPlugin("fp16", scaler=None), id="unscaled"),
-])
+@pytest.mark.parametrize(
+    "plugin",
+    [
+        pytest.param(lambda: MixedPrecisionPlugin("fp16"), id="scaled"),  # the hook sees the scaled FP32 loss
+        pytest.param(lambda: MixedPrecisionPlugin("fp16", scaler=None), id="unscaled"),
+    ],
+)
 def test_half_loss(pl, tmp_path, plugin):
     [message] = run(pl, as_lightning(pl, Net)(half_loss=True), plugin(), tmp_path=tmp_path)
     assert message.startswith("amp_plugin preflight [half_loss]: the training loss is torch.float16")
@@ -163,24 +173,35 @@ def test_half_loss_message_explains_the_scale():
     assert check_loss_dtype(torch.ones(())) == []
 
 
-@pytest.mark.parametrize("plugin", [
-    pytest.param(lambda: MixedPrecisionPlugin("fp16"), id="fp16"),
-    pytest.param(lambda: MixedPrecisionPlugin("fp16", master_weights=False, autocast=True), id="fp16-autocast"),
-    pytest.param(lambda: MixedPrecisionPlugin("bf16", master_weights=False, autocast=False), id="bf16-pure"),
-    pytest.param(lambda: None, id="lightning-32"),
-])
+@pytest.mark.parametrize(
+    "plugin",
+    [
+        pytest.param(lambda: MixedPrecisionPlugin("fp16"), id="fp16"),
+        pytest.param(lambda: MixedPrecisionPlugin("fp16", master_weights=False, autocast=True), id="fp16-autocast"),
+        pytest.param(lambda: MixedPrecisionPlugin("bf16", master_weights=False, autocast=False), id="bf16-pure"),
+        pytest.param(lambda: None, id="lightning-32"),
+    ],
+)
 def test_clean_setups_are_silent(pl, tmp_path, plugin):
     assert run(pl, as_lightning(pl, Net)(optimizer="adam"), plugin(), tmp_path=tmp_path) == []
 
 
 def test_strict_mode_raises_with_the_same_text(pl, tmp_path):
     with pytest.raises(PreflightError, match=r"\[weight_range\].*Fix: train in bf16"):
-        run(pl, as_lightning(pl, Net)(init=huge_weight), MixedPrecisionPlugin("fp16"), PreflightChecks(on_problem="raise"), tmp_path=tmp_path)
+        run(
+            pl,
+            as_lightning(pl, Net)(init=huge_weight),
+            MixedPrecisionPlugin("fp16"),
+            PreflightChecks(on_problem="raise"),
+            tmp_path=tmp_path,
+        )
 
 
 def test_skipped_checks_do_not_run(pl, tmp_path):
     checks = PreflightChecks(skip=["weight_range"])
-    assert run(pl, as_lightning(pl, Net)(init=huge_weight), MixedPrecisionPlugin("fp16"), checks, tmp_path=tmp_path) == []
+    assert (
+        run(pl, as_lightning(pl, Net)(init=huge_weight), MixedPrecisionPlugin("fp16"), checks, tmp_path=tmp_path) == []
+    )
     assert checks.problems == []
 
 
@@ -223,6 +244,9 @@ def test_why_anomaly_detection_and_dynamic_scaling_do_not_mix():
     scaler = DynamicLossScaler()
     assert overflowing_step(model, opt, scaler) is None  # skipped, as it should be
     scaler.update()
-    with torch.autograd.set_detect_anomaly(True), pytest.warns(UserWarning, match="Error detected"):
-        with pytest.raises(RuntimeError, match="returned nan values"):
-            overflowing_step(model, opt, scaler)
+    with (
+        torch.autograd.set_detect_anomaly(True),
+        pytest.warns(UserWarning, match="Error detected"),
+        pytest.raises(RuntimeError, match="returned nan values"),
+    ):
+        overflowing_step(model, opt, scaler)

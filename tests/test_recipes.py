@@ -6,12 +6,12 @@ import copy
 import math
 
 import pytest
-from amp_plugin.lightning import pl
 import torch
 import torch.nn.functional as F
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
+from amp_plugin.lightning import pl
 from amp_plugin.recipes import CharGPTRecipe, DigitsRecipe, StagnationDemoRecipe, UnderflowDemoRecipe
 from amp_plugin.recipes.char_gpt import VOCAB_SIZE, build_corpus
 from amp_plugin.recipes.digits import load_digits_split
@@ -110,13 +110,16 @@ def test_half_module_and_inputs_give_fp32_loss(name, dtype):
 
 
 @pytest.mark.parametrize("cls", [DigitsRecipe, CharGPTRecipe, UnderflowDemoRecipe, StagnationDemoRecipe])
-@pytest.mark.parametrize("kwargs, error, text", [
-    (dict(lr=-1), ValueError, "lr=-1.0 is not allowed: lr must be a finite number > 0."),
-    (dict(lr=math.nan), ValueError, "lr=nan is not allowed: lr must be a finite number > 0."),
-    (dict(lr="abc"), TypeError, "lr='abc' is not allowed"),
-    (dict(batch_size=0), ValueError, "batch_size=0 is not allowed: batch_size must be an integer >= 1."),
-    (dict(batch_size=2.5), TypeError, "batch_size=2.5 is not allowed"),
-])
+@pytest.mark.parametrize(
+    "kwargs, error, text",
+    [
+        (dict(lr=-1), ValueError, "lr=-1.0 is not allowed: lr must be a finite number > 0."),
+        (dict(lr=math.nan), ValueError, "lr=nan is not allowed: lr must be a finite number > 0."),
+        (dict(lr="abc"), TypeError, "lr='abc' is not allowed"),
+        (dict(batch_size=0), ValueError, "batch_size=0 is not allowed: batch_size must be an integer >= 1."),
+        (dict(batch_size=2.5), TypeError, "batch_size=2.5 is not allowed"),
+    ],
+)
 def test_every_recipe_checks_its_arguments(cls, kwargs, error, text):
     """One message naming the argument, from the recipe's own constructor (the app prefixes ``recipe.``)."""
     with pytest.raises(error) as info:
@@ -147,7 +150,7 @@ def test_digits_split_is_scaled_stratified_and_seeded():
     assert x_train.shape[1:] == (1, 8, 8) and x_train.dtype == torch.float32
     assert y_train.dtype == torch.int64
     assert len(x_train) + len(x_val) == 1797
-    assert 0.0 <= float(x_train.min()) and float(x_train.max()) <= 1.0
+    assert float(x_train.min()) >= 0.0 and float(x_train.max()) <= 1.0
     assert set(y_val.tolist()) == set(range(10))
     again = load_digits_split(seed=0)
     other = load_digits_split(seed=1)
@@ -183,7 +186,7 @@ def test_char_corpus_builds_offline_and_deterministically():
     assert 200_000 <= len(corpus) <= 1_000_000
     assert torch.equal(corpus, build_corpus())
     assert torch.equal(build_corpus(max_chars=1000), corpus[:1000])
-    assert 0 <= int(corpus.min()) and int(corpus.max()) < VOCAB_SIZE == 256
+    assert int(corpus.min()) >= 0 and int(corpus.max()) < VOCAB_SIZE == 256
     # Python source: mostly ASCII, well over a letters-only alphabet.
     assert 60 <= corpus.unique().numel() <= VOCAB_SIZE
     assert bytes(corpus[:2000].tolist()).decode("utf-8", errors="replace").count("def ") > 0
@@ -333,4 +336,3 @@ def test_stagnation_pure_fp16_epoch_never_moves_while_fp32_learns():
     assert torch.equal(half.weight, w0)
     start = float(recipe.weight_error())  # recipe.model itself was never trained
     assert float((full.weight.detach().flatten() - recipe.w_star).pow(2).mean().sqrt()) < 0.95 * start
-

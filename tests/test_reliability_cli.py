@@ -19,8 +19,13 @@ from _cli_batch import run_batch
 from omegaconf import OmegaConf
 
 QUICK = ["trainer.enable_progress_bar=false", "trainer.limit_val_batches=1", "plot=false"]
-FAULTS = ["+fault.inject_inf_at=[3,7]", "+fault.inject_nan_at=[10]", "+fault.nan_loss_at=[5]",
-          "+fault.nan_input_at=[9]", "+fault.param=net.4.weight"]
+FAULTS = [
+    "+fault.inject_inf_at=[3,7]",
+    "+fault.inject_nan_at=[10]",
+    "+fault.nan_loss_at=[5]",
+    "+fault.nan_input_at=[9]",
+    "+fault.param=net.4.weight",
+]
 COLLAPSE = ["+fault.inject_inf_from=2", "scaler.init_scale=4", "scaler.min_scale=1"]
 
 # name -> command line. Runs whose names start with "bad:" must be rejected before training.
@@ -31,27 +36,54 @@ RUNS: dict[str, list[str]] = {
     "collapse": [*COLLAPSE, "trainer.max_steps=20", *QUICK],
     "collapse_skip": [*COLLAPSE, "scaler.on_min_scale=skip", "trainer.max_steps=8", *QUICK],
     "resume_bf16": ["precision=bf16", "ckpt_path=collapse/checkpoints/last-good.ckpt", "trainer.max_steps=8", *QUICK],
-    "resume_new_scaler_settings": ["scaler.growth_interval=50", "ckpt_path=faults/checkpoints/last.ckpt",
-                                   "trainer.max_steps=14", *QUICK],
-    "resume_static_scaler": ["scaler=static", "ckpt_path=faults/checkpoints/last.ckpt", "trainer.max_steps=14",
-                             *QUICK],
+    "resume_new_scaler_settings": [
+        "scaler.growth_interval=50",
+        "ckpt_path=faults/checkpoints/last.ckpt",
+        "trainer.max_steps=14",
+        *QUICK,
+    ],
+    "resume_static_scaler": ["scaler=static", "ckpt_path=faults/checkpoints/last.ckpt", "trainer.max_steps=14", *QUICK],
     # No scaler to skip it: a NaN loss at step 3 poisons the weights; checkpoints every 2 steps.
-    "nan_fp32": ["precision=fp32", "+fault.nan_loss_at=[3]", "trainer.max_steps=10",
-                 "callbacks.model_checkpoint.every_n_train_steps=2", *QUICK],
+    "nan_fp32": [
+        "precision=fp32",
+        "+fault.nan_loss_at=[3]",
+        "trainer.max_steps=10",
+        "callbacks.model_checkpoint.every_n_train_steps=2",
+        *QUICK,
+    ],
     # A NaN batch at the last step: skipped, but the logged train/loss is NaN.
     "nan_last_step": ["+fault.nan_input_at=[2]", "trainer.max_steps=3", *QUICK],
     # One overflow at step 1 (scale 4 -> 2), healthy saves at steps 5 and 10, then a collapse.
-    "collapse_after_healthy": ["+fault.inject_inf_at=[1]", "+fault.inject_inf_from=12", "scaler.init_scale=4",
-                               "scaler.min_scale=1", "trainer.max_steps=30",
-                               "callbacks.recovery_checkpoint.every_n_steps=5",
-                               "callbacks.recovery_checkpoint.healthy_steps=3", *QUICK],
-    "resume_recovery": ["scaler.init_scale=4", "ckpt_path=collapse_after_healthy/checkpoints/last-good.ckpt",
-                        "trainer.max_steps=14", *QUICK],
+    "collapse_after_healthy": [
+        "+fault.inject_inf_at=[1]",
+        "+fault.inject_inf_from=12",
+        "scaler.init_scale=4",
+        "scaler.min_scale=1",
+        "trainer.max_steps=30",
+        "callbacks.recovery_checkpoint.every_n_steps=5",
+        "callbacks.recovery_checkpoint.healthy_steps=3",
+        *QUICK,
+    ],
+    "resume_recovery": [
+        "scaler.init_scale=4",
+        "ckpt_path=collapse_after_healthy/checkpoints/last-good.ckpt",
+        "trainer.max_steps=14",
+        *QUICK,
+    ],
     "lr_base": ["trainer.max_steps=4", *QUICK],
-    "resume_new_lr": ["recipe.lr=0.1", "recipe.weight_decay=0.01", "ckpt_path=lr_base/checkpoints/last.ckpt",
-                      "trainer.max_steps=6", *QUICK],
-    "final_step": ["recipe=underflow_demo", "trainer.max_steps=7", "callbacks.model_checkpoint.every_n_train_steps=3",
-                   *QUICK],
+    "resume_new_lr": [
+        "recipe.lr=0.1",
+        "recipe.weight_decay=0.01",
+        "ckpt_path=lr_base/checkpoints/last.ckpt",
+        "trainer.max_steps=6",
+        *QUICK,
+    ],
+    "final_step": [
+        "recipe=underflow_demo",
+        "trainer.max_steps=7",
+        "callbacks.model_checkpoint.every_n_train_steps=3",
+        *QUICK,
+    ],
 }
 
 # Bad command lines (on top of tests/test_config_validation.py's table), then strings stderr
@@ -70,39 +102,61 @@ BAD = [
     (["ckpt_path=garbage.ckpt"], ["ckpt_path='garbage.ckpt'", "cannot be read as a checkpoint"]),
     (["ckpt_path=plain_tensors.ckpt"], ["ckpt_path='plain_tensors.ckpt'", "not a Lightning checkpoint"]),
     (["ckpt_path=faults"], ["ckpt_path='faults'", "a directory", "checkpoint file"]),
-    (["ckpt_path=faults/checkpoints/last.ckpt", "trainer.max_steps=5"],
-     ["trainer.max_steps=5 leaves nothing to train", "already at step 12"]),
+    (
+        ["ckpt_path=faults/checkpoints/last.ckpt", "trainer.max_steps=5"],
+        ["trainer.max_steps=5 leaves nothing to train", "already at step 12"],
+    ),
     (["scaler.min_scale=0"], ["scaler.min_scale=0", "> 0"]),
     (["scaler.max_scale=inf"], ["scaler.max_scale=inf", "finite"]),
     (["scaler.on_min_scale=stop"], ["scaler.on_min_scale", "'stop'", "expected one of [raise, skip]"]),
     (["precision=bf16", "scaler.init_scale=8"], ["scaler.init_scale", "NoScalerConf"]),
-    (["precision=fp32", "scaler=dynamic"], ["scaler=DynamicLossScaler", "not allowed with precision='fp32'",
-                                            "scaler=None"]),
-    (["precision=fp16_pure", "precision.master_weights=true"],
-     ["precision.master_weights=True contradicts precision='fp16_pure'", "precision='fp16'"]),
-    (["precision=bf16_pure", "precision.autocast=true"],
-     ["precision.autocast=True contradicts precision='bf16_pure'", "precision='bf16_autocast'"]),
+    (
+        ["precision=fp32", "scaler=dynamic"],
+        ["scaler=DynamicLossScaler", "not allowed with precision='fp32'", "scaler=None"],
+    ),
+    (
+        ["precision=fp16_pure", "precision.master_weights=true"],
+        ["precision.master_weights=True contradicts precision='fp16_pure'", "precision='fp16'"],
+    ),
+    (
+        ["precision=bf16_pure", "precision.autocast=true"],
+        ["precision.autocast=True contradicts precision='bf16_pure'", "precision='bf16_autocast'"],
+    ),
     (["precision=half"], ["precision/half", "bf16_autocast"]),
     (["trainer.max_steps=1.5"], ["trainer.max_steps", "1.5", "Integer"]),
     (["recipe.batch_size=big"], ["recipe.batch_size='big'", "an integer"]),
     (["recipe.batch_size=0"], ["recipe.batch_size=0", "integer >= 1"]),
     (["recipe.lr=-1"], ["recipe.lr=-1", "finite number > 0"]),
     (["recipe.lr=nan"], ["recipe.lr=nan", "finite number > 0"]),
-    (["recipe=underflow_demo", "ckpt_path=faults/checkpoints/last.ckpt", "trainer.max_steps=20"],
-     ["ckpt_path='faults/checkpoints/last.ckpt' is not allowed: its weights do not fit",
-      "UnderflowDemoRecipe", "unexpected net.1.weight", "trained with"]),
-    (["recipe.hidden_sizes=[64,64]", "ckpt_path=faults/checkpoints/last.ckpt", "trainer.max_steps=20"],
-     ["its weights do not fit", "net.1.weight is [128, 64] there and [64, 64] here"]),
-    (["recipe=char_gpt", "+fault.nan_input_at=[1]"],
-     ["fault.nan_input_at=[1] is not allowed", "no floating-point tensor", "fault.nan_loss_at"]),
+    (
+        ["recipe=underflow_demo", "ckpt_path=faults/checkpoints/last.ckpt", "trainer.max_steps=20"],
+        [
+            "ckpt_path='faults/checkpoints/last.ckpt' is not allowed: its weights do not fit",
+            "UnderflowDemoRecipe",
+            "unexpected net.1.weight",
+            "trained with",
+        ],
+    ),
+    (
+        ["recipe.hidden_sizes=[64,64]", "ckpt_path=faults/checkpoints/last.ckpt", "trainer.max_steps=20"],
+        ["its weights do not fit", "net.1.weight is [128, 64] there and [64, 64] here"],
+    ),
+    (
+        ["recipe=char_gpt", "+fault.nan_input_at=[1]"],
+        ["fault.nan_input_at=[1] is not allowed", "no floating-point tensor", "fault.nan_loss_at"],
+    ),
 ]
 
 # Found while Lightning sets the run up, before the first step: one message, no checkpoint or metric.
 SETUP_BAD = [
-    (["trainer.val_check_interval=1000", "trainer.max_steps=5"],
-     ["trainer.val_check_interval=1000 is not allowed", "number of the training batches (23)"]),
-    (["recipe.optimizer=sgd", "ckpt_path=lr_base/checkpoints/last.ckpt", "trainer.max_steps=6"],
-     ["cannot be resumed with recipe.optimizer='sgd' (the checkpoint's run had 'adamw')", "another optimizer"]),
+    (
+        ["trainer.val_check_interval=1000", "trainer.max_steps=5"],
+        ["trainer.val_check_interval=1000 is not allowed", "number of the training batches (23)"],
+    ),
+    (
+        ["recipe.optimizer=sgd", "ckpt_path=lr_base/checkpoints/last.ckpt", "trainer.max_steps=6"],
+        ["cannot be resumed with recipe.optimizer='sgd' (the checkpoint's run had 'adamw')", "another optimizer"],
+    ),
 ]
 
 # Writes the checkpoint files the bad rows need, from the "faults" run before it.
@@ -152,8 +206,13 @@ def test_injected_faults_are_skipped_counted_and_logged(runs):
     assert summary["status"] == "ok" and summary["steps"] == 12
     assert summary["skipped_steps"] == 5  # steps 3, 5, 7, 9, 10
     assert summary["loss_scale"]["end"] == 2.0**16 / 2**5 and summary["loss_scale"]["backoffs"] == 5
-    assert summary["faults_injected"] == [[3, "inf_grad:net.4.weight"], [5, "nan_loss"], [7, "inf_grad:net.4.weight"],
-                                          [9, "nan_input"], [10, "nan_grad:net.4.weight"]]
+    assert summary["faults_injected"] == [
+        [3, "inf_grad:net.4.weight"],
+        [5, "nan_loss"],
+        [7, "inf_grad:net.4.weight"],
+        [9, "nan_input"],
+        [10, "nan_grad:net.4.weight"],
+    ]
     printed = runs["faults"]["stdout"]
     assert "skipped      5 of 12 steps" in printed and "faults       5 injected" in printed
 
@@ -177,8 +236,10 @@ def test_persistent_overflow_stops_cleanly_with_the_last_good_state_saved(runs):
     run, stderr = Path(result["dir"]), result["stderr"]
     checkpoint = run / "checkpoints" / "last-good.ckpt"
     # 4 -> 2 at step 2, 2 -> 1 at step 3, and at step 4 the scale has nowhere left to go.
-    assert ("Training stopped: Loss scale collapsed: gradients are still inf/NaN at the minimum scale 1 "
-            "(step 4, 3 steps skipped in a row)") in stderr
+    assert (
+        "Training stopped: Loss scale collapsed: gradients are still inf/NaN at the minimum scale 1 "
+        "(step 4, 3 steps skipped in a row)"
+    ) in stderr
     assert "Try: a lower learning rate" in stderr and "on_min_scale='skip'" in stderr
     assert f"The last healthy state is in {checkpoint}." in stderr
     assert "It holds step 0, the last healthy state; resuming from it restarts the loss scale" in stderr
@@ -210,8 +271,10 @@ def test_on_min_scale_skip_keeps_going(runs):
 def test_resuming_the_collapsed_run_in_bf16_warns_on_the_console(runs):
     result = runs["resume_bf16"]
     run = ok(result)
-    assert ("Resuming with a different mixed-precision setup (precision: checkpoint 'fp16', now 'bf16', "
-            "scaler_type: checkpoint 'DynamicLossScaler', now None)") in result["stderr"]
+    assert (
+        "Resuming with a different mixed-precision setup (precision: checkpoint 'fp16', now 'bf16', "
+        "scaler_type: checkpoint 'DynamicLossScaler', now None)"
+    ) in result["stderr"]
     assert "loss-scaler state is not restored" in result["stderr"]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["resumed_from"] == "collapse/checkpoints/last-good.ckpt"
@@ -301,8 +364,10 @@ def test_the_recovery_checkpoint_is_the_last_healthy_state_and_restarts_the_scal
 
     resumed = runs["resume_recovery"]
     summary = json.loads((ok(resumed) / "summary.json").read_text())
-    assert ("collapse_after_healthy/checkpoints/last-good.ckpt is a recovery checkpoint, so the loss scale "
-            "restarts at scaler.init_scale=4 (it was 2 there)") in resumed["stdout"]
+    assert (
+        "collapse_after_healthy/checkpoints/last-good.ckpt is a recovery checkpoint, so the loss scale "
+        "restarts at scaler.init_scale=4 (it was 2 there)"
+    ) in resumed["stdout"]
     assert summary["loss_scale"]["start"] == 4.0 and summary["global_step"] == 14
 
 
@@ -350,8 +415,9 @@ def test_fault_injector_for_a_missing_rank_fails_before_the_first_step(pl):
     from amp_plugin import MixedPrecisionPlugin
     from amp_plugin.callbacks import FaultInjector
 
-    trainer = quiet_trainer(pl, plugins=[MixedPrecisionPlugin("fp16")], max_steps=3,
-                            callbacks=[FaultInjector(inject_inf_at=[0], rank=1)])
+    trainer = quiet_trainer(
+        pl, plugins=[MixedPrecisionPlugin("fp16")], max_steps=3, callbacks=[FaultInjector(inject_inf_at=[0], rank=1)]
+    )
     with pytest.raises(ValueError, match=r"rank=1 is not allowed: the run has 1 process\(es\)"):
         trainer.fit(as_lightning(pl, TinyClassifier)())
     assert trainer.global_step == 0

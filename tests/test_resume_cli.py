@@ -22,9 +22,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from amp_plugin.lightning import pl
 import torch
 
+from amp_plugin.lightning import pl
 from amp_plugin.lightning.checkpoint_io import AtomicCheckpointIO
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,8 +53,13 @@ def start(args: list[str], run_dir: Path, log_name: str | None = None) -> subpro
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS), env.get("PYTHONPATH")]))
     with open(run_dir.parent / f"{log_name or run_dir.name}.log", "w") as log:  # the child keeps its own handle
-        return subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args, f"hydra.run.dir={run_dir}"],
-                                cwd=run_dir.parent, env=env, stdout=log, stderr=subprocess.STDOUT)
+        return subprocess.Popen(
+            [sys.executable, str(ROOT / "train.py"), *args, f"hydra.run.dir={run_dir}"],
+            cwd=run_dir.parent,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
 
 
 def finish(proc: subprocess.Popen, run_dir: Path, timeout: float = 300, log_name: str | None = None) -> None:
@@ -85,15 +90,26 @@ def load(path: Path) -> dict:
 @pytest.mark.slow
 def test_sigkill_then_resume_is_bit_exact(tmp_path):
     k = epoch_length()  # 23 batches with the default digits split
-    common = ["trainer.max_steps=" + str(3 * k), f"callbacks.model_checkpoint.every_n_train_steps={k}",
-              "scaler.growth_interval=10",  # the scale grows across the kill: a forgotten scale would show
-              f"+fault.inject_inf_at=[5,{k + 7}]",  # a skipped step before the kill and one after
-              "trainer.enable_progress_bar=false", "plot=false"]
+    common = [
+        "trainer.max_steps=" + str(3 * k),
+        f"callbacks.model_checkpoint.every_n_train_steps={k}",
+        "scaler.growth_interval=10",  # the scale grows across the kill: a forgotten scale would show
+        f"+fault.inject_inf_at=[5,{k + 7}]",  # a skipped step before the kill and one after
+        "trainer.enable_progress_bar=false",
+        "plot=false",
+    ]
     full_dir, victim_dir = tmp_path / "full", tmp_path / "victim"
     resumed_dir = victim_dir  # resumed in place
     full = start(common, full_dir)
-    victim = start([*common, "+callbacks.throttle._target_=test_resume_cli.Throttle",
-                    f"+callbacks.throttle.after_step={k}", "+callbacks.throttle.seconds=0.5"], victim_dir)
+    victim = start(
+        [
+            *common,
+            "+callbacks.throttle._target_=test_resume_cli.Throttle",
+            f"+callbacks.throttle.after_step={k}",
+            "+callbacks.throttle.seconds=0.5",
+        ],
+        victim_dir,
+    )
     last = victim_dir / "checkpoints" / "last.ckpt"
     deadline = time.monotonic() + 240
     while not last.exists() and victim.poll() is None and time.monotonic() < deadline:
@@ -129,13 +145,18 @@ def compose_config(*overrides: str, output_dir: Path):
 
     register_configs()
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
-        return compose("train", overrides=[*overrides, "trainer.enable_progress_bar=false", "plot=false",
-                                           f"output_dir={output_dir}"])
+        return compose(
+            "train",
+            overrides=[*overrides, "trainer.enable_progress_bar=false", "plot=false", f"output_dir={output_dir}"],
+        )
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="Lightning 2.6 counts the epoch twice when resuming from a checkpoint "
-                   "written in on_train_epoch_end, so set_epoch() replays the order of the wrong epoch")
+@pytest.mark.xfail(
+    strict=True,
+    reason="Lightning 2.6 counts the epoch twice when resuming from a checkpoint "
+    "written in on_train_epoch_end, so set_epoch() replays the order of the wrong epoch",
+)
 def test_resume_from_an_epoch_end_checkpoint_is_bit_exact(tmp_path):
     """Pins a known limitation: the default callbacks' per-epoch checkpoints do not resume exactly."""
     from amp_plugin.app.run import train
@@ -227,6 +248,6 @@ def test_sigkill_during_a_checkpoint_write_leaves_the_previous_one(tmp_path):
     (partial,) = [p for p in folder.iterdir() if p != last]
     # Hidden, never *.ckpt and never "last": no glob, ModelCheckpoint or ckpt_path="last" picks it up.
     assert partial.name.startswith(".partial-") and partial.suffix == ".tmp" and "last" not in partial.name
-    assert 0 < partial.stat().st_size
+    assert partial.stat().st_size > 0
     with pytest.raises(RuntimeError):
         load(partial)

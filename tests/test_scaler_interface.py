@@ -213,14 +213,22 @@ def test_grad_scaler_getters_and_setters():
     assert not DynamicLossScaler(enabled=False).is_enabled()
 
 
-@pytest.mark.parametrize("setter, value, error, text", [
-    ("set_growth_factor", 1.0, ValueError, "new_factor=1.0 is not allowed: new_factor must be a finite number > 1"),
-    ("set_growth_factor", float("nan"), ValueError, "new_factor=nan"),
-    ("set_backoff_factor", 1.5, ValueError, "new_factor=1.5 is not allowed: new_factor must be a finite number > 0 and < 1"),
-    ("set_backoff_factor", "half", TypeError, "new_factor='half'"),
-    ("set_growth_interval", 0, ValueError, "new_interval=0 is not allowed: new_interval must be an integer >= 1"),
-    ("set_growth_interval", 2.5, TypeError, "new_interval=2.5"),
-])
+@pytest.mark.parametrize(
+    "setter, value, error, text",
+    [
+        ("set_growth_factor", 1.0, ValueError, "new_factor=1.0 is not allowed: new_factor must be a finite number > 1"),
+        ("set_growth_factor", float("nan"), ValueError, "new_factor=nan"),
+        (
+            "set_backoff_factor",
+            1.5,
+            ValueError,
+            "new_factor=1.5 is not allowed: new_factor must be a finite number > 0 and < 1",
+        ),
+        ("set_backoff_factor", "half", TypeError, "new_factor='half'"),
+        ("set_growth_interval", 0, ValueError, "new_interval=0 is not allowed: new_interval must be an integer >= 1"),
+        ("set_growth_interval", 2.5, TypeError, "new_interval=2.5"),
+    ],
+)
 def test_setters_check_like_the_constructor(setter, value, error, text):
     scaler = DynamicLossScaler()
     before = scaler.state_dict()
@@ -242,8 +250,13 @@ class ScaleAware(torch.optim.SGD):
 
     def step(self, closure=None):
         grad_scale = self.grad_scale
-        self.seen.append((None if grad_scale is None else grad_scale.item(), self.found_inf.item(),
-                          [p.grad.clone() for p in self.param_groups[0]["params"]]))
+        self.seen.append(
+            (
+                None if grad_scale is None else grad_scale.item(),
+                self.found_inf.item(),
+                [p.grad.clone() for p in self.param_groups[0]["params"]],
+            )
+        )
         return "stepped"
 
 
@@ -306,21 +319,43 @@ def test_fused_adamw_steps_as_under_grad_scaler():
                 model.weight.grad[0, 0] = math.inf
             scaler.step(opt)
             scaler.update()
-        finals.append(([p.detach().clone() for p in model.parameters()],
-                       [s["exp_avg_sq"].clone() for s in opt.state.values()], scaler.get_scale()))
+        finals.append(
+            (
+                [p.detach().clone() for p in model.parameters()],
+                [s["exp_avg_sq"].clone() for s in opt.state.values()],
+                scaler.get_scale(),
+            )
+        )
     assert finals[0][2] == finals[1][2]
     for a, b in zip(finals[0][0] + finals[0][1], finals[1][0] + finals[1][1]):
         assert torch.equal(a, b)
 
 
 # ---------------------------------------------------------------- state dicts
-@pytest.mark.parametrize("key, value", [
-    ("scale", math.nan), ("scale", math.inf), ("scale", 0.0), ("scale", -2.0), ("scale", 1e39), ("scale", 2.0**30),
-    ("growth_factor", 0.5), ("backoff_factor", 1.5), ("growth_interval", 0), ("growth_interval", 2.5),
-    ("hysteresis", 0), ("hysteresis_reset", "always"), ("on_min_scale", "ignore"), ("min_scale", 0.0),
-    ("min_scale", 1e-50), ("max_scale", math.inf), ("_growth_tracker", -1), ("skipped_steps", "3"),
-    ("last_step_skipped", 1),
-])
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("scale", math.nan),
+        ("scale", math.inf),
+        ("scale", 0.0),
+        ("scale", -2.0),
+        ("scale", 1e39),
+        ("scale", 2.0**30),
+        ("growth_factor", 0.5),
+        ("backoff_factor", 1.5),
+        ("growth_interval", 0),
+        ("growth_interval", 2.5),
+        ("hysteresis", 0),
+        ("hysteresis_reset", "always"),
+        ("on_min_scale", "ignore"),
+        ("min_scale", 0.0),
+        ("min_scale", 1e-50),
+        ("max_scale", math.inf),
+        ("_growth_tracker", -1),
+        ("skipped_steps", "3"),
+        ("last_step_skipped", 1),
+    ],
+)
 def test_load_state_dict_checks_like_the_constructor(key, value):
     state = DynamicLossScaler().state_dict()
     state[key] = value
@@ -362,14 +397,18 @@ def test_static_and_dynamic_state_dicts_load_into_each_other():
 
 
 # ---------------------------------------------------------------- scales float32 cannot hold
-@pytest.mark.parametrize("make", [
-    lambda: DynamicLossScaler(init_scale=1e39, max_scale=1e39),
-    lambda: DynamicLossScaler(max_scale=1e39),
-    lambda: DynamicLossScaler(min_scale=1e-50, init_scale=1.0),
-    lambda: DynamicLossScaler(min_scale=1e-40, init_scale=1.0),  # a float32 subnormal: 1/scale is inf
-    lambda: StaticLossScaler(1e39),
-    lambda: StaticLossScaler(1e-45),
-], ids=["init", "max", "min_underflows", "min_subnormal", "static_big", "static_tiny"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: DynamicLossScaler(init_scale=1e39, max_scale=1e39),
+        lambda: DynamicLossScaler(max_scale=1e39),
+        lambda: DynamicLossScaler(min_scale=1e-50, init_scale=1.0),
+        lambda: DynamicLossScaler(min_scale=1e-40, init_scale=1.0),  # a float32 subnormal: 1/scale is inf
+        lambda: StaticLossScaler(1e39),
+        lambda: StaticLossScaler(1e-45),
+    ],
+    ids=["init", "max", "min_underflows", "min_subnormal", "static_big", "static_tiny"],
+)
 def test_scales_outside_float32_normal_range_are_refused(make):
     with pytest.raises(ValueError, match="float32's normal range"):
         make()

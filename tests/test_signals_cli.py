@@ -31,8 +31,18 @@ def interrupt(tmp_path: Path, signum: int) -> tuple[Path, str, int]:
     """Start a throttled run, send ``signum`` after a few steps; return its dir, FAILED and exit status."""
     run_dir = tmp_path / signal.Signals(signum).name
     log = tmp_path / f"{run_dir.name}.log"
-    proc = start([f"trainer.max_steps={STEPS}", "trainer.log_every_n_steps=1", "trainer.limit_val_batches=2",
-                  *QUIET, *throttle(2, 0.25), f"hydra.run.dir={run_dir}"], tmp_path, log)
+    proc = start(
+        [
+            f"trainer.max_steps={STEPS}",
+            "trainer.log_every_n_steps=1",
+            "trainer.limit_val_batches=2",
+            *QUIET,
+            *throttle(2, 0.25),
+            f"hydra.run.dir={run_dir}",
+        ],
+        tmp_path,
+        log,
+    )
     wait_until(lambda: logged_steps(log), proc)  # training starts now
     time.sleep(1.5)  # a few (throttled) steps in
     proc.send_signal(signum)
@@ -46,8 +56,11 @@ def test_a_signal_saves_a_checkpoint_exits_128_plus_n_and_the_resume_command_con
     run_dir, note, code = interrupt(tmp_path, signum)
     name = signal.Signals(signum).name
     assert code == status, note + (tmp_path / f"{name}.log").read_text()[-3000:]
-    match = re.search(rf"Interrupted by {name} at step (\d+): the run stopped after that step and saved a "
-                      r"checkpoint\.", note)
+    match = re.search(
+        rf"Interrupted by {name} at step (\d+): the run stopped after that step and saved a "
+        r"checkpoint\.",
+        note,
+    )
     assert match, note
     step = int(match.group(1))
     checkpoint = run_dir / "checkpoints" / "last.ckpt"

@@ -140,8 +140,9 @@ def test_grad_scaling_update_scale(make_scaler):
 
 
 def sparse_grad(values, indices=((0, 1, 1), (2, 0, 2)), dtype=torch.float32):
-    return torch.sparse_coo_tensor(torch.tensor(indices), torch.tensor(values), (2, 3), dtype=dtype,
-                                   check_invariants=True)
+    return torch.sparse_coo_tensor(
+        torch.tensor(indices), torch.tensor(values), (2, 3), dtype=dtype, check_invariants=True
+    )
 
 
 @SCALERS
@@ -354,7 +355,7 @@ def test_grad_scaling_multiple(make_scaler):
         data, loss_fn = scaling_data(), torch.nn.MSELoss()
         scaler = make_scaler(init_scale=128.0, growth_factor=2.0, enabled=enabled, growth_interval=1)
 
-        def run(model0, model1, opt0, opt1, scaled):
+        def run(model0, model1, opt0, opt1, scaled, data=data, loss_fn=loss_fn, scaler=scaler):
             for i, (x, y) in enumerate(data):
                 opt0.zero_grad()
                 opt1.zero_grad()
@@ -381,8 +382,9 @@ def test_grad_scaling_multiple(make_scaler):
         run(scaling0, scaling1, opt_scaling0, opt_scaling1, True)
         expected = 128.0 * scaler.get_growth_factor() ** 3 * scaler.get_backoff_factor() if enabled else 1.0
         assert scaler.get_scale() == expected
-        for c, s in zip([*control0.parameters(), *control1.parameters()],
-                        [*scaling0.parameters(), *scaling1.parameters()]):
+        for c, s in zip(
+            [*control0.parameters(), *control1.parameters()], [*scaling0.parameters(), *scaling1.parameters()]
+        ):
             torch.testing.assert_close(c, s, atol=1e-7, rtol=1e-5)
 
 
@@ -416,8 +418,9 @@ def test_grad_scaling_autocast_fused_optimizers(make_scaler, optimizer, amsgrad,
 
 
 @SCALERS
-@pytest.mark.parametrize("optimizer_kwargs", [{"foreach": False}, {"foreach": True}, {"fused": True}],
-                         ids=["for-loop", "foreach", "fused"])
+@pytest.mark.parametrize(
+    "optimizer_kwargs", [{"foreach": False}, {"foreach": True}, {"fused": True}], ids=["for-loop", "foreach", "fused"]
+)
 def test_params_invalidated_with_grads_invalidated_between_unscale_and_step(make_scaler, optimizer_kwargs):
     """The inf check happens at unscale_: gradients broken after it are stepped with."""
     torch.manual_seed(0)
@@ -515,8 +518,10 @@ def exact_data(n=4, seed=0):
     """FP16-exact inputs and output weights: multiples of 1/4 in [-1, 1], so every gradient
     (a sum of 8 products, scaled by a power of two) needs at most 9 significant bits."""
     g = torch.Generator().manual_seed(seed)
-    return [((torch.randint(-4, 5, (8, 8), generator=g) / 4.0), (torch.randint(-4, 5, (8, 8), generator=g) / 4.0))
-            for _ in range(n)]
+    return [
+        ((torch.randint(-4, 5, (8, 8), generator=g) / 4.0), (torch.randint(-4, 5, (8, 8), generator=g) / 4.0))
+        for _ in range(n)
+    ]
 
 
 def exact_pair(optimizer, n_models=1, **optimizer_kwargs):
@@ -532,8 +537,14 @@ def exact_pair(optimizer, n_models=1, **optimizer_kwargs):
             for h, f in zip(half.parameters(), fp32.parameters()):
                 h.copy_(f)
         kwargs = {"lr": 0.5, **optimizer_kwargs}
-        pairs.append((fp32, half, optimizer(fp32.parameters(), **kwargs),
-                      MasterWeightOptimizer(optimizer(half.parameters(), **kwargs))))
+        pairs.append(
+            (
+                fp32,
+                half,
+                optimizer(fp32.parameters(), **kwargs),
+                MasterWeightOptimizer(optimizer(half.parameters(), **kwargs)),
+            )
+        )
     return pairs
 
 
@@ -549,13 +560,14 @@ def run_exact(make_case, unskipped, skipped, optimizer=torch.optim.SGD, n_models
     data = exact_data()
     runs = {}
     for side in ("fp32", "half"):
-        scaler = (grad_scaler if side == "fp32" else dynamic_scaler)(init_scale=128.0, growth_factor=2.0,
-                                                                     growth_interval=1)
+        scaler = (grad_scaler if side == "fp32" else dynamic_scaler)(
+            init_scale=128.0, growth_factor=2.0, growth_interval=1
+        )
         models = [p[0] if side == "fp32" else p[1] for p in pairs]
         opts = [p[2] if side == "fp32" else p[3] for p in pairs]
         make_case(data, models, opts, scaler, side == "half")
         runs[side] = scaler.get_scale()
-    assert runs["fp32"] == runs["half"] == 128.0 * 2.0 ** unskipped * 0.5 ** skipped
+    assert runs["fp32"] == runs["half"] == 128.0 * 2.0**unskipped * 0.5**skipped
     for fp32, half, _, opt in pairs:
         for master, ref, h in zip(opt.master_params(), fp32.parameters(), half.parameters()):
             if exact:
@@ -566,10 +578,16 @@ def run_exact(make_case, unskipped, skipped, optimizer=torch.optim.SGD, n_models
             assert torch.equal(h.detach(), master.detach().half())
 
 
-@pytest.mark.parametrize("optimizer,kwargs", [
-    (torch.optim.SGD, {}), (torch.optim.SGD, {"momentum": 0.9}),
-    (torch.optim.AdamW, {"fused": True}), (torch.optim.Adam, {"foreach": True}),
-], ids=["sgd", "sgd_momentum", "adamw_fused", "adam_foreach"])
+@pytest.mark.parametrize(
+    "optimizer,kwargs",
+    [
+        (torch.optim.SGD, {}),
+        (torch.optim.SGD, {"momentum": 0.9}),
+        (torch.optim.AdamW, {"fused": True}),
+        (torch.optim.Adam, {"foreach": True}),
+    ],
+    ids=["sgd", "sgd_momentum", "adamw_fused", "adam_foreach"],
+)
 def test_masters_equal_the_fp32_grad_scaler_run_plain(optimizer, kwargs):
     def case(data, models, opts, scaler, half):
         (model,), (opt,) = models, opts
@@ -588,6 +606,7 @@ def test_masters_equal_the_fp32_grad_scaler_run_plain(optimizer, kwargs):
 def test_masters_equal_the_fp32_grad_scaler_run_clipping_separate_unscale():
     """Design difference: with master weights, clip ``opt.master_params()`` (the gradients
     the step uses), not ``model.parameters()``."""
+
     def case(data, models, opts, scaler, half):
         (model,), (opt,) = models, opts
         for i, (x, w) in enumerate(data):
@@ -609,6 +628,7 @@ def test_masters_follow_the_fp32_grad_scaler_run_clipping_scaled_grads():
     """Clipping the still-scaled gradients works with master weights (the step unscales what
     the clip left). Not bit for bit: the clip itself computes its norm and coefficient in FP16
     on the half model's gradients."""
+
     def case(data, models, opts, scaler, half):
         (model,), (opt,) = models, opts
         for x, w in data:

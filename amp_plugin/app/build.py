@@ -101,7 +101,7 @@ def retarget(config: Any, namespace: str) -> Any:
     moved = {k: retarget(v, namespace) for k, v in config.items()}
     target = moved.get("_target_")
     if isinstance(target, str) and target.startswith(other + "."):
-        moved["_target_"] = namespace + target[len(other):]
+        moved["_target_"] = namespace + target[len(other) :]
     return moved
 
 
@@ -124,7 +124,9 @@ def _check_keys(key: str, config: dict[str, Any], factory: Callable[..., Any], e
     unknown = [k for k in config if k not in names and not (k.startswith("_") and k.endswith("_"))]
     if unknown:
         allowed = ", ".join(n for n in names if n not in extra) or "none"  # the app sets the others
-        raise ConfigError(f"{key}.{unknown[0]} is not a setting of {factory.__qualname__}: the allowed keys are {allowed}.")
+        raise ConfigError(
+            f"{key}.{unknown[0]} is not a setting of {factory.__qualname__}: the allowed keys are {allowed}."
+        )
 
 
 def _naming_key(key: str, config: dict[str, Any], err: BaseException) -> str:
@@ -220,8 +222,10 @@ def build(cfg: DictConfig, settings: PrecisionSettings | None = None, output_dir
     pl.seed_everything(cfg.seed, workers=True, verbose=False)  # before the recipe initialises its weights
     module = make("recipe", cfg.recipe)
     if not isinstance(module, pl.LightningModule):
-        raise ConfigError(f"recipe._target_={cfg.recipe._target_!r} is not allowed: it must be a "
-                          f"{pl.__name__}.LightningModule subclass.")
+        raise ConfigError(
+            f"recipe._target_={cfg.recipe._target_!r} is not allowed: it must be a "
+            f"{pl.__name__}.LightningModule subclass."
+        )
     resume_step = None
     if cfg.ckpt_path is not None:
         checkpoint = load_checkpoint(cfg.ckpt_path)
@@ -230,8 +234,10 @@ def build(cfg: DictConfig, settings: PrecisionSettings | None = None, output_dir
     plugin = MixedPrecisionPlugin.from_settings(settings)
     callbacks = [make(f"callbacks.{name}", node) for name, node in _entries(cfg.callbacks)]
     in_place = resumes_in_place(cfg.ckpt_path, output_dir)
-    loggers = [make(f"logger.{name}" if name else "logger", node, **_logger_extra(node, in_place, resume_step))
-               for name, node in _entries(cfg.logger)]
+    loggers = [
+        make(f"logger.{name}" if name else "logger", node, **_logger_extra(node, in_place, resume_step))
+        for name, node in _entries(cfg.logger)
+    ]
     fault = cfg.get("fault") or {}
     injector = construct("fault", FaultInjector, fault) if any(v is not None for v in fault.values()) else None
     if injector is not None and injector.nan_input_at:
@@ -242,7 +248,8 @@ def build(cfg: DictConfig, settings: PrecisionSettings | None = None, output_dir
     own_first = [NonFiniteGuard(), *([injector] if injector else [])]
     own_last = [FinalCheckpoint(), ResumeSettings(cfg, cfg.ckpt_path), recorder, GracefulInterrupt()]
     trainer = make(
-        "trainer", cfg.trainer,
+        "trainer",
+        cfg.trainer,
         plugins=[plugin, AtomicCheckpointIO()],
         callbacks=[*own_first, *callbacks, *own_last],
         logger=loggers or False,
@@ -256,9 +263,21 @@ def build(cfg: DictConfig, settings: PrecisionSettings | None = None, output_dir
             injector.setup(trainer, module, "fit")  # its checks of param and rank, before the first step
         except ValueError as err:
             raise ConfigError(_naming_key("fault", _plain(fault), err)) from err
-    return Run(trainer=trainer, module=module, plugin=plugin, callbacks=callbacks, loggers=loggers, recorder=recorder,
-               injector=injector, output_dir=output_dir, ckpt_path=cfg.ckpt_path, seed=cfg.seed, plot=cfg.plot,
-               resume_step=resume_step, resume_in_place=in_place)
+    return Run(
+        trainer=trainer,
+        module=module,
+        plugin=plugin,
+        callbacks=callbacks,
+        loggers=loggers,
+        recorder=recorder,
+        injector=injector,
+        output_dir=output_dir,
+        ckpt_path=cfg.ckpt_path,
+        seed=cfg.seed,
+        plot=cfg.plot,
+        resume_step=resume_step,
+        resume_in_place=in_place,
+    )
 
 
 def _strategy(trainer: DictConfig, pl: Any) -> dict[str, Any]:
@@ -269,9 +288,13 @@ def _strategy(trainer: DictConfig, pl: Any) -> dict[str, Any]:
         return {}
     processes = process_count(trainer)
     assert processes is not None  # validate() refused it
-    return {"strategy": pl.strategies.ModelParallelStrategy(
-        data_parallel_size=processes * trainer.num_nodes, tensor_parallel_size=1, save_distributed_checkpoint=False,
-    )}
+    return {
+        "strategy": pl.strategies.ModelParallelStrategy(
+            data_parallel_size=processes * trainer.num_nodes,
+            tensor_parallel_size=1,
+            save_distributed_checkpoint=False,
+        )
+    }
 
 
 def _logger_extra(node: Any, in_place: bool, resume_step: int | None) -> dict[str, Any]:

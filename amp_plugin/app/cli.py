@@ -53,14 +53,18 @@ def config_dir() -> str:
         if (Path(chosen) / f"{CONFIG_NAME}.yaml").is_file():
             return str(Path(chosen).resolve())
         where = "is not a directory" if not Path(chosen).is_dir() else f"holds no {CONFIG_NAME}.yaml"
-        raise ConfigError(f"AMP_PLUGIN_CONFIG_DIR={chosen} {where}. Point it at a directory holding {CONFIG_NAME}.yaml "
-                          "(a copy of the package's configs/), or unset it to use the package's own configs.")
+        raise ConfigError(
+            f"AMP_PLUGIN_CONFIG_DIR={chosen} {where}. Point it at a directory holding {CONFIG_NAME}.yaml "
+            "(a copy of the package's configs/), or unset it to use the package's own configs."
+        )
     candidates = [package.parents[1] / "configs", package / "configs"]
     for candidate in candidates:
         if (candidate / f"{CONFIG_NAME}.yaml").is_file():
             return str(candidate.resolve())
-    raise ConfigError("no configs found (looked in " + ", ".join(str(c) for c in candidates) + "). Set "
-                      "AMP_PLUGIN_CONFIG_DIR to a directory holding train.yaml.")
+    raise ConfigError(
+        "no configs found (looked in " + ", ".join(str(c) for c in candidates) + "). Set "
+        "AMP_PLUGIN_CONFIG_DIR to a directory holding train.yaml."
+    )
 
 
 def _hydra_runtime() -> tuple[Path | None, bool]:
@@ -109,7 +113,7 @@ def run_job(cfg: DictConfig) -> dict[str, Any] | None:
 
         result = train(cfg, settings)
         return {k: v for k, v in result.items() if k not in ("trainer", "module", "plugin")}
-    except BaseException as err:  # noqa: BLE001 - each kind is reported or re-raised below
+    except BaseException as err:
         return report_end(err, cfg, out, multirun)
     finally:
         if out is not None:
@@ -136,8 +140,11 @@ class RunDirGuard(Callback):
             rundir.claim(directory, "hydra.sweep.dir")
         except rundir.RunDirError as err:
             self._refuse(str(err))
-        taken = [job for job in sorted(directory.iterdir()) if job.is_dir() and rundir.outputs_in(job)] \
-            if directory.is_dir() else []
+        taken = (
+            [job for job in sorted(directory.iterdir()) if job.is_dir() and rundir.outputs_in(job)]
+            if directory.is_dir()
+            else []
+        )
         if taken and not config.get("overwrite", False):
             self._refuse(
                 f"hydra.sweep.dir={directory} already holds a sweep ({len(taken)} job directories with outputs, "
@@ -160,6 +167,7 @@ class RunDirGuard(Callback):
             raise rundir.RunDirError(message)
         print(f"Run directory refused: {message}", file=sys.stderr, flush=True)
         sys.exit(1)
+
 
 class SweepFailures(Callback):
     """Hydra callback: after a multirun, list the jobs that failed and exit with status 1."""

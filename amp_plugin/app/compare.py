@@ -52,8 +52,10 @@ def _overrides(run_dir: Path) -> list[str] | None:
     try:
         return [str(o) for o in OmegaConf.load(path) if not str(o).startswith("hydra.")]
     except Exception as err:  # a damaged file: label the run by its directory name instead
-        _warn(f"{path}: cannot read the overrides ({' '.join(str(err).split())[:200]}); labelling the run by its "
-              "directory name.")
+        _warn(
+            f"{path}: cannot read the overrides ({' '.join(str(err).split())[:200]}); labelling the run by its "
+            "directory name."
+        )
         return None
 
 
@@ -108,8 +110,11 @@ def _read_summary(path: Path) -> dict[str, Any]:
         if not isinstance(run, dict):
             raise ValueError("not a JSON object")
         if run.get("status") == "ok":
-            missing = [k for k in ("precision", "scaler", "recipe", "steps", "skipped_steps", "loss_scale",
-                                   "wall_time_s") if k not in run]
+            missing = [
+                k
+                for k in ("precision", "scaler", "recipe", "steps", "skipped_steps", "loss_scale", "wall_time_s")
+                if k not in run
+            ]
             if missing:
                 raise ValueError(f"no {', '.join(missing)}")
         return run
@@ -144,17 +149,24 @@ def _rows(runs: Sequence[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
     table = []
     for run in runs:
         if run.get("status") != "ok":
-            table.append([run["label"], "FAILED" if run.get("status") == "failed" else "UNREADABLE"]
-                         + ["-"] * (len(header) - 2))
+            table.append(
+                [run["label"], "FAILED" if run.get("status") == "failed" else "UNREADABLE"] + ["-"] * (len(header) - 2)
+            )
             continue
         final = run.get("final_metrics", {})
-        table.append([
-            run["label"], run["precision"], run["scaler"], run["recipe"], str(run["steps"]),
-            *(_num(final.get(m)) for m in metrics),
-            str(run["skipped_steps"]),
-            _num(run["loss_scale"]["end"]) if run["loss_scale"]["end"] is not None else "-",
-            f"{run['wall_time_s']:.1f}",
-        ])
+        table.append(
+            [
+                run["label"],
+                run["precision"],
+                run["scaler"],
+                run["recipe"],
+                str(run["steps"]),
+                *(_num(final.get(m)) for m in metrics),
+                str(run["skipped_steps"]),
+                _num(run["loss_scale"]["end"]) if run["loss_scale"]["end"] is not None else "-",
+                f"{run['wall_time_s']:.1f}",
+            ]
+        )
     return header, table
 
 
@@ -176,9 +188,9 @@ def write_csv(runs: Sequence[dict[str, Any]], path: str | Path) -> Path:
     path = Path(path)
     with path.open("w", newline="") as f:
         writer = csv.writer(f)
-        writer.writerow(header + ["dir"])
+        writer.writerow([*header, "dir"])
         for row, run in zip(table, runs):
-            writer.writerow(row + [run["dir"]])
+            writer.writerow([*row, run["dir"]])
     return path
 
 

@@ -71,17 +71,17 @@ def report_end(err: BaseException, cfg: DictConfig, out: Path | None, multirun: 
     text = str(err)
     if isinstance(err, LossScaleCollapseError) and err.checkpoint_path and out is not None:
         text += _recovery_hint(err.checkpoint_path, cfg, out)
-    if details:
-        message = f"{kind}: {type(err).__name__}: {' '.join(text.split())[:600]}"
-    else:
-        message = f"{kind}: {text}"
+    message = f"{kind}: {type(err).__name__}: {' '.join(text.split())[:600]}" if details else f"{kind}: {text}"
     if out is not None and not isinstance(err, rundir.RunDirError):  # a refused directory is not ours to mark
         rundir.mark_failed(out, err, f"{type(err).__name__}: {text}\n" + (f"\n{details}" if details else ""))
     if multirun:
         print(f"{message}\n(This job failed; the sweep goes on.)", file=sys.stderr, flush=True)
         return
-    print(f"{message}\n\nSet the environment variable HYDRA_FULL_ERROR=1 for a complete stack trace.",
-          file=sys.stderr, flush=True)
+    print(
+        f"{message}\n\nSet the environment variable HYDRA_FULL_ERROR=1 for a complete stack trace.",
+        file=sys.stderr,
+        flush=True,
+    )
     sys.exit(1)
 
 
@@ -93,9 +93,11 @@ def _recovery_hint(checkpoint: str, cfg: DictConfig, out: Path) -> str:
         step = torch.load(checkpoint, map_location="cpu", weights_only=False).get("global_step")
     except Exception:  # the message stands without it
         return ""
-    return (f"\nIt holds step {step}, the last healthy state; resuming from it restarts the loss scale at "
-            f"scaler.init_scale. Add the change you try (say a lower recipe.lr=...) to: "
-            f"{resume_command(cfg, checkpoint, out)}")
+    return (
+        f"\nIt holds step {step}, the last healthy state; resuming from it restarts the loss scale at "
+        f"scaler.init_scale. Add the change you try (say a lower recipe.lr=...) to: "
+        f"{resume_command(cfg, checkpoint, out)}"
+    )
 
 
 def _wait_for_launcher(timeout: float = 15.0) -> None:
@@ -135,8 +137,7 @@ def resume_command(cfg: DictConfig, checkpoint: str, out: Path) -> str:
     return f"cd {shlex.quote(os.getcwd())} && {shlex.join(command)}"
 
 
-def _interrupted_note(signum: int, step: int | None, checkpoint: str | None, cfg: DictConfig,
-                      out: Path | None) -> str:
+def _interrupted_note(signum: int, step: int | None, checkpoint: str | None, cfg: DictConfig, out: Path | None) -> str:
     name = signal.Signals(signum).name
     lines = []
     if checkpoint and os.path.isfile(checkpoint) and out is not None:

@@ -131,16 +131,24 @@ def plot_run(rows: Sequence[Mapping[str, float]], path: str | Path, title: str |
     _draw(axes, rows, None, None)
     _log_if_wide(axes[0], _column(rows, "train_loss")[1] + _column(rows, "val/loss")[1])
     if not _column(rows, "loss_scale")[0]:
-        axes[1].text(0.5, 0.5, "no loss scaling (scaler=none)", ha="center", va="center",
-                     transform=axes[1].transAxes, color="grey")
+        axes[1].text(
+            0.5,
+            0.5,
+            "no loss scaling (scaler=none)",
+            ha="center",
+            va="center",
+            transform=axes[1].transAxes,
+            color="grey",
+        )
     axes[0].legend(loc="upper right")
     path = Path(path)
     fig.savefig(path, dpi=100)
     return path
 
 
-def plot_compare(runs: Sequence[tuple[str, Sequence[Mapping[str, float]]]], path: str | Path,
-                 title: str | None = None) -> Path:
+def plot_compare(
+    runs: Sequence[tuple[str, Sequence[Mapping[str, float]]]], path: str | Path, title: str | None = None
+) -> Path:
     """Plot several runs (``(label, rows)`` pairs) on shared axes to a PNG."""
     fig, axes = _axes(title)
     values: list[float] = []

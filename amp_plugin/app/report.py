@@ -10,6 +10,7 @@ Files a run writes besides Lightning's own (all in the run's ``output_dir``)::
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from collections.abc import Mapping
@@ -74,8 +75,9 @@ class RunRecorder(Callback):
         self.start_step = trainer.global_step
 
     @override
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any,
-                           batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         scaler = trainer.precision_plugin.scaler
         loss = trainer.callback_metrics.get("train/loss")
         if loss is None and isinstance(outputs, Mapping):
@@ -143,10 +145,13 @@ def summarize(run: Run, wall: float, metrics: Mapping[str, Any]) -> dict[str, An
     history = recorder.history()
     scales = [recorder.start_scale] + [row.get("loss_scale", math.nan) for row in history]
     scales = [s for s in scales if not math.isnan(s)]
-    growths = sum(b > a for a, b in zip(scales, scales[1:]))
-    backoffs = sum(b < a for a, b in zip(scales, scales[1:]))
-    final = {k: _as_float(v) for k, v in sorted(metrics.items(), key=_metric_order)
-             if isinstance(v, (int, float, torch.Tensor)) and _numel(v) == 1}
+    growths = sum(b > a for a, b in itertools.pairwise(scales))
+    backoffs = sum(b < a for a, b in itertools.pairwise(scales))
+    final = {
+        k: _as_float(v)
+        for k, v in sorted(metrics.items(), key=_metric_order)
+        if isinstance(v, (int, float, torch.Tensor)) and _numel(v) == 1
+    }
     steps = trainer.global_step - recorder.start_step
     output_dir = run.output_dir
     log_dir = Path(trainer.log_dir) if trainer.log_dir else output_dir
@@ -180,8 +185,11 @@ def summarize(run: Run, wall: float, metrics: Mapping[str, Any]) -> dict[str, An
             "describe": settings.describe(plugin.emulating, sharded=plugin.sharded),
             "compute_path": plugin.compute_path,
         },
-        "strategy": {"name": type(trainer.strategy).__name__, "processes": trainer.world_size,
-                     "sharded": plugin.sharded},
+        "strategy": {
+            "name": type(trainer.strategy).__name__,
+            "processes": trainer.world_size,
+            "sharded": plugin.sharded,
+        },
         "scaler": settings.scaling,
         "seed": run.seed,
         "resumed_from": run.ckpt_path,
@@ -264,10 +272,14 @@ def format_summary(summary: Mapping[str, Any]) -> str:
             kinds.append(f"{ls['growths']} growth" + ("s" if ls["growths"] != 1 else ""))
         if ls["backoffs"]:
             kinds.append(f"{ls['backoffs']} backoff" + ("s" if ls["backoffs"] != 1 else ""))
-        scale = f"start {ls['start']:g}, end {ls['end']:g}, {ls['changes']} change" + (
-            "s" if ls["changes"] != 1 else "") + (f" ({', '.join(kinds)})" if kinds else "")
-    metrics = "  ".join(f"{k} {_fmt(v)}" for k, v in summary["final_metrics"].items()
-                        if k.startswith(("train/loss", "val/")))
+        scale = (
+            f"start {ls['start']:g}, end {ls['end']:g}, {ls['changes']} change"
+            + ("s" if ls["changes"] != 1 else "")
+            + (f" ({', '.join(kinds)})" if kinds else "")
+        )
+    metrics = "  ".join(
+        f"{k} {_fmt(v)}" for k, v in summary["final_metrics"].items() if k.startswith(("train/loss", "val/"))
+    )
     steps, wall = summary["steps"], summary["wall_time_s"]
     resumed = f" (resumed at step {summary['global_step'] - steps})" if summary["resumed_from"] else ""
     out = Path(summary["output_dir"])
@@ -289,8 +301,11 @@ def format_summary(summary: Mapping[str, Any]) -> str:
         f"  recipe       {summary['recipe']}",
         f"  precision    {summary['precision']}: {summary['plugin_settings']['describe']}",
         f"  compute      {summary['plugin_settings']['compute_path']}",
-        *([f"  strategy     {summary['strategy']['name']}, {summary['strategy']['processes']} processes"]
-          if summary["strategy"]["processes"] > 1 else []),
+        *(
+            [f"  strategy     {summary['strategy']['name']}, {summary['strategy']['processes']} processes"]
+            if summary["strategy"]["processes"] > 1
+            else []
+        ),
         f"  steps        {steps}{resumed} in {wall:.1f} s ({steps / wall if wall > 0 else 0:.1f} steps/s)",
         f"  final        {metrics or '-'}",
         f"  loss scale   {scale}",
@@ -301,8 +316,13 @@ def format_summary(summary: Mapping[str, Any]) -> str:
         shown = ", ".join(f"{kind} at {step}" for step, kind in faults[:4]) + (", ..." if len(faults) > 4 else "")
         lines.append(f"  faults       {len(faults)} injected: {shown}")
     lines.append(f"  outputs      {out}")
-    for label, key in (("metrics", "metrics"), ("scale log", "scale_events"), ("checkpoint", "last_checkpoint"),
-                       ("plot", "plot"), ("summary", "summary")):
+    for label, key in (
+        ("metrics", "metrics"),
+        ("scale log", "scale_events"),
+        ("checkpoint", "last_checkpoint"),
+        ("plot", "plot"),
+        ("summary", "summary"),
+    ):
         shown = rel(key)
         if shown is not None:
             lines.append(f"    {label:<11}{shown}")

@@ -33,8 +33,15 @@ from amp_plugin.lightning._namespace import Callback, rank_zero_info
 from amp_plugin.lightning.checkpoint_state import CHECKPOINT_KEY
 from amp_plugin.lightning.recovery import is_recovery_checkpoint
 
-__all__ = ["APP_KEY", "ResumeSettings", "check_fits", "forget_checkpoints", "keep_history", "load_checkpoint",
-           "resumes_in_place"]
+__all__ = [
+    "APP_KEY",
+    "ResumeSettings",
+    "check_fits",
+    "forget_checkpoints",
+    "keep_history",
+    "load_checkpoint",
+    "resumes_in_place",
+]
 
 APP_KEY = "amp_plugin_app"
 """Where a checkpoint written by ``train.py`` keeps the config sections it ran with."""
@@ -59,8 +66,11 @@ def check_fits(module: Any, checkpoint: dict[str, Any], ckpt_path: str) -> None:
     ours = module.state_dict()
     missing = [k for k in ours if k not in saved]
     unexpected = [k for k in saved if k not in ours]
-    shapes = [f"{k} is {list(saved[k].shape)} there and {list(v.shape)} here" for k, v in ours.items()
-              if k in saved and isinstance(saved[k], torch.Tensor) and tuple(saved[k].shape) != tuple(v.shape)]
+    shapes = [
+        f"{k} is {list(saved[k].shape)} there and {list(v.shape)} here"
+        for k, v in ours.items()
+        if k in saved and isinstance(saved[k], torch.Tensor) and tuple(saved[k].shape) != tuple(v.shape)
+    ]
     if not (missing or unexpected or shapes):
         return
     recipe = ((checkpoint.get(APP_KEY) or {}).get("config") or {}).get("recipe") or {}
@@ -107,13 +117,15 @@ class ResumeSettings(Callback):
         self._checkpoint: dict[str, Any] | None = None
         self._applied = False
 
-    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
-                           checkpoint: dict[str, Any]) -> None:
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
         if self.sections:
             checkpoint[APP_KEY] = {"version": 1, "config": self.sections}
 
-    def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
-                           checkpoint: dict[str, Any]) -> None:
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
         self._checkpoint, self._applied = checkpoint, False
         self._restart_scale(trainer, checkpoint)
         if trainer.optimizers:  # strategies that restore after setup: the optimizers exist already
@@ -143,11 +155,15 @@ class ResumeSettings(Callback):
         new_init = (self.sections.get("scaler") or {}).get("init_scale")
         was = "" if _same(saved["scale"], configured) else f" (it was {saved['scale']:g} there)"
         if is_recovery_checkpoint(checkpoint, self.ckpt_path):
-            why = (f"{self.ckpt_path} is a recovery checkpoint, so the loss scale restarts at scaler.init_scale="
-                   f"{configured:g}{was}")
+            why = (
+                f"{self.ckpt_path} is a recovery checkpoint, so the loss scale restarts at scaler.init_scale="
+                f"{configured:g}{was}"
+            )
         elif old_init is not None and new_init is not None and not _same(old_init, new_init):
-            why = (f"scaler.init_scale={show(new_init)} (the checkpoint's run started at {show(old_init)}): the "
-                   f"loss scale restarts at {configured:g}{was}")
+            why = (
+                f"scaler.init_scale={show(new_init)} (the checkpoint's run started at {show(old_init)}): the "
+                f"loss scale restarts at {configured:g}{was}"
+            )
         else:
             return
         saved.update(scale=configured, consecutive_skips=0, last_step_skipped=False, _growth_tracker=0)
@@ -165,14 +181,17 @@ class ResumeSettings(Callback):
         applied = self._apply_optimizers(trainer, checkpoint, changed)
         for name, (old, new) in changed.items():
             if name not in applied:
-                self._log(f"recipe.{name}={show(new)} (the checkpoint's run had {show(old)}): takes effect, as it "
-                          "is built from the config, not restored from the checkpoint")
+                self._log(
+                    f"recipe.{name}={show(new)} (the checkpoint's run had {show(old)}): takes effect, as it "
+                    "is built from the config, not restored from the checkpoint"
+                )
 
     def _mismatch(self, changed: dict[str, tuple[Any, Any]], keys: set[str]) -> str:
         return _mismatch_text(self.ckpt_path, changed, keys)
 
-    def _apply_optimizers(self, trainer: pl.Trainer, checkpoint: dict[str, Any],
-                          changed: dict[str, tuple[Any, Any]]) -> set[str]:
+    def _apply_optimizers(
+        self, trainer: pl.Trainer, checkpoint: dict[str, Any], changed: dict[str, tuple[Any, Any]]
+    ) -> set[str]:
         """Put the configured optimizer settings into the checkpoint's optimizer and scheduler states."""
         applied: set[str] = set()
         states = checkpoint.get("optimizer_states") or []
@@ -195,8 +214,10 @@ class ResumeSettings(Callback):
                     name = next((n for n, (a, b) in changed.items() if _same(a, old) and _same(b, new)), None)
                     label = f"recipe.{name}" if name else f"the optimizer's {key}"
                     if name is None or name not in applied:
-                        self._log(f"{label}={show(new)} (the checkpoint's run had {show(old)}): applied to the "
-                                  "optimizer" + (" and its LR schedule" if key == base else ""))
+                        self._log(
+                            f"{label}={show(new)} (the checkpoint's run had {show(old)}): applied to the "
+                            "optimizer" + (" and its LR schedule" if key == base else "")
+                        )
                     if name:
                         applied.add(name)
         schedulers = checkpoint.get("lr_schedulers") or []
@@ -205,21 +226,27 @@ class ResumeSettings(Callback):
             old_base = list(saved.get("base_lrs") or [])
             if "base_lrs" in saved and len(fresh) == len(old_base) and not _same(old_base, fresh):
                 if "_last_lr" in saved and len(saved["_last_lr"]) == len(fresh):
-                    saved["_last_lr"] = [last * new / old if old else last
-                                         for last, new, old in zip(saved["_last_lr"], fresh, saved["base_lrs"])]
+                    saved["_last_lr"] = [
+                        last * new / old if old else last
+                        for last, new, old in zip(saved["_last_lr"], fresh, saved["base_lrs"])
+                    ]
                 saved["base_lrs"] = fresh
         return applied
 
 
 def _mismatch_text(ckpt_path: str | None, changed: dict[str, tuple[Any, Any]], keys: set[str]) -> str:
-    names = ", ".join(f"recipe.{k}={show(new)} (the checkpoint's run had {show(old)})"
-                      for k, (old, new) in changed.items()) or "this recipe"
+    names = (
+        ", ".join(f"recipe.{k}={show(new)} (the checkpoint's run had {show(old)})" for k, (old, new) in changed.items())
+        or "this recipe"
+    )
     if keys == {"initial_lr"}:
         why = "one of the two runs has an LR scheduler and the other has none"
     else:
         why = f"the checkpoint's optimizer has other settings ({', '.join(sorted(keys))}): it is another optimizer"
-    return (f"ckpt_path={ckpt_path!r} cannot be resumed with {names}: {why}. Resume with the settings the checkpoint "
-            "was trained with, or start a new run without ckpt_path.")
+    return (
+        f"ckpt_path={ckpt_path!r} cannot be resumed with {names}: {why}. Resume with the settings the checkpoint "
+        "was trained with, or start a new run without ckpt_path."
+    )
 
 
 def _sections(config: DictConfig | None) -> dict[str, Any]:
@@ -249,8 +276,11 @@ def keep_history(loggers: list[Any], step: int, recorder: Any = None) -> None:
         from amp_plugin.app.plots import read_history
 
         try:
-            recorder.kept = {int(r["step"]): {k: v for k, v in r.items() if k != "step" and not math.isnan(v)}
-                             for r in read_history(recorder.history_path) if r["step"] <= step}
+            recorder.kept = {
+                int(r["step"]): {k: v for k, v in r.items() if k != "step" and not math.isnan(v)}
+                for r in read_history(recorder.history_path)
+                if r["step"] <= step
+            }
         except (ValueError, OSError):
             recorder.kept = {}
     for logger in loggers:

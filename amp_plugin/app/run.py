@@ -113,8 +113,9 @@ def _final_validation(run: Run) -> None:
         return
     if trainer.global_step == run.recorder.start_step:
         return
-    last_val = max((step for step, row in run.recorder.rows.items() if any(k.startswith("val/") for k in row)),
-                   default=None)
+    last_val = max(
+        (step for step, row in run.recorder.rows.items() if any(k.startswith("val/") for k in row)), default=None
+    )
     if last_val != trainer.global_step:
         trainer.validate(module, verbose=False)
 

@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import secrets
@@ -27,8 +28,22 @@ from pathlib import Path
 
 from amp_plugin.app.validation import ConfigError
 
-__all__ = ["FAILED_FILE", "OWNER_ENV", "RESOLVER", "RunDirError", "check_reuse", "claim", "clear_outputs",
-           "mark_failed", "outputs_in", "register_resolver", "release", "run_id", "secondary_rank", "spawned_by_owner"]
+__all__ = [
+    "FAILED_FILE",
+    "OWNER_ENV",
+    "RESOLVER",
+    "RunDirError",
+    "check_reuse",
+    "claim",
+    "clear_outputs",
+    "mark_failed",
+    "outputs_in",
+    "register_resolver",
+    "release",
+    "run_id",
+    "secondary_rank",
+    "spawned_by_owner",
+]
 
 RESOLVER = "amp_run_id"
 FAILED_FILE = "FAILED"
@@ -126,10 +141,8 @@ def release(directory: str | os.PathLike[str]) -> None:
     path = os.path.realpath(directory)
     fd = _held.pop(path, None)
     if fd is not None:
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(os.path.join(path, LOCK_FILE))  # while still held: a waiting run re-checks the file
-        except OSError:
-            pass
         os.close(fd)
     if os.environ.get(OWNER_ENV) == path:
         del os.environ[OWNER_ENV]
@@ -143,10 +156,8 @@ def mark_failed(output_dir: Path, err: BaseException, text: str | None = None) -
     """
     if not Path(output_dir).is_dir() or _launched_rank() != 0:
         return
-    try:
+    with contextlib.suppress(OSError):
         (Path(output_dir) / FAILED_FILE).write_text(text if text is not None else f"{type(err).__name__}: {err}\n")
-    except OSError:
-        pass
 
 
 def _launched_rank() -> int:
@@ -179,8 +190,9 @@ def _inside(path: str, directory: Path) -> bool:
     return True
 
 
-def check_reuse(directory: str | os.PathLike[str], ckpt_path: str | None, overwrite: bool,
-                key: str = "hydra.run.dir") -> None:
+def check_reuse(
+    directory: str | os.PathLike[str], ckpt_path: str | None, overwrite: bool, key: str = "hydra.run.dir"
+) -> None:
     """Refuse a directory holding another run's outputs (see the module docstring).
 
     With ``overwrite``, those outputs are deleted first (:func:`clear_outputs`).

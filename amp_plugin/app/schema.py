@@ -73,13 +73,15 @@ def _constructor_schema(cls: type, choices: dict[str, Any], exclude: tuple[str, 
         kind = choices.get(name)
         fields.append((name, kind or hints[name], field(default=kind(param.default) if kind else param.default)))
     return dataclasses.make_dataclass(
-        f"{cls.__name__.removesuffix('LossScaler')}ScalerConf", fields,
+        f"{cls.__name__.removesuffix('LossScaler')}ScalerConf",
+        fields,
         namespace={"__doc__": f"Arguments of :class:`{cls.__module__}.{cls.__qualname__}` (read off its signature)."},
     )
 
 
 DynamicScalerConf = _constructor_schema(
-    DynamicLossScaler, {"hysteresis_reset": HysteresisReset, "on_min_scale": OnMinScale})
+    DynamicLossScaler, {"hysteresis_reset": HysteresisReset, "on_min_scale": OnMinScale}
+)
 StaticScalerConf = _constructor_schema(StaticLossScaler, {})
 
 

@@ -56,8 +56,9 @@ def show(value: Any) -> str:
 
 def _at_least(key: str, value: int | None, minimum: int, hint: str = "") -> None:
     if value is not None and value < minimum:
-        raise ConfigError(f"{key}={show(value)} is not allowed: {key} must be an integer >= {minimum}." +
-                          (f" {hint}" if hint else ""))
+        raise ConfigError(
+            f"{key}={show(value)} is not allowed: {key} must be an integer >= {minimum}." + (f" {hint}" if hint else "")
+        )
 
 
 def validate(cfg: DictConfig) -> None:
@@ -81,16 +82,19 @@ def validate(cfg: DictConfig) -> None:
     _check_strategy(trainer)
     if not 0 <= cfg.seed < 2**32:
         raise ConfigError(f"seed={show(cfg.seed)} is not allowed: seed must be an integer in [0, 2**32 - 1].")
-    _at_least("num_threads", cfg.num_threads, 1, "It sets torch.set_num_threads for the run; null keeps "
-              "PyTorch's default.")
+    _at_least(
+        "num_threads", cfg.num_threads, 1, "It sets torch.set_num_threads for the run; null keeps PyTorch's default."
+    )
     if cfg.ckpt_path is not None:
         _check_checkpoint(cfg.ckpt_path, trainer.max_steps)
     _warn_unreachable_faults(cfg.get("fault"), trainer.max_steps)
 
 
 # Lightning strategies whose precision plugin must be their own (FSDPPrecision, DeepSpeedPrecision).
-_OWN_PRECISION = {"fsdp_": "Lightning's FSDPStrategy (FSDP1) takes only its own FSDPPrecision plugin",
-                  "deepspeed": "DeepSpeed brings its own loss scaler and master weights"}
+_OWN_PRECISION = {
+    "fsdp_": "Lightning's FSDPStrategy (FSDP1) takes only its own FSDPPrecision plugin",
+    "deepspeed": "DeepSpeed brings its own loss scaler and master weights",
+}
 
 
 def process_count(trainer: DictConfig) -> int | None:
@@ -151,8 +155,10 @@ def forget_checkpoints() -> None:
 
 def _check_checkpoint(path: str, max_steps: int) -> None:
     """``ckpt_path`` names a readable Lightning checkpoint that is not already at ``max_steps``."""
-    written_by = "ckpt_path must be a checkpoint file written by an earlier run, for example " \
-                 "outputs/<date>/<time>/checkpoints/last.ckpt."
+    written_by = (
+        "ckpt_path must be a checkpoint file written by an earlier run, for example "
+        "outputs/<date>/<time>/checkpoints/last.ckpt."
+    )
     if not os.path.isfile(path):
         where = "a directory" if os.path.isdir(path) else "no such file"
         raise ConfigError(f"ckpt_path={path!r} is not allowed: {where}. {written_by}")
@@ -165,8 +171,9 @@ def _check_checkpoint(path: str, max_steps: int) -> None:
             f"({type(err).__name__}: {reason}); it is truncated, corrupt or not a checkpoint. {written_by}"
         ) from err
     if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
-        raise ConfigError(f"ckpt_path={path!r} is not allowed: it is not a Lightning checkpoint (no state_dict). "
-                          f"{written_by}")
+        raise ConfigError(
+            f"ckpt_path={path!r} is not allowed: it is not a Lightning checkpoint (no state_dict). {written_by}"
+        )
     step = int(checkpoint.get("global_step", 0))
     if max_steps != -1 and step >= max_steps:
         raise ConfigError(

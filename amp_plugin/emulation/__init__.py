@@ -47,11 +47,12 @@ Native or emulated: ``emulate="auto"``
 --------------------------------------
 Where the CPU has half-precision units and PyTorch hands the dtype's GEMMs to oneDNN, the
 native kernels are faithful too (oneDNN accumulates in FP32 and rounds once) and faster than
-the emulation: a BF16 GEMM on ``avx512_bf16``/AMX-BF16 takes about half the FP32 time, while
-the emulation runs at FP32 speed. :func:`cpu_half_path` decides per dtype, once per process,
-from what the CPU reports (:func:`cpu_features`): BF16 runs natively with ``avx512_bf16`` or
-AMX-BF16, FP16 natively with ``avx512_fp16`` or AMX-FP16 (without them native FP16 measured
-6-30x the FP32 time even on ``avx512_bf16`` CPUs), everything else is emulated.
+the emulation: a BF16 GEMM on ``avx512_bf16``/AMX-BF16 takes a quarter to a half of the FP32
+time, while the emulation runs at FP32 speed. :func:`cpu_half_path` decides per dtype, once per
+process, from what the CPU reports (:func:`cpu_features`): BF16 runs natively with
+``avx512_bf16`` or AMX-BF16, FP16 natively with AMX-FP16 (with ``avx512_fp16`` alone native
+FP16 is no faster than the emulation; without either it measured 6-30x the FP32 time even on
+``avx512_bf16`` CPUs), everything else is emulated.
 :func:`should_emulate` (what ``emulate="auto"`` asks) follows it, and
 ``CpuHalfEmulation(dtypes="auto")`` emulates exactly the dtypes it does not run natively;
 ``CpuHalfEmulation(dtypes=torch.float16)`` emulates FP16 and lets BF16 ops run natively in the
@@ -172,18 +173,18 @@ more than the conversion. So, inside a context, the FP32 size of the largest
 operands stays allocated (one buffer per operand position).
 """
 
+from amp_plugin.emulation._common import HALF_DTYPES
 from amp_plugin.emulation._context import CpuHalfEmulation, should_emulate
 from amp_plugin.emulation._cpu import CpuFeatures, CpuPath, cpu_features, cpu_half_path
-from amp_plugin.emulation._common import HALF_DTYPES
 from amp_plugin.emulation._ops import EMULATED_OPS
 
 __all__ = [
-    "CpuHalfEmulation",
-    "should_emulate",
-    "cpu_half_path",
-    "CpuPath",
-    "cpu_features",
-    "CpuFeatures",
     "EMULATED_OPS",
     "HALF_DTYPES",
+    "CpuFeatures",
+    "CpuHalfEmulation",
+    "CpuPath",
+    "cpu_features",
+    "cpu_half_path",
+    "should_emulate",
 ]

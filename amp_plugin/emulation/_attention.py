@@ -29,7 +29,7 @@ import torch
 
 from amp_plugin.emulation._common import _PASS, _give_scratch, _state, _take_scratch, _upcast
 
-__all__ = ["sdpa_forward", "sdpa_backward"]
+__all__ = ["sdpa_backward", "sdpa_forward"]
 
 # Queries are processed in blocks of rows so that one block's FP32 score matrix
 # (batch x heads x rows x keys) stays below this many elements.
@@ -59,7 +59,7 @@ def _scores(q_rows, k_t, scale, mask, row0, is_causal):
     s.mul_(scale)
     rows, keys = s.shape[-2], s.shape[-1]
     if mask is not None:
-        s.add_(mask[..., row0:row0 + rows, :] if mask.dim() >= 2 and mask.shape[-2] != 1 else mask)
+        s.add_(mask[..., row0 : row0 + rows, :] if mask.dim() >= 2 and mask.shape[-2] != 1 else mask)
     if is_causal:
         s.masked_fill_(torch.ones(rows, keys, dtype=torch.bool).triu_(row0 + 1), _NEG_INF)
     return s
@@ -97,7 +97,7 @@ def sdpa_forward(call, args, kwargs):
         k32_t = k32.transpose(-2, -1)
         step = _rows_per_block(bq * hq, n_k, n_q)
         for r0 in range(0, n_q, step):
-            s = _scores(q32[:, :, r0:r0 + step], k32_t, scale, mask, r0, is_causal)
+            s = _scores(q32[:, :, r0 : r0 + step], k32_t, scale, mask, r0, is_causal)
             row_max = s.amax(-1, keepdim=True)
             row_max.masked_fill_(row_max == _NEG_INF, 0.0)  # fully masked rows: exp(-inf) = 0
             p = s.sub_(row_max).exp_()  # unnormalised probabilities, FP32

@@ -13,14 +13,13 @@ from __future__ import annotations
 import functools
 import threading
 import warnings
-from typing import Any, Dict, Optional
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
 from amp_plugin.emulation._common import _PASS, _count, _state
 from amp_plugin.emulation._ops import _OPS, _Op, _transparent
-
 
 # ----------------------------------------------------------------------------
 # backend "mode": a TorchDispatchMode
@@ -62,20 +61,18 @@ class _EmulationMode(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-_COMPOSITE: Dict[Any, bool] = {}
+_COMPOSITE: dict[Any, bool] = {}
 
 
 def _is_composite(func) -> bool:
     known = _COMPOSITE.get(func)
     if known is None:
         has = getattr(func, "has_kernel_for_dispatch_key", None)
-        known = _COMPOSITE[func] = bool(
-            has is not None and has(torch._C.DispatchKey.CompositeImplicitAutograd)
-        )
+        known = _COMPOSITE[func] = bool(has is not None and has(torch._C.DispatchKey.CompositeImplicitAutograd))
     return known
 
 
-def _active_mode() -> Optional[_EmulationMode]:
+def _active_mode() -> _EmulationMode | None:
     mode = _state.mode
     if mode is not None and any(m is mode for m in _get_current_dispatch_mode_stack()):
         return mode
@@ -115,7 +112,12 @@ USE_NATIVE_KERNELS = True
 """Use the C++ kernels for the ops in :data:`NATIVE_OPS` when they are built (read whenever
 the kernels are registered; tests turn it off to exercise the Python kernels)."""
 
-_NATIVE_NAMES = ("aten.mm.default", "aten.addmm.default", "aten.bmm.default", "aten.baddbmm.default")  # emulate.cpp's order
+_NATIVE_NAMES = (
+    "aten.mm.default",
+    "aten.addmm.default",
+    "aten.bmm.default",
+    "aten.baddbmm.default",
+)  # emulate.cpp's order
 NATIVE_OPS = frozenset(op for op in _OPS if str(op) in _NATIVE_NAMES)
 
 
@@ -128,7 +130,7 @@ def _native_ops() -> Any:
     return ops if ops is not None and hasattr(ops, "emulation_sync") else None
 
 
-def native_sync(mask: Optional[int] = None) -> None:
+def native_sync(mask: int | None = None) -> None:
     """Add the C++ kernels' call counts in this thread to ``_state.counts`` (and reset them);
     ``mask`` sets the dtypes they emulate in this thread (``_state.native_mask()``: 1 FP16,
     2 BF16, 0 none: off). A no-op without them."""
@@ -149,10 +151,10 @@ class _KernelOverrides:
 
     _lock = threading.Lock()
     _users = 0
-    _lib: Optional[torch.library.Library] = None
+    _lib: torch.library.Library | None = None
     # (overload, python kernel) pairs, built once: the original kernels they fall back
     # to are looked up on first use, before any emulating kernel is registered.
-    _kernels: Optional[list] = None
+    _kernels: list | None = None
     native: Any = None  # torch.ops.amp_plugin while its C++ kernels are registered
 
     @classmethod
@@ -181,9 +183,7 @@ class _KernelOverrides:
                 if not op.kernel:
                     continue
                 original = torch.library.get_kernel(op.overload, "CPU")
-                original_base = (
-                    original if op.base is op.overload else torch.library.get_kernel(op.base, "CPU")
-                )
+                original_base = original if op.base is op.overload else torch.library.get_kernel(op.base, "CPU")
                 kernels.append((op.overload, _make_kernel(op, original, original_base)))
             cls._kernels = kernels
         return cls._kernels
@@ -215,7 +215,7 @@ class _KeepInstalled:
     def __init__(self) -> None:
         self._held = False
 
-    def __enter__(self) -> "_KeepInstalled":
+    def __enter__(self) -> _KeepInstalled:
         if _KERNEL_BACKEND_AVAILABLE and not self._held:
             _KernelOverrides.acquire()
             self._held = True

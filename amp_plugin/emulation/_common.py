@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any, Callable, Dict, Optional
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -58,12 +59,12 @@ Handler = Callable[[Callable[..., Any], tuple, dict], Any]
 class _ThreadState(threading.local):
     def __init__(self) -> None:
         self.kernel_depth = 0  # active "kernel" backend contexts in this thread
-        self.mode: Optional[_EmulationMode] = None  # mode pushed by the outermost "mode" context
+        self.mode: _EmulationMode | None = None  # mode pushed by the outermost "mode" context
         self.prev_modes: list = []
-        self.counts: Dict[str, int] = {}  # op name -> emulated calls in this thread
-        self.scratch: Dict[int, torch.Tensor] = {}  # slot -> FP32 buffer, see _upcast
+        self.counts: dict[str, int] = {}  # op name -> emulated calls in this thread
+        self.scratch: dict[int, torch.Tensor] = {}  # slot -> FP32 buffer, see _upcast
         self.scratch_busy = False
-        self.dtype_depth: Dict[torch.dtype, int] = {}  # dtype -> active contexts that emulate it
+        self.dtype_depth: dict[torch.dtype, int] = {}  # dtype -> active contexts that emulate it
         self.emulated: frozenset = frozenset()  # the dtypes emulated now in this thread (checked by every handler)
 
     def add_dtypes(self, dtypes: frozenset, step: int) -> None:
@@ -106,7 +107,7 @@ def _count(name: str) -> None:
 _SCRATCH_MIN_NUMEL = 32768
 
 
-def _upcast(t: torch.Tensor, slot: int, scratch: Optional[dict]) -> torch.Tensor:
+def _upcast(t: torch.Tensor, slot: int, scratch: dict | None) -> torch.Tensor:
     """``t.float()``, with the same strides, written into ``scratch[slot]`` when
     ``t`` is large and dense (contiguous, or contiguous but for its last two dims
     being swapped); the caller must be done with the result before the next call."""
@@ -125,7 +126,7 @@ def _upcast(t: torch.Tensor, slot: int, scratch: Optional[dict]) -> torch.Tensor
     return view
 
 
-def _take_scratch() -> Optional[dict]:
+def _take_scratch() -> dict | None:
     state = _state
     if state.scratch_busy:  # an emulated op inside an emulated op: plain upcasts
         return None
@@ -133,6 +134,6 @@ def _take_scratch() -> Optional[dict]:
     return state.scratch
 
 
-def _give_scratch(scratch: Optional[dict]) -> None:
+def _give_scratch(scratch: dict | None) -> None:
     if scratch is not None:
         _state.scratch_busy = False

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Dict, Iterable, Union
+from collections.abc import Iterable
 
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
@@ -64,7 +64,7 @@ class CpuHalfEmulation:
         self,
         enabled: bool = True,
         backend: str = "auto",
-        dtypes: Union[str, torch.dtype, Iterable[Union[str, torch.dtype]], None] = None,
+        dtypes: str | torch.dtype | Iterable[str | torch.dtype] | None = None,
     ) -> None:
         if backend not in _BACKENDS:
             raise ValueError(f"backend={backend!r} is not allowed; expected one of {list(_BACKENDS)}")
@@ -80,10 +80,10 @@ class CpuHalfEmulation:
         self.dtypes: frozenset = _parse_dtypes(dtypes)
         # one entry per __enter__ still open: (kind, pushed mode or None, counts snapshot or None)
         self._frames: list = []
-        self._calls: Dict[str, int] = {}
+        self._calls: dict[str, int] = {}
 
     # -- context manager ------------------------------------------------------
-    def __enter__(self) -> "CpuHalfEmulation":
+    def __enter__(self) -> CpuHalfEmulation:
         if not self.enabled:
             self._frames.append((None, None, None))
             return self
@@ -139,7 +139,7 @@ class CpuHalfEmulation:
         return None
 
     @staticmethod
-    def _accumulate(counts: Dict[str, int], snapshot: Dict[str, int], into: Dict[str, int]) -> None:
+    def _accumulate(counts: dict[str, int], snapshot: dict[str, int], into: dict[str, int]) -> None:
         for name, n in counts.items():
             d = n - snapshot.get(name, 0)
             if d:
@@ -157,7 +157,7 @@ class CpuHalfEmulation:
         return _state.kernel_depth > 0 or _active_mode() is not None
 
     @staticmethod
-    def keep_installed() -> "_KeepInstalled":
+    def keep_installed() -> _KeepInstalled:
         """Keep the "kernel" backend's CPU kernels registered while this is held.
 
         Emulation itself stays off outside a ``CpuHalfEmulation`` context; what
@@ -184,12 +184,12 @@ class CpuHalfEmulation:
         return _KeepInstalled()
 
     @property
-    def emulated_calls(self) -> Dict[str, int]:
+    def emulated_calls(self) -> dict[str, int]:
         """``{"aten.mm.default": n, ...}``: ops this instance emulated so far."""
         if _state.kernel_depth:
             native_sync()
         calls = dict(self._calls)
-        for kind, _, snapshot in self._frames:
+        for _kind, _, snapshot in self._frames:
             if snapshot is not None:
                 self._accumulate(_state.counts, snapshot, calls)
         return calls
@@ -201,15 +201,13 @@ class CpuHalfEmulation:
             native_sync()
         now = dict(_state.counts)
         self._frames = [
-            (kind, pushed, now if snapshot is not None else None)
-            for kind, pushed, snapshot in self._frames
+            (kind, pushed, now if snapshot is not None else None) for kind, pushed, snapshot in self._frames
         ]
 
     def __repr__(self) -> str:
         names = sorted(str(dt).removeprefix("torch.") for dt in self.dtypes)
         return (
-            f"CpuHalfEmulation(enabled={self.enabled}, backend={self.backend!r}, dtypes={names}, "
-            f"active={self.active})"
+            f"CpuHalfEmulation(enabled={self.enabled}, backend={self.backend!r}, dtypes={names}, active={self.active})"
         )
 
 
@@ -235,23 +233,18 @@ def _parse_dtypes(dtypes) -> frozenset:
     return frozenset(_as_half_dtype(d, "dtypes") for d in items)
 
 
-def _resolve_precision(dtype: Union[torch.dtype, str]) -> torch.dtype:
+def _resolve_precision(dtype: torch.dtype | str) -> torch.dtype:
     if isinstance(dtype, str):
         key = dtype.strip().lower()
         if key not in _DTYPE_ALIASES:
-            raise ValueError(
-                f"unknown precision {dtype!r}; expected a torch.dtype or one of "
-                f"{sorted(_DTYPE_ALIASES)}"
-            )
+            raise ValueError(f"unknown precision {dtype!r}; expected a torch.dtype or one of {sorted(_DTYPE_ALIASES)}")
         return _DTYPE_ALIASES[key]
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype or a string, got {type(dtype).__name__}")
     return dtype
 
 
-def should_emulate(
-    device: Union[torch.device, str, int, None], dtype: Union[torch.dtype, str]
-) -> bool:
+def should_emulate(device: torch.device | str | int | None, dtype: torch.dtype | str) -> bool:
     """True when :class:`CpuHalfEmulation` is the faithful and fastest path: a CPU device,
     FP16/BF16, and a CPU whose native kernels for that dtype are not both faithful and fast
     (:func:`~amp_plugin.emulation.cpu_half_path`; e.g. False for BF16 on CPUs with

@@ -8,7 +8,13 @@ and rounds the result once, as a GPU Tensor Core does. Both candidates are:
 * the native kernels, where PyTorch hands FP16/BF16 GEMMs and convolutions to oneDNN and the
   CPU has units for them: oneDNN's BF16 kernels on ``avx512_bf16``/AMX-BF16 and its FP16 kernels
   on ``avx512_fp16``/AMX-FP16 accumulate in FP32 and round once. On such CPUs the native BF16
-  GEMM takes about half the FP32 time, faster than the emulation, which runs at FP32 speed.
+  GEMM takes a quarter to a half of the FP32 time, faster than the emulation, which runs at
+  FP32 speed.
+
+FP16 is native only with AMX-FP16. With ``avx512_fp16`` alone the native FP16 GEMM runs at
+about FP32 speed, no faster than the emulation, and the rest of a training step is slower
+natively: measured on an Intel Xeon with ``avx512_fp16`` and AMX-BF16 (``benchmarks/bench_emulation.py``,
+a transformer training step), native FP16 took 1.14x the FP32 time and emulated FP16 1.06x.
 
 Elsewhere PyTorch's native half kernels are either oneDNN's conversion-based fallbacks or its
 own reference loops, 6-80x slower than FP32, so the emulation is the fast faithful path.
@@ -22,7 +28,6 @@ from __future__ import annotations
 import functools
 import platform
 from dataclasses import dataclass
-from typing import Union
 
 import torch
 
@@ -130,7 +135,7 @@ def _detect() -> CpuFeatures:
     )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def cpu_features() -> CpuFeatures:
     """The probed CPU features (once per process)."""
     return _detect()
@@ -139,28 +144,32 @@ def cpu_features() -> CpuFeatures:
 _NAMES = {torch.float16: "FP16", torch.bfloat16: "BF16"}
 _UNITS = {
     torch.bfloat16: (("amx_bf16", "AMX-BF16"), ("avx512_bf16", "avx512_bf16")),
-    torch.float16: (("amx_fp16", "AMX-FP16"), ("avx512_fp16", "avx512_fp16")),
+    torch.float16: (("amx_fp16", "AMX-FP16"),),  # avx512_fp16 alone: no faster than emulation (docstring)
 }
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _decide(dtype: torch.dtype, mkldnn_enabled: bool) -> CpuPath:
     features = cpu_features()
     name = _NAMES[dtype]
     units = [label for attr, label in _UNITS[dtype] if getattr(features, attr)]
     if not units:
         wanted = " or ".join(label for _, label in _UNITS[dtype])
+        if dtype is torch.float16 and features.avx512_fp16:
+            return CpuPath(dtype, False, "emulated (avx512_fp16 without AMX-FP16: native FP16 is no faster "
+                                         "than the emulation)")
         return CpuPath(dtype, False, f"emulated (no native {name} GEMM: the CPU has no {wanted})")
     onednn = features.onednn_bf16 if dtype is torch.bfloat16 else features.onednn_fp16
     if not onednn:
-        return CpuPath(dtype, False, f"emulated ({units[0]} present, but this torch build does not "
-                                     f"send {name} GEMMs to oneDNN)")
+        return CpuPath(
+            dtype, False, f"emulated ({units[0]} present, but this torch build does not send {name} GEMMs to oneDNN)"
+        )
     if not mkldnn_enabled:
         return CpuPath(dtype, False, f"emulated ({units[0]} present, but torch.backends.mkldnn is disabled)")
     return CpuPath(dtype, True, f"native ({units[0]})")
 
 
-def _as_half_dtype(dtype: Union[torch.dtype, str], argument: str = "dtype") -> torch.dtype:
+def _as_half_dtype(dtype: torch.dtype | str, argument: str = "dtype") -> torch.dtype:
     resolved = _DTYPE_ALIASES.get(dtype.strip().lower()) if isinstance(dtype, str) else dtype
     if resolved not in _NAMES:
         raise ValueError(
@@ -170,11 +179,11 @@ def _as_half_dtype(dtype: Union[torch.dtype, str], argument: str = "dtype") -> t
     return resolved
 
 
-def cpu_half_path(dtype: Union[torch.dtype, str]) -> CpuPath:
+def cpu_half_path(dtype: torch.dtype | str) -> CpuPath:
     """The faithful and fastest way to run ``dtype`` (FP16 or BF16) matmuls on this CPU.
 
     Native where torch sends the dtype's GEMMs to oneDNN and the CPU has units for it
-    (BF16: ``avx512_bf16`` or AMX-BF16; FP16: ``avx512_fp16`` or AMX-FP16) and
+    (BF16: ``avx512_bf16`` or AMX-BF16; FP16: AMX-FP16) and
     ``torch.backends.mkldnn`` is enabled; emulated otherwise. Decided once per process (and
     per state of ``torch.backends.mkldnn.enabled``).
     """

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Dict, Tuple
+from typing import Any
 
 import torch
 
@@ -55,7 +55,7 @@ def _ternary(call, args, kwargs):
     return _PASS
 
 
-def _generic(operands: Tuple[int, ...], round_outputs: Tuple[int, ...]) -> Handler:
+def _generic(operands: tuple[int, ...], round_outputs: tuple[int, ...]) -> Handler:
     """Handler for ops with more arguments (convolution_backward, the oneDNN RNN layer).
 
     ``operands``: positional indices that must all have the half dtype (or be None; the
@@ -147,13 +147,7 @@ def _transparent(call, args, kwargs):
     rest runs natively. ``call`` is the op itself here."""
     x = args[0]
     mode = _state.mode
-    if (
-        mode is None
-        or x.dtype not in _state.emulated
-        or not x.is_cpu
-        or x.is_nested
-        or x.layout is not torch.strided
-    ):
+    if mode is None or x.dtype not in _state.emulated or not x.is_cpu or x.is_nested or x.layout is not torch.strided:
         return _PASS
     with mode:
         return call.redispatch(_CPU_KEYSET, *args, **kwargs)
@@ -162,7 +156,7 @@ def _transparent(call, args, kwargs):
 class _Op:
     """One intercepted aten overload."""
 
-    __slots__ = ("name", "overload", "base", "handler", "kernel")
+    __slots__ = ("base", "handler", "kernel", "name", "overload")
 
     def __init__(self, name: str, overload, base, handler: Handler, kernel: bool) -> None:
         self.name = name  # "aten.mm.out"
@@ -172,8 +166,8 @@ class _Op:
         self.kernel = kernel  # registered by the "kernel" backend
 
 
-def _build_ops() -> Dict[Any, _Op]:
-    ops: Dict[Any, _Op] = {}
+def _build_ops() -> dict[Any, _Op]:
+    ops: dict[Any, _Op] = {}
 
     def overload(packet: str, name: str):
         pk = getattr(aten, packet, None)
@@ -216,7 +210,7 @@ def _build_ops() -> Dict[Any, _Op]:
     return ops
 
 
-_OPS: Dict[Any, _Op] = _build_ops()
+_OPS: dict[Any, _Op] = _build_ops()
 
 EMULATED_OPS: frozenset = frozenset(op.name for op in _OPS.values() if op.handler is not _transparent)
 """Names (``"aten.mm.default"`` style) of the aten overloads that

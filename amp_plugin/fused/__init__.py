@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["kernels", "unavailable_reason", "build_name", "variant", "ENV_SWITCH"]
+__all__ = ["ENV_SWITCH", "build_name", "kernels", "unavailable_reason", "variant"]
 
 ENV_SWITCH = "AMP_PLUGIN_FUSED"
 _SOURCES = [Path(__file__).with_name(name) for name in ("master_step.cpp", "emulate.cpp")]
@@ -49,8 +49,16 @@ _BASE_FLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-fopenmp")
 _LDFLAGS = ("-fopenmp",)
 _VARIANT_FLAGS = {
     # the AVX2 intrinsics stay in use for what has no 512-bit loop; 512-bit auto-vectorisation
-    "avx512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c",
-               "-mprefer-vector-width=512"),
+    "avx512": (
+        "-mavx512f",
+        "-mavx512bw",
+        "-mavx512vl",
+        "-mavx512dq",
+        "-mavx2",
+        "-mfma",
+        "-mf16c",
+        "-mprefer-vector-width=512",
+    ),
     "avx2": ("-mavx2", "-mfma", "-mf16c"),  # torch's "AVX2" capability implies FMA; F16C comes with them
     "generic": (),
 }
@@ -70,9 +78,17 @@ def build_name(sources: list[bytes], flags: list[str], variant_name: str, ldflag
     and Python versions, the machine and ``$CXX``. Equal only when all of them are equal."""
     digest = hashlib.sha256()
     for part in (
-        *sources, "--flags", *flags, "--ldflags", *ldflags, "--environment", torch.__version__,
-        str(torch.version.git_version), f"{sys.version_info[0]}.{sys.version_info[1]}{getattr(sys, 'abiflags', '')}",
-        platform.machine(), os.environ.get("CXX", ""),
+        *sources,
+        "--flags",
+        *flags,
+        "--ldflags",
+        *ldflags,
+        "--environment",
+        torch.__version__,
+        str(torch.version.git_version),
+        f"{sys.version_info[0]}.{sys.version_info[1]}{getattr(sys, 'abiflags', '')}",
+        platform.machine(),
+        os.environ.get("CXX", ""),
     ):
         data = part if isinstance(part, bytes) else part.encode()
         digest.update(len(data).to_bytes(8, "little"))  # length-prefixed: no two part lists collide
@@ -141,9 +157,15 @@ def _build() -> Any | None:
 
             build_directory = _get_build_directory(name, False)
             # copies of the flag lists: load() appends to the lists it is given
-            load(name=name, sources=_staged_sources(build_directory), extra_cflags=list(flags),
-                 extra_ldflags=list(_LDFLAGS), build_directory=build_directory, is_python_module=False,
-                 verbose=False)
+            load(
+                name=name,
+                sources=_staged_sources(build_directory),
+                extra_cflags=list(flags),
+                extra_ldflags=list(_LDFLAGS),
+                build_directory=build_directory,
+                is_python_module=False,
+                verbose=False,
+            )
         return torch.ops.amp_plugin
     except Exception as err:  # no compiler, no ninja, a read-only cache: stock ops still work
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else ""

@@ -58,8 +58,9 @@ def kernel_grad(grad: torch.Tensor) -> bool:
     return grad.is_cpu and not grad.is_sparse and grad.dtype in _KERNEL_DTYPES and grad.is_contiguous()
 
 
-def unscale_into(ops: Any, half_grads: list[torch.Tensor], out: list[torch.Tensor], found_inf: torch.Tensor,
-                 inv_scale: torch.Tensor) -> None:
+def unscale_into(
+    ops: Any, half_grads: list[torch.Tensor], out: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor
+) -> None:
     """``out[i] = half_grads[i].float() * inv_scale`` and the inf check (``found_inf`` set to 1
     on any inf/NaN, never cleared), one pass per tensor. The tensors must be dense,
     contiguous CPU tensors (:func:`unscale_fits`)."""
@@ -107,8 +108,15 @@ def adam_ineligible(optimizer: Optimizer, masters_to_come: bool = False, device_
 
 def _hyper(group: dict[str, Any], adamw_default: bool) -> tuple:
     beta1, beta2 = (float(b) for b in group["betas"])
-    return (float(group["lr"]), beta1, beta2, float(group["weight_decay"]), float(group["eps"]),
-            bool(group.get("decoupled_weight_decay", adamw_default)), bool(group["maximize"]))
+    return (
+        float(group["lr"]),
+        beta1,
+        beta2,
+        float(group["weight_decay"]),
+        float(group["eps"]),
+        bool(group.get("decoupled_weight_decay", adamw_default)),
+        bool(group["maximize"]),
+    )
 
 
 def _state(optimizer: Optimizer, p: torch.Tensor, like: torch.Tensor | None = None) -> dict[str, Any]:
@@ -126,8 +134,12 @@ def _state(optimizer: Optimizer, p: torch.Tensor, like: torch.Tensor | None = No
 
 @torch.no_grad()
 def adam_step(
-    ops: Any, optimizer: Optimizer, grads: list[torch.Tensor | None], index_of: dict[int, int],
-    models: list[torch.Tensor], inv_scale: float = 1.0,
+    ops: Any,
+    optimizer: Optimizer,
+    grads: list[torch.Tensor | None],
+    index_of: dict[int, int],
+    models: list[torch.Tensor],
+    inv_scale: float = 1.0,
 ) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
     """One Adam/AdamW step of ``optimizer`` (over FP32 masters) that also writes each updated
     master, rounded, into its model parameter.
@@ -170,8 +182,9 @@ def adam_step(
                 model = None
             group_models.append(model)
         if params:
-            calls.append((params, group_grads, exp_avgs, exp_avg_sqs, steps, group_models,
-                          _hyper(group, adamw_default)))
+            calls.append(
+                (params, group_grads, exp_avgs, exp_avg_sqs, steps, group_models, _hyper(group, adamw_default))
+            )
     for params, group_grads, exp_avgs, exp_avg_sqs, steps, group_models, hyper in calls:
         ops.adam_step_(params, group_grads, exp_avgs, exp_avg_sqs, steps, group_models, *hyper, float(inv_scale))
     return unwritten
@@ -208,12 +221,26 @@ def split_adam_step(
         hyper = _hyper(group, adamw_default)
         if split:
             states = [_state(optimizer, p) for p, _, _ in split]
-            ops.adam_step_split_([p for p, _, _ in split], [low for _, _, low in split], [g for _, g, _ in split],
-                                 [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
-                                 [s["step"] for s in states], *hyper, float(inv_scale))
+            ops.adam_step_split_(
+                [p for p, _, _ in split],
+                [low for _, _, low in split],
+                [g for _, g, _ in split],
+                [s["exp_avg"] for s in states],
+                [s["exp_avg_sq"] for s in states],
+                [s["step"] for s in states],
+                *hyper,
+                float(inv_scale),
+            )
         if plain:
             states = [_state(optimizer, p) for p, _, _ in plain]
-            ops.adam_step_([p for p, _, _ in plain], [g for _, g, _ in plain], [s["exp_avg"] for s in states],
-                           [s["exp_avg_sq"] for s in states], [s["step"] for s in states], [None] * len(plain),
-                           *hyper, float(inv_scale))
+            ops.adam_step_(
+                [p for p, _, _ in plain],
+                [g for _, g, _ in plain],
+                [s["exp_avg"] for s in states],
+                [s["exp_avg_sq"] for s in states],
+                [s["step"] for s in states],
+                [None] * len(plain),
+                *hyper,
+                float(inv_scale),
+            )
     return True

@@ -22,11 +22,11 @@ from typing import TYPE_CHECKING, Any
 
 __all__ = [
     "ENV_CHOICE",
-    "NAMESPACES",
-    "Callback",
     "LIGHTNING_MODULES",
-    "Precision",
+    "NAMESPACES",
     "TRAINERS",
+    "Callback",
+    "Precision",
     "TorchCheckpointIO",
     "namespace_of",
     "pl",
@@ -34,8 +34,10 @@ __all__ = [
 ]
 
 ENV_CHOICE = "AMP_PLUGIN_LIGHTNING"
-_PACKAGES = {"lightning": ("lightning.pytorch", "lightning.fabric"),
-             "pytorch_lightning": ("pytorch_lightning", "lightning_fabric")}
+_PACKAGES = {
+    "lightning": ("lightning.pytorch", "lightning.fabric"),
+    "pytorch_lightning": ("pytorch_lightning", "lightning_fabric"),
+}
 
 
 def _installed() -> dict[str, tuple[ModuleType, ModuleType]]:

@@ -60,8 +60,11 @@ class CheckpointWriteError(OSError):
         reason = f"[Errno {code}] {os.strerror(code)}" if code else " ".join(str(cause).split()) or type(cause).__name__
         hint = _HINTS.get(code, "check that the directory exists and is writable, with space to spare")
         previous = "the previous checkpoint there is intact" if os.path.exists(path) else "nothing was written"
-        super().__init__(code, f"Could not write the checkpoint {path}: {reason}. Fix: {hint} "
-                               f"(or choose another directory with hydra.run.dir=...); {previous}.")
+        super().__init__(
+            code,
+            f"Could not write the checkpoint {path}: {reason}. Fix: {hint} "
+            f"(or choose another directory with hydra.run.dir=...); {previous}.",
+        )
 
     def __str__(self) -> str:
         return self.strerror or super().__str__()
@@ -130,7 +133,9 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     """
 
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: str | os.PathLike[str], storage_options: Any | None = None) -> None:
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: str | os.PathLike[str], storage_options: Any | None = None
+    ) -> None:
         if storage_options is not None or not _is_local(path):
             super().save_checkpoint(checkpoint, path, storage_options=storage_options)
             return

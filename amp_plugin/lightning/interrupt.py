@@ -108,8 +108,11 @@ class GracefulInterrupt(Callback):
         if first:
             name = signal.Signals(signum).name
             again = " Press Ctrl+C again to stop at once, without one." if signum == signal.SIGINT else ""
-            print(f"\n{name} received: stopping after this step and saving a checkpoint.{again}", file=sys.stderr,
-                  flush=True)
+            print(
+                f"\n{name} received: stopping after this step and saving a checkpoint.{again}",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def _stop_signal(self, trainer: pl.Trainer) -> int:
         signum = self.requested or (signal.SIGTERM if trainer.received_sigterm else 0)
@@ -119,8 +122,9 @@ class GracefulInterrupt(Callback):
         return int(signum)
 
     @override
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if self.pending is not None:
             return
         signum = self._stop_signal(trainer)
@@ -136,8 +140,9 @@ class GracefulInterrupt(Callback):
             raise self.pending
 
     @override
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
-                             batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if self.pending is not None:
             raise self.pending
 

@@ -34,17 +34,26 @@ class NonFiniteError(FloatingPointError):
         checkpoint_dir: where the checkpoints with finite weights are.
     """
 
-    def __init__(self, step: int, loss_finite: bool, bad_params: list[str], precision: str,
-                 checkpoint_dir: str | None = None) -> None:
+    def __init__(
+        self, step: int, loss_finite: bool, bad_params: list[str], precision: str, checkpoint_dir: str | None = None
+    ) -> None:
         self.step, self.loss_finite, self.bad_params = step, loss_finite, bad_params
         self.checkpoint_dir = checkpoint_dir
         what = [] if loss_finite else ["the loss is inf/NaN"]
         if bad_params:
-            what.append("the weights are no longer finite (" + ", ".join(bad_params[:3])
-                        + (", ..." if len(bad_params) > 3 else "") + ")")
+            what.append(
+                "the weights are no longer finite ("
+                + ", ".join(bad_params[:3])
+                + (", ..." if len(bad_params) > 3 else "")
+                + ")"
+            )
         scaler = "no loss scaler skips such a step"
-        kept = (f" Every checkpoint in {checkpoint_dir} has finite weights (this guard stops the run before a "
-                "non-finite state is saved)." if checkpoint_dir else "")
+        kept = (
+            f" Every checkpoint in {checkpoint_dir} has finite weights (this guard stops the run before a "
+            "non-finite state is saved)."
+            if checkpoint_dir
+            else ""
+        )
         super().__init__(
             f"Non-finite values at step {step}: {' and '.join(what)}; with precision={precision} {scaler}, so "
             "training cannot continue. Try: a lower learning rate (recipe.lr) or gradient clipping "
@@ -59,8 +68,9 @@ class NonFiniteGuard(Callback):
     lower stops the run with ``LossScaleCollapseError``)."""
 
     @override
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         plugin = trainer.precision_plugin
         scaler = getattr(plugin, "scaler", None)
         if scaler is not None and scaler.is_enabled():

@@ -77,7 +77,7 @@ class MixedPrecisionPlugin(Precision):
         emulate: ``"auto"`` picks, per dtype and CPU, the path that is faithful (products
             summed in FP32, rounded once, as on GPU Tensor Cores) and fastest
             (:func:`~amp_plugin.emulation.cpu_half_path`): native oneDNN BF16 on
-            ``avx512_bf16``/AMX-BF16, native FP16 on ``avx512_fp16``/AMX-FP16, otherwise
+            ``avx512_bf16``/AMX-BF16, native FP16 on AMX-FP16, otherwise
             :class:`~amp_plugin.CpuHalfEmulation` (FP32 matmuls rounded once). ``"on"`` forces
             the emulation, ``"off"`` the native CPU kernels.
         skip_lr_on_overflow: a skipped step does not advance "step"-interval LR schedulers.
@@ -104,7 +104,12 @@ class MixedPrecisionPlugin(Precision):
         skip_lr_on_overflow: bool = True,
     ) -> None:
         self.settings = PrecisionSettings.build(
-            precision, master_weights, autocast, scaler, emulate, skip_lr_on_overflow  # type: ignore[arg-type]
+            precision,
+            master_weights,
+            autocast,
+            scaler,
+            emulate,
+            skip_lr_on_overflow,  # type: ignore[arg-type]
         )
         self.precision = self.settings.lightning_precision  # what Lightning's `trainer.precision` reports
         self.last_nonfinite_params: list[tuple[str, int]] = []
@@ -198,8 +203,10 @@ class MixedPrecisionPlugin(Precision):
             )
         if self.master_weights and not self.sharded:
             master = self.settings.master
-            optimizers = [o if isinstance(o, MasterWeightOptimizer) else MasterWeightOptimizer(o, master=master)
-                          for o in optimizers]
+            optimizers = [
+                o if isinstance(o, MasterWeightOptimizer) else MasterWeightOptimizer(o, master=master)
+                for o in optimizers
+            ]
         param = next(model.parameters(), None)
         self._device_type = param.device.type if param is not None else "cpu"
         if self.emulate == "on" or (self.emulate == "auto" and should_emulate(self._device_type, self.compute_dtype)):
@@ -244,7 +251,9 @@ class MixedPrecisionPlugin(Precision):
             return f"{dtype}: native ({self._device_type})"
         if self.emulate != "auto":
             how = "emulated (FP32 matmuls rounded once)" if self.emulating else "native CPU kernels"
-            return f"{dtype}: {how}, forced by emulate={self.emulate!r} (auto: {cpu_half_path(self.compute_dtype).reason})"
+            return (
+                f"{dtype}: {how}, forced by emulate={self.emulate!r} (auto: {cpu_half_path(self.compute_dtype).reason})"
+            )
         return f"{dtype}: {cpu_half_path(self.compute_dtype).reason}"
 
     # ------------------------------------------------------------------ forward / backward
@@ -373,8 +382,11 @@ class MixedPrecisionPlugin(Precision):
         if not isinstance(model, LIGHTNING_MODULES) or not model.automatic_optimization:
             return
         trainer_calls(model)._call_lightning_module_hook(
-            model.trainer, "configure_gradient_clipping", optimizer,
-            gradient_clip_val=clip_val, gradient_clip_algorithm=gradient_clip_algorithm,
+            model.trainer,
+            "configure_gradient_clipping",
+            optimizer,
+            gradient_clip_val=clip_val,
+            gradient_clip_algorithm=gradient_clip_algorithm,
         )
 
     def _update(self, trainer: pl.Trainer | None) -> None:

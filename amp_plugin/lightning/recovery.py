@@ -107,8 +107,9 @@ class RecoveryCheckpoint(Callback):
             self.save(trainer, os.path.join(_directory(trainer), LAST_GOOD), reason="start")
 
     @override
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         if scaler is None or not scaler.is_enabled():
             return
@@ -145,20 +146,27 @@ class RecoveryCheckpoint(Callback):
             self._unstepped = []
         self.saved_path, self.saved_step = path, trainer.global_step
         if reason == "collapse":
-            rank_zero_info(f"amp_plugin: no healthy state saved yet; {path} holds the state at step "
-                           f"{trainer.global_step} (skipped steps changed no weight).")
+            rank_zero_info(
+                f"amp_plugin: no healthy state saved yet; {path} holds the state at step "
+                f"{trainer.global_step} (skipped steps changed no weight)."
+            )
 
     @override
-    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
-                           checkpoint: dict[str, Any]) -> None:
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
         if self._reason is None:
             return
-        checkpoint[RECOVERY_KEY] = {"step": trainer.global_step, "reason": self._reason,
-                                    "clean_steps": self._clean_steps}
+        checkpoint[RECOVERY_KEY] = {
+            "step": trainer.global_step,
+            "reason": self._reason,
+            "clean_steps": self._clean_steps,
+        }
         if self._unstepped:
             checkpoint[RECOVERY_KEY]["unstepped_optimizers"] = list(self._unstepped)
 
     @override
-    def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
-                           checkpoint: dict[str, Any]) -> None:
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
         self._forget_on_start = list(checkpoint.get(RECOVERY_KEY, {}).get("unstepped_optimizers", []))

@@ -64,8 +64,13 @@ def unscaled_copy(grad: torch.Tensor, inv_scale: torch.Tensor | None, ops: Any |
             out._values().mul_(inv_scale)
         return out
     out = torch.empty(grad.shape, dtype=torch.float32, device=grad.device)
-    if inv_scale is not None and ops is not None and grad.device.type == "cpu" and grad.is_contiguous() \
-            and grad.dtype in (torch.float16, torch.bfloat16):
+    if (
+        inv_scale is not None
+        and ops is not None
+        and grad.device.type == "cpu"
+        and grad.is_contiguous()
+        and grad.dtype in (torch.float16, torch.bfloat16)
+    ):
         ops.unscale_into_([grad], [out], torch.zeros((), dtype=torch.float32), inv_scale.float())
         return out
     out.copy_(grad)
@@ -78,8 +83,9 @@ _ONES: dict[tuple[torch.device, int], torch.Tensor] = {}
 
 
 @torch.no_grad()
-def eager_unscale(grads: list[torch.Tensor], inv_scale: torch.Tensor | None, found: torch.Tensor | None,
-                  ops: Any | None = None) -> list[torch.Tensor]:
+def eager_unscale(
+    grads: list[torch.Tensor], inv_scale: torch.Tensor | None, found: torch.Tensor | None, ops: Any | None = None
+) -> list[torch.Tensor]:
     """New FP32 tensors ``grad.float() * inv_scale`` for dense half ``grads`` (one device, laid
     out like them) with the inf check into ``found`` (``inv_scale=None``: a plain upcast).
     One op whatever the number of tensors, two on the torch path:
@@ -117,8 +123,13 @@ class GradSession:
 
     __slots__ = ("eager", "grads", "inv", "ops", "owner", "touched", "versions")
 
-    def __init__(self, owner: MasterWeightOptimizer, inv: Callable[[torch.device], torch.Tensor] | None,
-                 grads: list[torch.Tensor | None], ops: Any | None) -> None:
+    def __init__(
+        self,
+        owner: MasterWeightOptimizer,
+        inv: Callable[[torch.device], torch.Tensor] | None,
+        grads: list[torch.Tensor | None],
+        ops: Any | None,
+    ) -> None:
         self.owner = owner
         self.inv = inv  # device -> the unscale factor there; None: the gradients are not scaled
         self.grads = grads  # each model gradient as found (None: no gradient)

@@ -58,9 +58,15 @@ def torch_adam_step(optimizer: Optimizer, grads: list[torch.Tensor | None], inde
         if not params:
             continue
         states = [_state(optimizer, p) for p in params]
-        grouped = Optimizer._group_tensors_by_device_and_dtype([  # one C++ call, as torch's fused Adam
-            params, group_grads, [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
-            [s["step"] for s in states]])
+        grouped = Optimizer._group_tensors_by_device_and_dtype(
+            [  # one C++ call, as torch's fused Adam
+                params,
+                group_grads,
+                [s["exp_avg"] for s in states],
+                [s["exp_avg_sq"] for s in states],
+                [s["step"] for s in states],
+            ]
+        )
         beta1, beta2 = group["betas"]
         decoupled = bool(group.get("decoupled_weight_decay", adamw_default))
         kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
@@ -68,11 +74,28 @@ def torch_adam_step(optimizer: Optimizer, grads: list[torch.Tensor | None], inde
         for (device, _), ((d_params, d_grads, d_exp_avgs, d_exp_avg_sqs, d_steps), _) in grouped.items():
             torch._foreach_add_(d_steps, 1)
             # as torch's fused Adam: a tensor lr moves to a CUDA device, a CPU one stays
-            d_lr: Any = lr.to(device) if isinstance(lr, torch.Tensor) and lr.device.type != "cpu" \
-                and lr.device != device else lr
-            kernel(d_params, d_grads, d_exp_avgs, d_exp_avg_sqs, [], d_steps, amsgrad=False, lr=d_lr,
-                   beta1=_scalar(beta1), beta2=_scalar(beta2), weight_decay=group["weight_decay"], eps=group["eps"],
-                   maximize=group["maximize"], grad_scale=None, found_inf=None)
+            d_lr: Any = (
+                lr.to(device)
+                if isinstance(lr, torch.Tensor) and lr.device.type != "cpu" and lr.device != device
+                else lr
+            )
+            kernel(
+                d_params,
+                d_grads,
+                d_exp_avgs,
+                d_exp_avg_sqs,
+                [],
+                d_steps,
+                amsgrad=False,
+                lr=d_lr,
+                beta1=_scalar(beta1),
+                beta2=_scalar(beta2),
+                weight_decay=group["weight_decay"],
+                eps=group["eps"],
+                maximize=group["maximize"],
+                grad_scale=None,
+                found_inf=None,
+            )
 
 
 def _scalar(value: Any) -> float:

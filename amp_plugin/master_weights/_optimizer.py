@@ -344,8 +344,9 @@ class MasterWeightOptimizer(Optimizer):
         for i in single:
             grad = grads[i]
             out = unscaled_copy(grad, None)
-            torch._amp_foreach_non_finite_check_and_unscale_([out._values() if out.is_sparse else out],
-                                                             flag(found, grad.device), inv_scale_on(grad.device))
+            torch._amp_foreach_non_finite_check_and_unscale_(
+                [out._values() if out.is_sparse else out], flag(found, grad.device), inv_scale_on(grad.device)
+            )
             session.eager[i] = out
         return found
 
@@ -459,8 +460,9 @@ class MasterWeightOptimizer(Optimizer):
                 record = MASTERS.get(p)
                 if record is None:
                     master = None if split else MasterParameter.of(p)
-                    low = torch.zeros_like(p, dtype=torch.int16, memory_format=torch.contiguous_format) if split \
-                        else None
+                    low = (
+                        torch.zeros_like(p, dtype=torch.int16, memory_format=torch.contiguous_format) if split else None
+                    )
                     record = MASTERS[p] = Record(master, low, p._version, p.data_ptr())
                     if master is not None:
                         MASTER_TENSORS[master] = True
@@ -548,16 +550,21 @@ class MasterWeightOptimizer(Optimizer):
             grads.append(grad)
         return grads, pending
 
-    def _to_fp32(self, session: GradSession, grads: list[torch.Tensor | None], pending: list[int],
-                 only_unreadable: bool = False) -> None:
+    def _to_fp32(
+        self, session: GradSession, grads: list[torch.Tensor | None], pending: list[int], only_unreadable: bool = False
+    ) -> None:
         """Replace the pending half gradients in ``grads`` by FP32 master gradients: one
         multi-tensor copy (and unscale) per device, sparse or strided ones one by one
         (``only_unreadable``: just those the CPU kernel cannot read)."""
         batch: list[int] = []
         for i in pending:
             grad = grads[i]
-            if grad.is_sparse or not grad.is_contiguous() or grad.dtype not in _HALF or (
-                    only_unreadable and not grad.is_cpu):
+            if (
+                grad.is_sparse
+                or not grad.is_contiguous()
+                or grad.dtype not in _HALF
+                or (only_unreadable and not grad.is_cpu)
+            ):
                 grads[i] = unscaled_copy(grad, session.inv_on(grad.device), session.ops)
             elif not only_unreadable:
                 batch.append(i)
@@ -575,8 +582,9 @@ class MasterWeightOptimizer(Optimizer):
         if path == "kernels":
             self._to_fp32(session, grads, pending, only_unreadable=True)
             inv = session.inv_on(torch.device("cpu"))
-            unwritten = _adam.adam_step(self._kernel_ops(), self.optimizer, grads, self._index_of, models,
-                                        1.0 if inv is None else float(inv))
+            unwritten = _adam.adam_step(
+                self._kernel_ops(), self.optimizer, grads, self._index_of, models, 1.0 if inv is None else float(inv)
+            )
             if unwritten is not None:
                 self.optimizer._opt_called = True  # what an LR scheduler's step tracking records
                 self._copy_into_model(unwritten)
@@ -651,7 +659,9 @@ class MasterWeightOptimizer(Optimizer):
 
     def _reason(self, kind: str) -> str | None:
         if kind not in self._reasons:  # the optimizer's type and parameters do not change
-            self._reasons[kind] = _adam.adam_ineligible(self.optimizer, device_type="cpu" if kind == "kernels" else None)
+            self._reasons[kind] = _adam.adam_ineligible(
+                self.optimizer, device_type="cpu" if kind == "kernels" else None
+            )
         return self._reasons[kind]
 
     def _all_cpu(self) -> bool:

@@ -117,8 +117,9 @@ class MasterParameter(torch.nn.Parameter):
     # ------------------------------------------------------------------ copies
     def __deepcopy__(self, memo: dict) -> torch.nn.Parameter:
         if id(self) not in memo:
-            memo[id(self)] = torch.nn.Parameter(self.data.clone(memory_format=torch.preserve_format),
-                                                REQUIRES_GRAD_SLOT.__get__(self))
+            memo[id(self)] = torch.nn.Parameter(
+                self.data.clone(memory_format=torch.preserve_format), REQUIRES_GRAD_SLOT.__get__(self)
+            )
         return memo[id(self)]
 
     def __reduce_ex__(self, proto: int) -> tuple:
@@ -176,8 +177,12 @@ def resync(model_p: torch.Tensor, record: Record) -> None:
     """Copy the model parameter into its master (after a write the wrapper did not make). A
     split master's low bits are cleared: the master is then the weight, exactly."""
     like = record.master if record.master is not None else record.low_bits
-    if model_p.dtype not in _HALF or model_p.shape != like.shape or model_p.device != like.device or (
-            record.master is None and model_p.dtype is not torch.bfloat16):
+    if (
+        model_p.dtype not in _HALF
+        or model_p.shape != like.shape
+        or model_p.device != like.device
+        or (record.master is None and model_p.dtype is not torch.bfloat16)
+    ):
         raise RuntimeError(
             f"A model parameter wrapped by MasterWeightOptimizer changed from {tuple(like.shape)} "
             f"half precision on {like.device} to {model_p.dtype} {tuple(model_p.shape)} on {model_p.device} "

@@ -12,8 +12,16 @@ from torch.optim import Optimizer
 from amp_plugin import fused as _fused
 from amp_plugin.fused import adam as _adam
 
-__all__ = ["already_wrapped", "by_device_dtype", "check_fused_possible", "check_split_possible", "flag",
-           "refuse_dtensors", "unscale_in_place", "upcast_state"]
+__all__ = [
+    "already_wrapped",
+    "by_device_dtype",
+    "check_fused_possible",
+    "check_split_possible",
+    "flag",
+    "refuse_dtensors",
+    "unscale_in_place",
+    "upcast_state",
+]
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -37,8 +45,10 @@ def check_split_possible(optimizer: Optimizer) -> None:
         for group in optimizer.param_groups:
             for p in group["params"]:
                 if p.dtype is torch.float16:
-                    reason = ("it needs a BF16 model (the high half of an FP32 number is a BF16 number, not an "
-                              f"FP16 one), but a parameter of shape {tuple(p.shape)} is float16")
+                    reason = (
+                        "it needs a BF16 model (the high half of an FP32 number is a BF16 number, not an "
+                        f"FP16 one), but a parameter of shape {tuple(p.shape)} is float16"
+                    )
                     break
     if reason is not None:
         raise ValueError(f"master='bf16_split' is not possible here: {reason}. Use master='fp32'.")
@@ -47,7 +57,7 @@ def check_split_possible(optimizer: Optimizer) -> None:
 def refuse_dtensors(optimizer: Optimizer) -> None:
     try:
         from torch.distributed.tensor import DTensor
-    except Exception:  # noqa: BLE001  (torch built without distributed support)
+    except Exception:
         return
     if any(isinstance(p, DTensor) for g in optimizer.param_groups for p in g["params"]):
         raise TypeError(
@@ -90,7 +100,9 @@ def by_device_dtype(grads: list[torch.Tensor]) -> dict[tuple[torch.device, torch
     return groups
 
 
-def unscale_in_place(optimizer: Optimizer, inv_scale_on: Callable[[torch.device], torch.Tensor]) -> dict[torch.device, torch.Tensor]:
+def unscale_in_place(
+    optimizer: Optimizer, inv_scale_on: Callable[[torch.device], torch.Tensor]
+) -> dict[torch.device, torch.Tensor]:
     from amp_plugin.scaler import _unscale_in_place as unscale
 
     return unscale(optimizer, inv_scale_on)

@@ -74,10 +74,23 @@ def step_with_torch_ops(optimizer: torch.optim.Optimizer, low_bits_of: dict[int,
         for items in by_device.values():
             steps = [state["step"] for *_, state in items]
             torch._foreach_add_(steps, 1)
-            kernel([m for _, _, m, _, _ in items], [g for _, _, _, g, _ in items],
-                   [state["exp_avg"] for *_, state in items], [state["exp_avg_sq"] for *_, state in items], [],
-                   steps, amsgrad=False, lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps,
-                   maximize=maximize, grad_scale=None, found_inf=None)
+            kernel(
+                [m for _, _, m, _, _ in items],
+                [g for _, _, _, g, _ in items],
+                [state["exp_avg"] for *_, state in items],
+                [state["exp_avg_sq"] for *_, state in items],
+                [],
+                steps,
+                amsgrad=False,
+                lr=lr,
+                beta1=beta1,
+                beta2=beta2,
+                weight_decay=weight_decay,
+                eps=eps,
+                maximize=maximize,
+                grad_scale=None,
+                found_inf=None,
+            )
         for p, low, master, _, _ in entries:
             if low is not None:
                 split_into(master, p, low)

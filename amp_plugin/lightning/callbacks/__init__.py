@@ -9,7 +9,6 @@
 """
 
 from amp_plugin.lightning.callbacks.fault_injection import FaultInjector
-
 from amp_plugin.lightning.callbacks.grad_health import GradientHealthMonitor, ParamGradHealth
 from amp_plugin.lightning.callbacks.loss_scale import LossScaleMonitor, ScaleEvent
 from amp_plugin.lightning.callbacks.preflight import PreflightChecks

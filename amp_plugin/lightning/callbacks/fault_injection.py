@@ -89,7 +89,9 @@ class FaultInjector(Callback):
         return self.rank is None or trainer.global_rank == self.rank
 
     @override
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if not self._active(trainer, self.nan_input_at):
             return
         tensor = _first_floating(batch)

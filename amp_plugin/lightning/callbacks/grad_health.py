@@ -10,16 +10,16 @@ import torch
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from amp_plugin.fsdp import local_grad, reduce_stats
 from amp_plugin.lightning._namespace import Callback, rank_zero_info
 from amp_plugin.lightning.callbacks._common import CsvLog, find_plugin
-from amp_plugin.fsdp import local_grad, reduce_stats
-from amp_plugin.master_weights import MasterWeightOptimizer
 from amp_plugin.lightning.plugin import MixedPrecisionPlugin
+from amp_plugin.master_weights import MasterWeightOptimizer
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["GradientHealthMonitor", "ParamGradHealth", "FP16_MAX", "FP16_MIN_NORMAL"]
+__all__ = ["FP16_MAX", "FP16_MIN_NORMAL", "GradientHealthMonitor", "ParamGradHealth"]
 
 FP16_MAX = 65504.0
 """The largest finite FP16 value."""
@@ -27,7 +27,14 @@ FP16_MIN_NORMAL = 2.0**-14
 """The smallest normal FP16 value (about 6.1e-5); below it FP16 is subnormal, then zero."""
 
 HEADER = (
-    "step", "param", "numel", "zero_frac", "underflow_frac_scale1", "underflow_frac_current", "amax", "headroom_bits",
+    "step",
+    "param",
+    "numel",
+    "zero_frac",
+    "underflow_frac_scale1",
+    "underflow_frac_current",
+    "amax",
+    "headroom_bits",
 )
 
 
@@ -65,8 +72,16 @@ class ParamGradHealth:
     headroom_bits: float
 
     def row(self) -> tuple[Any, ...]:
-        return (self.step, self.param, self.numel, self.zero_frac, self.underflow_frac_scale1,
-                self.underflow_frac_current, self.amax, self.headroom_bits)
+        return (
+            self.step,
+            self.param,
+            self.numel,
+            self.zero_frac,
+            self.underflow_frac_scale1,
+            self.underflow_frac_current,
+            self.amax,
+            self.headroom_bits,
+        )
 
 
 def headroom_bits(amax: float, scale: float) -> float:
@@ -101,12 +116,16 @@ def measure(grads: list[torch.Tensor], scale: float) -> list[list[float]]:
         if a.numel() == 0:  # a rank may hold an empty shard of a small parameter
             stats.append(torch.zeros(4, dtype=torch.float64, device=device))
             continue
-        stats.append(torch.stack([
-            (a == 0).sum().double(),
-            (a < FP16_MIN_NORMAL).sum().double(),
-            (a < current).sum().double(),
-            a.max().double(),
-        ]).to(device))
+        stats.append(
+            torch.stack(
+                [
+                    (a == 0).sum().double(),
+                    (a < FP16_MIN_NORMAL).sum().double(),
+                    (a < current).sum().double(),
+                    a.max().double(),
+                ]
+            ).to(device)
+        )
     return reduce_stats(grads, torch.stack(stats), sum_cols=3).tolist()
 
 
@@ -143,9 +162,7 @@ class GradientHealthMonitor(Callback):
 
     def __init__(self, every_n_steps: int = 100, verbose: bool = True) -> None:
         if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1:
-            raise ValueError(
-                f"every_n_steps={every_n_steps!r} is not allowed: every_n_steps must be an integer >= 1."
-            )
+            raise ValueError(f"every_n_steps={every_n_steps!r} is not allowed: every_n_steps must be an integer >= 1.")
         self.every_n_steps = every_n_steps
         self.verbose = verbose
         self.last_stats: list[ParamGradHealth] = []
@@ -182,8 +199,16 @@ class GradientHealthMonitor(Callback):
         scale = self._plugin.scaler.get_scale() if self._plugin is not None else 1.0
         names, grads = _named_grads(pl_module, getattr(optimizer, "_optimizer", optimizer))
         stats = [
-            ParamGradHealth(step, name, g.numel(), zeros / g.numel(), u1 / g.numel(), uc / g.numel(),
-                            amax, headroom_bits(amax, scale))
+            ParamGradHealth(
+                step,
+                name,
+                g.numel(),
+                zeros / g.numel(),
+                u1 / g.numel(),
+                uc / g.numel(),
+                amax,
+                headroom_bits(amax, scale),
+            )
             for name, g, (zeros, u1, uc, amax) in zip(names, grads, measure(grads, scale))
         ]
         self.last_stats = stats

@@ -9,10 +9,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from typing_extensions import override
 
-from amp_plugin.lightning._namespace import Callback, rank_zero_info
 from amp_plugin._checks import check_number
-from amp_plugin.lightning.callbacks._common import CsvLog, find_plugin
 from amp_plugin.dynamic_scaler import LossScaleCollapseError
+from amp_plugin.lightning._namespace import Callback, rank_zero_info
+from amp_plugin.lightning.callbacks._common import CsvLog, find_plugin
 from amp_plugin.lightning.plugin import MixedPrecisionPlugin
 from amp_plugin.scaler import LossScaler, ScaleUpdate
 from amp_plugin.settings import no_loss_scaling

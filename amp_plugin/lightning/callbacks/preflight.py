@@ -8,18 +8,17 @@ from typing import TYPE_CHECKING, Any
 import torch
 from typing_extensions import override
 
-from amp_plugin.lightning._namespace import LIGHTNING_AUTOCAST_PLUGINS, Callback, rank_zero_warn
 from amp_plugin._checks import check_choice, check_number
 from amp_plugin.dynamic_scaler import DynamicLossScaler
 from amp_plugin.half_module import NORM_TYPES
+from amp_plugin.lightning._namespace import LIGHTNING_AUTOCAST_PLUGINS, Callback, rank_zero_warn
 from amp_plugin.lightning.plugin import MixedPrecisionPlugin
-from amp_plugin.scaler import LossScaler
 from amp_plugin.preflight import (
     CHECKS,
-    check_anomaly_detection,
     PreflightError,
     PreflightProblem,
     PreflightWarning,
+    check_anomaly_detection,
     check_grad_scaler,
     check_half_params_under_autocast,
     check_loss_dtype,
@@ -27,6 +26,7 @@ from amp_plugin.preflight import (
     check_weight_range,
     find_grad_scalers,
 )
+from amp_plugin.scaler import LossScaler
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -84,8 +84,12 @@ class PreflightChecks(Callback):
         self.problems, self._loss_checked = [], False
         precision, _, keeps_norm_fp32 = _settings(trainer.precision_plugin)
         if precision == "fp16" and "weight_range" not in self.skip:
-            fp32_kept = {id(p) for m in pl_module.modules() if keeps_norm_fp32 and isinstance(m, NORM_TYPES)
-                         for p in m.parameters(recurse=False)}
+            fp32_kept = {
+                id(p)
+                for m in pl_module.modules()
+                if keeps_norm_fp32 and isinstance(m, NORM_TYPES)
+                for p in m.parameters(recurse=False)
+            }
             weights = [(n, p) for n, p in pl_module.named_parameters() if id(p) not in fp32_kept]
             self._report(check_weight_range(weights, self.tiny_weight_frac))
 
