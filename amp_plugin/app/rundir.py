@@ -154,8 +154,8 @@ def mark_failed(output_dir: Path, err: BaseException, text: str | None = None) -
     Hydra creates the directory before the job. Written by the launching process only (not by
     DDP ranks > 0), and never fatal: on a full disk the note may be all that cannot be written.
     """
-    if not Path(output_dir).is_dir() or _launched_rank() != 0:
-        return
+    if not Path(output_dir).is_dir() or _launched_rank() != 0 or spawned_by_owner(output_dir):
+        return  # a rank that Lightning's launcher started (LOCAL_RANK set, but no WORLD_SIZE) writes nothing
     with contextlib.suppress(OSError):
         (Path(output_dir) / FAILED_FILE).write_text(text if text is not None else f"{type(err).__name__}: {err}\n")
 
