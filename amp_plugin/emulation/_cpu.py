@@ -12,9 +12,11 @@ and rounds the result once, as a GPU Tensor Core does. Both candidates are:
   FP32 speed.
 
 FP16 is native only with AMX-FP16. With ``avx512_fp16`` alone the native FP16 GEMM runs at
-about FP32 speed, no faster than the emulation, and the rest of a training step is slower
-natively: measured on an Intel Xeon with ``avx512_fp16`` and AMX-BF16 (``benchmarks/bench_emulation.py``,
-a transformer training step), native FP16 took 1.14x the FP32 time and emulated FP16 1.06x.
+about FP32 speed, no faster than the emulation, and a training step is no faster natively:
+measured on an Intel Xeon with ``avx512_fp16`` and AMX-BF16, a transformer step
+(``benchmarks/bench_emulation.py``) took 1.14x and 1.05x the FP32 time natively against 1.06x and
+1.09x emulated in two runs, and ``char_gpt`` end to end (``benchmarks/bench_end_to_end.py``) 1.68x
+natively against 1.43x emulated (PyTorch's native FP16 flash-attention backward is slow on CPU).
 
 Elsewhere PyTorch's native half kernels are either oneDNN's conversion-based fallbacks or its
 own reference loops, 6-80x slower than FP32, so the emulation is the fast faithful path.
