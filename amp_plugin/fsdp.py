@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -40,6 +40,9 @@ from torch import nn
 from amp_plugin._dtensor import is_dtensor
 from amp_plugin.half_module import NORM_TYPES
 from amp_plugin.settings import PrecisionSettings
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import FSDPModule
 
 __all__ = [
     "check_or_set_policies",
@@ -158,7 +161,8 @@ def fsdp2_units(module: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def _unit_policy(unit: nn.Module) -> Any:
-    return unit._get_fsdp_state()._mp_policy  # private: FSDP2 has no public getter for a unit's policy
+    # private: FSDP2 has no public getter for a unit's policy
+    return cast("FSDPModule", unit)._get_fsdp_state()._mp_policy
 
 
 def _unit_is_norm_only(unit: nn.Module) -> bool:
@@ -179,7 +183,7 @@ def _set_unit_policy(unit: nn.Module, policy: Any) -> None:
     FSDP2 reads the policy in three places, all private: the state (input/output casts), each
     param group and each parameter (dtypes fixed at the root's lazy init).
     """
-    state = unit._get_fsdp_state()
+    state = cast("FSDPModule", unit)._get_fsdp_state()
     if getattr(state, "_is_root", None) is not None:
         raise RuntimeError("the unit has already run a forward; its dtypes are fixed")
     groups = getattr(state, "_fsdp_param_groups", None)

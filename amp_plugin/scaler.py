@@ -26,7 +26,7 @@ import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
+from typing import Any, Protocol, cast
 
 import torch
 
@@ -77,6 +77,16 @@ class ScaleUpdate:
     def changed(self) -> bool:
         """True when the scale value changed."""
         return self.old_scale != self.new_scale
+
+
+class _ScalingAwareOptimizer(Protocol):
+    """An optimizer with ``_step_supports_amp_scaling`` (torch's private protocol, not in the
+    stubs): its ``step`` takes ``grad_scaler=``, or reads ``grad_scale`` and ``found_inf``."""
+
+    grad_scale: torch.Tensor | None
+    found_inf: torch.Tensor
+
+    def step(self, *args: Any, **kwargs: Any) -> Any: ...
 
 
 class _Stage(Enum):
@@ -226,6 +236,7 @@ class LossScaler:
         if not self._enabled:
             return
         old = self._scale_value
+        reason: str | None
         if new_scale is not None:
             if isinstance(new_scale, torch.Tensor):
                 if new_scale.numel() != 1:
@@ -347,8 +358,9 @@ class LossScaler:
         self, optimizer: torch.optim.Optimizer, state: _OptimizerState, args: tuple, kwargs: dict[str, Any]
     ) -> Any:
         """``step()`` for an optimizer with ``_step_supports_amp_scaling``: torch 2.13's protocol."""
+        aware = cast(_ScalingAwareOptimizer, optimizer)
         if "grad_scaler" in inspect.signature(optimizer.step).parameters:
-            retval = optimizer.step(*args, **kwargs, grad_scaler=self)
+            retval = aware.step(*args, **kwargs, grad_scaler=self)
             state.stage = _Stage.STEPPED
             if state.found_inf:  # the optimizer ran the inf check through _check_inf_per_device
                 self._record_step(self._found_inf_host(state))
@@ -361,15 +373,15 @@ class LossScaler:
         found = torch.zeros((), dtype=torch.float32, device=scale.device)
         for flag in flags:
             found = found + flag.to(scale.device, non_blocking=True)
-        optimizer.grad_scale = (
+        aware.grad_scale = (
             getattr(optimizer, "grad_scale", None) if unscaled else scale * getattr(optimizer, "grad_scale", 1)
         )
-        optimizer.found_inf = found
+        aware.found_inf = found
         try:
-            retval = optimizer.step(*args, **kwargs)
+            retval = aware.step(*args, **kwargs)
         finally:
-            del optimizer.grad_scale
-            del optimizer.found_inf
+            del aware.grad_scale
+            del aware.found_inf
         state.stage = _Stage.STEPPED
         self._record_step(self._found_inf_host(state))
         return retval

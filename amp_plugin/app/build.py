@@ -157,8 +157,9 @@ def _scaler(node: DictConfig) -> LossScaler | None:
     if "_target_" in node:
         return instantiate("scaler", node)
     if len(node):
+        key: object = next(iter(node))  # a DictConfig key (str for a YAML config)
         raise ConfigError(
-            f"scaler.{next(iter(node))} is not a setting of scaler=none: without loss scaling there is nothing "
+            f"scaler.{key} is not a setting of scaler=none: without loss scaling there is nothing "
             "to set. Pick a scaler first, e.g. scaler=dynamic."
         )
     return None  # scaler=none: PrecisionSettings gives the plugin a disabled scaler

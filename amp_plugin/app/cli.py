@@ -114,7 +114,8 @@ def run_job(cfg: DictConfig) -> dict[str, Any] | None:
         result = train(cfg, settings)
         return {k: v for k, v in result.items() if k not in ("trainer", "module", "plugin")}
     except BaseException as err:
-        return report_end(err, cfg, out, multirun)
+        report_end(err, cfg, out, multirun)
+        return None
     finally:
         if out is not None:
             rundir.release(out)

@@ -28,12 +28,16 @@ import signal
 import sys
 import traceback
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 from omegaconf import DictConfig
 
 from amp_plugin.app import rundir
 from amp_plugin.app.validation import ConfigError
 from amp_plugin.dynamic_scaler import LossScaleCollapseError
+
+if TYPE_CHECKING:
+    from amp_plugin.lightning.interrupt import RunInterrupted
 
 __all__ = ["report_end", "resume_command"]
 
@@ -114,7 +118,7 @@ def _wait_for_launcher(timeout: float = 15.0) -> None:
 def _signal_of(err: BaseException) -> int | None:
     """The signal that stopped the run: ours (RunInterrupted), Lightning's SIGTERM, or Ctrl+C."""
     if type(err).__name__ == "RunInterrupted":  # amp_plugin.lightning.interrupt (not imported before training)
-        return int(err.signum)
+        return int(cast("RunInterrupted", err).signum)
     if type(err).__name__ == "SIGTERMException":  # Lightning's, raised outside a training step
         return int(signal.SIGTERM)
     if isinstance(err, KeyboardInterrupt):
@@ -149,7 +153,7 @@ def _interrupted_note(signum: int, step: int | None, checkpoint: str | None, cfg
         started = step is not None or (last is not None and last.is_file())
         where = "outside a training step" if started else "before training started"
         lines.append(f"Interrupted by {name} {where}; no new checkpoint was written.")
-        if last is not None and last.is_file():
+        if out is not None and last is not None and last.is_file():  # last is None when out is
             lines.append(f"  latest checkpoint {last}")
             lines.append(f"  resume with {resume_command(cfg, str(last), out)}")
     lines.append(f"Exit status {128 + signum} (128 + {name}).")

@@ -21,6 +21,7 @@ import math
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import cast
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
@@ -77,12 +78,13 @@ def _cell(column: str, value: float) -> str:
 
 
 def _column(rows: Sequence[Mapping[str, float]], key: str) -> tuple[list[float], list[float]]:
-    xs, ys = [], []
+    xs: list[float] = []
+    ys: list[float] = []
     for row in rows:
         value = row.get(key)
         if not _missing(value):
             xs.append(row["step"])
-            ys.append(value)
+            ys.append(cast(float, value))  # not None: _missing checked
     return xs, ys
 
 

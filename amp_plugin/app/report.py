@@ -15,18 +15,22 @@ import json
 import math
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from typing_extensions import override
 
 from amp_plugin.app import plots
 from amp_plugin.app.rundir import FAILED_FILE, mark_failed
-from amp_plugin.lightning import pl
 from amp_plugin.lightning._namespace import Callback
 
 if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
     from amp_plugin.app.build import Run
+    from amp_plugin.lightning.plugin import MixedPrecisionPlugin
+else:
+    from amp_plugin.lightning import pl
 
 __all__ = ["FAILED_FILE", "RunRecorder", "format_summary", "mark_failed", "summarize", "to_json", "write_outputs"]
 
@@ -69,7 +73,7 @@ class RunRecorder(Callback):
             if step <= trainer.global_step:
                 merged = self.rows.setdefault(step, {})
                 merged.update({k: v for k, v in row.items() if k not in merged})
-        scaler = trainer.precision_plugin.scaler
+        scaler = cast("MixedPrecisionPlugin", trainer.precision_plugin).scaler  # the app's plugin
         self.start_scale = _scale(scaler)
         self.start_skipped = scaler.skipped_steps
         self.start_step = trainer.global_step
@@ -78,7 +82,7 @@ class RunRecorder(Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        scaler = trainer.precision_plugin.scaler
+        scaler = cast("MixedPrecisionPlugin", trainer.precision_plugin).scaler  # the app's plugin
         loss = trainer.callback_metrics.get("train/loss")
         if loss is None and isinstance(outputs, Mapping):
             loss = outputs.get("loss")
@@ -323,9 +327,9 @@ def format_summary(summary: Mapping[str, Any]) -> str:
         ("plot", "plot"),
         ("summary", "summary"),
     ):
-        shown = rel(key)
-        if shown is not None:
-            lines.append(f"    {label:<11}{shown}")
+        path_shown = rel(key)
+        if path_shown is not None:
+            lines.append(f"    {label:<11}{path_shown}")
     if paths.get("metrics") is None and paths.get("log_dir"):
         lines.append(f"    {'logs':<11}{rel('log_dir')}")
     return "\n".join(lines)

@@ -22,16 +22,20 @@ import math
 import os
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
 from amp_plugin.app.validation import ConfigError, forget_checkpoints, load_checkpoint, show
-from amp_plugin.lightning import pl
 from amp_plugin.lightning._namespace import Callback, rank_zero_info
 from amp_plugin.lightning.checkpoint_state import CHECKPOINT_KEY
 from amp_plugin.lightning.recovery import is_recovery_checkpoint
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+else:
+    from amp_plugin.lightning import pl
 
 __all__ = [
     "APP_KEY",
@@ -222,15 +226,15 @@ class ResumeSettings(Callback):
                         applied.add(name)
         schedulers = checkpoint.get("lr_schedulers") or []
         for config, saved in zip(trainer.lr_scheduler_configs, schedulers):
-            fresh = list(getattr(config.scheduler, "base_lrs", []))
+            new_base = list(getattr(config.scheduler, "base_lrs", []))
             old_base = list(saved.get("base_lrs") or [])
-            if "base_lrs" in saved and len(fresh) == len(old_base) and not _same(old_base, fresh):
-                if "_last_lr" in saved and len(saved["_last_lr"]) == len(fresh):
+            if "base_lrs" in saved and len(new_base) == len(old_base) and not _same(old_base, new_base):
+                if "_last_lr" in saved and len(saved["_last_lr"]) == len(new_base):
                     saved["_last_lr"] = [
                         last * new / old if old else last
-                        for last, new, old in zip(saved["_last_lr"], fresh, saved["base_lrs"])
+                        for last, new, old in zip(saved["_last_lr"], new_base, saved["base_lrs"])
                     ]
-                saved["base_lrs"] = fresh
+                saved["base_lrs"] = new_base
         return applied
 
 
@@ -290,7 +294,7 @@ def keep_history(loggers: list[Any], step: int, recorder: Any = None) -> None:
         rows: list[dict[str, str]] = []
         if path.is_file():
             with path.open(newline="") as f:
-                rows = [r for r in csv.DictReader(f) if _step(r) is not None and _step(r) < step]
+                rows = [r for r in csv.DictReader(f) if (s := _step(r)) is not None and s < step]
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=r".*exists and is not empty.*")
             writer = logger.experiment  # starting it deletes metrics.csv (rank 0; a no-op elsewhere)

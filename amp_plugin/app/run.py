@@ -27,7 +27,7 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from omegaconf import DictConfig
@@ -74,7 +74,7 @@ def train(cfg: DictConfig, settings: PrecisionSettings | None = None) -> dict[st
             # The recipes keep their data in memory; worker processes would only add start-up time.
             warnings.filterwarnings("ignore", message=r".*does not have many workers.*")
             if run.resume_in_place and run.trainer.is_global_zero:
-                keep_history(run.loggers, run.resume_step, run.recorder)
+                keep_history(run.loggers, cast(int, run.resume_step), run.recorder)  # set when resuming
             start = time.perf_counter()
             run.trainer.fit(run.module, ckpt_path=run.ckpt_path)
             wall = time.perf_counter() - start

@@ -18,7 +18,7 @@ import inspect
 import typing
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
@@ -50,16 +50,24 @@ def _choices(name: str, values: typing.Iterable[str]) -> Any:
     return Enum(name, [(v, v) for v in values], type=str, module=__name__, qualname=name)
 
 
-PresetName = _choices("PresetName", PRESETS)
-"""``precision.precision``: the preset names of :data:`amp_plugin.settings.PRESETS`."""
+if TYPE_CHECKING:  # built at runtime from lists (the else branch); mypy sees str Enums without members
+
+    class PresetName(str, Enum): ...
+
+    class ClipAlgorithm(str, Enum): ...
+
+else:
+    PresetName = _choices("PresetName", PRESETS)
+    """``precision.precision``: the preset names of :data:`amp_plugin.settings.PRESETS`."""
+    ClipAlgorithm = _choices("ClipAlgorithm", ("norm", "value"))
+    """``trainer.gradient_clip_algorithm``: Lightning's ``GradClipAlgorithmType`` values."""
+
 # The lists DynamicLossScaler checks these arguments against, so the two cannot drift apart.
 HysteresisReset = _choices("HysteresisReset", [m.value for m in dynamic_scaler.HysteresisReset])
 OnMinScale = _choices("OnMinScale", [m.value for m in dynamic_scaler.OnMinScale])  # "raise" is no Python name
-ClipAlgorithm = _choices("ClipAlgorithm", ("norm", "value"))
-"""``trainer.gradient_clip_algorithm``: Lightning's ``GradClipAlgorithmType`` values."""
 
 
-def _constructor_schema(cls: type, choices: dict[str, Any], exclude: tuple[str, ...] = ("enabled",)) -> type:
+def _constructor_schema(cls: type[Any], choices: dict[str, Any], exclude: tuple[str, ...] = ("enabled",)) -> type:
     """A structured config of ``cls``'s constructor arguments: their names, types and defaults.
 
     ``choices`` maps a ``str`` argument to the Enum that lists its values; ``exclude`` drops

@@ -24,6 +24,7 @@ output and ``logsumexp`` 0, ``logsumexp`` is FP32 and laid out as the native ker
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import torch
 
@@ -157,5 +158,6 @@ def sdpa_backward(call, args, kwargs):
             grad_v = dv if grad_v is None else grad_v.add_(dv)
     finally:
         _give_scratch(scratch)
-    grad_q = grad_q[0] if len(grad_q) == 1 else torch.cat(grad_q, 2)
-    return grad_q, grad_k.mul_(scale).to(dt), grad_v.to(dt)
+    dq = grad_q[0] if len(grad_q) == 1 else torch.cat(grad_q, 2)
+    # grad_k and grad_v are set: the loop ran (n_q > 0, or torch.cat above raised)
+    return dq, cast(torch.Tensor, grad_k).mul_(scale).to(dt), cast(torch.Tensor, grad_v).to(dt)

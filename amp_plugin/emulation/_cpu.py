@@ -75,7 +75,8 @@ class CpuPath:
 
 def _proc_cpuinfo() -> tuple[str, frozenset]:
     """(model name, flags) from /proc/cpuinfo; empty where there is none."""
-    model, flags = "", frozenset()
+    model = ""
+    flags: frozenset[str] = frozenset()
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
             for line in f:
@@ -158,8 +159,9 @@ def _decide(dtype: torch.dtype, mkldnn_enabled: bool) -> CpuPath:
     if not units:
         wanted = " or ".join(label for _, label in _UNITS[dtype])
         if dtype is torch.float16 and features.avx512_fp16:
-            return CpuPath(dtype, False, "emulated (avx512_fp16 without AMX-FP16: native FP16 is no faster "
-                                         "than the emulation)")
+            return CpuPath(
+                dtype, False, "emulated (avx512_fp16 without AMX-FP16: native FP16 is no faster than the emulation)"
+            )
         return CpuPath(dtype, False, f"emulated (no native {name} GEMM: the CPU has no {wanted})")
     onednn = features.onednn_bf16 if dtype is torch.bfloat16 else features.onednn_fp16
     if not onednn:

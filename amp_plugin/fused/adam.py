@@ -205,7 +205,8 @@ def split_adam_step(
     """
     grouped = []
     for group in optimizer.param_groups:
-        split, plain = [], []
+        split: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
+        plain: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
         for p in group["params"]:
             g = p.grad
             if g is None:

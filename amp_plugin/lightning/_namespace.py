@@ -20,6 +20,9 @@ import os
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
+if TYPE_CHECKING:
+    from lightning.pytorch import LightningModule, Trainer
+
 __all__ = [
     "ENV_CHOICE",
     "LIGHTNING_MODULES",
@@ -75,8 +78,9 @@ NAMESPACES: tuple[ModuleType, ...] = tuple(trainer_pkg for trainer_pkg, _ in _FO
 pl: ModuleType = _FOUND[_preferred()][0]
 """The namespace the app and the recipes use (see the module docstring)."""
 
-LIGHTNING_MODULES: tuple[type, ...] = tuple(ns.LightningModule for ns in NAMESPACES)
-TRAINERS: tuple[type, ...] = tuple(ns.Trainer for ns in NAMESPACES)
+# Typed as lightning.pytorch's classes, which stand for both namespaces' (as Precision and Callback below).
+LIGHTNING_MODULES: tuple[type[LightningModule], ...] = tuple(ns.LightningModule for ns in NAMESPACES)
+TRAINERS: tuple[type[Trainer], ...] = tuple(ns.Trainer for ns in NAMESPACES)
 
 
 def _combined(path: str, fabric: bool = False) -> Any:

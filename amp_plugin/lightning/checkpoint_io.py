@@ -25,7 +25,8 @@ import contextlib
 import errno
 import os
 import uuid
-from typing import Any
+from pathlib import Path
+from typing import IO, Any, cast
 
 import torch
 from fsspec.core import url_to_fs
@@ -56,7 +57,7 @@ class CheckpointWriteError(OSError):
 
     def __init__(self, path: str, cause: BaseException) -> None:
         self.path, self.cause = path, cause
-        code = getattr(cause, "errno", None)
+        code: Any = getattr(cause, "errno", None)  # an int, or None
         reason = f"[Errno {code}] {os.strerror(code)}" if code else " ".join(str(cause).split()) or type(cause).__name__
         hint = _HINTS.get(code, "check that the directory exists and is writable, with space to spare")
         previous = "the previous checkpoint there is intact" if os.path.exists(path) else "nothing was written"
@@ -106,7 +107,7 @@ def atomic_save(obj: Any, path: str | os.PathLike[str]) -> None:
         os.makedirs(directory, exist_ok=True)
         with open(temp, "wb") as f:
             recorder = _RecordingFile(f)
-            torch.save(obj, recorder)
+            torch.save(obj, cast(IO[bytes], recorder))  # the file methods torch.save calls
             f.flush()
             os.fsync(f.fileno())
         os.replace(temp, path)
@@ -137,6 +138,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         self, checkpoint: dict[str, Any], path: str | os.PathLike[str], storage_options: Any | None = None
     ) -> None:
         if storage_options is not None or not _is_local(path):
-            super().save_checkpoint(checkpoint, path, storage_options=storage_options)
+            # Lightning's annotation says str | Path; it handles any os.PathLike (fsspec)
+            super().save_checkpoint(checkpoint, cast("str | Path", path), storage_options=storage_options)
             return
         atomic_save(checkpoint, path)

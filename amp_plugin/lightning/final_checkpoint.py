@@ -9,7 +9,7 @@ training ends at a step that no periodic save covered.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol, cast
 
 from typing_extensions import override
 
@@ -19,6 +19,15 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 __all__ = ["FinalCheckpoint"]
+
+
+class _SavesLast(Protocol):
+    """What this reads of a ``ModelCheckpoint`` (``trainer.checkpoint_callbacks`` are typed ``Checkpoint``)."""
+
+    CHECKPOINT_NAME_LAST: str
+    FILE_EXTENSION: str
+    dirpath: str
+    last_model_path: str
 
 
 class FinalCheckpoint(Callback):
@@ -33,7 +42,8 @@ class FinalCheckpoint(Callback):
                 continue  # nothing saved yet: ModelCheckpoint's own on_train_end saves last.ckpt now
             if getattr(callback, "_last_global_step_saved", None) == trainer.global_step:
                 continue
-            name = callback.CHECKPOINT_NAME_LAST + callback.FILE_EXTENSION
-            path = callback.last_model_path or os.path.join(callback.dirpath, name)
-            callback.last_model_path = path
+            saves_last = cast(_SavesLast, callback)  # save_last and dirpath are set: a ModelCheckpoint
+            name = saves_last.CHECKPOINT_NAME_LAST + saves_last.FILE_EXTENSION
+            path = saves_last.last_model_path or os.path.join(saves_last.dirpath, name)
+            saves_last.last_model_path = path
             trainer.save_checkpoint(path, weights_only=False)

@@ -47,11 +47,13 @@ class LRHold:
 
     def _held_class(self, cls: type) -> type:
         hold = self
+        held: type[Any]  # the class made below, after step() that refers to it
 
         def step(scheduler: Any, *args: Any, **kwargs: Any) -> Any:
             if hold.skipped():
                 return None  # the optimizer did not step: neither does its schedule
-            return super(held, scheduler).step(*args, **kwargs)
+            # mypy resolves super() here in LRHold (the enclosing class), not in the class made below
+            return super(held, scheduler).step(*args, **kwargs)  # type: ignore[misc]
 
         held = type(cls.__name__, (cls,), {"step": step, "__module__": cls.__module__, "_amp_plugin_held": True})
         held.__qualname__ = cls.__qualname__

@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections.abc import Callable, Generator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import torch
 from torch import Tensor
@@ -49,6 +49,7 @@ from amp_plugin.settings import PrecisionSettings
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
+    from lightning.fabric.plugins.precision.precision import _PRECISION_INPUT_STR
     from lightning.fabric.utilities.types import Optimizable
 
 __all__ = ["CHECKPOINT_KEY", "MixedPrecisionPlugin"]
@@ -99,7 +100,7 @@ class MixedPrecisionPlugin(Precision):
         precision: str = "fp16",
         master_weights: bool | None = None,
         autocast: bool | None = None,
-        scaler: LossScaler | str | None = "auto",
+        scaler: LossScaler | Literal["auto"] | None = "auto",
         emulate: str = "auto",
         skip_lr_on_overflow: bool = True,
     ) -> None:
@@ -109,9 +110,10 @@ class MixedPrecisionPlugin(Precision):
             autocast,
             scaler,
             emulate,
-            skip_lr_on_overflow,  # type: ignore[arg-type]
+            skip_lr_on_overflow,
         )
-        self.precision = self.settings.lightning_precision  # what Lightning's `trainer.precision` reports
+        # what Lightning's `trainer.precision` reports ("32-true", "16-mixed", "bf16-true", ...)
+        self.precision = cast("_PRECISION_INPUT_STR", self.settings.lightning_precision)
         self.last_nonfinite_params: list[tuple[str, int]] = []
         self.emulating = False
         self.compute_path = ""
@@ -286,7 +288,9 @@ class MixedPrecisionPlugin(Precision):
         return super().pre_backward(self.scaler.scale(tensor), module)
 
     @override
-    def backward(self, tensor: Tensor, model: pl.LightningModule, optimizer: Any, *args: Any, **kwargs: Any) -> None:
+    def backward(  # type: ignore[override]  # lightning.pytorch's own signature, which narrows fabric's
+        self, tensor: Tensor, model: pl.LightningModule, optimizer: Any, *args: Any, **kwargs: Any
+    ) -> None:
         with self._emulation():
             super().backward(tensor, model, optimizer, *args, **kwargs)
 
@@ -354,9 +358,10 @@ class MixedPrecisionPlugin(Precision):
             models.append(model_p)
             masters.append(master)
             grads.append(fp32)
+        model_grads = cast("list[Tensor]", [p.grad for p in models])  # checked above: not None
         if grads:
-            torch._foreach_copy_([p.grad for p in models], grads)
-        return models, masters, [p.grad._version for p in models]
+            torch._foreach_copy_(model_grads, grads)
+        return models, masters, [g._version for g in model_grads]
 
     @override
     def clip_gradients(self, optimizer: Optimizer, clip_val: float = 0.0, gradient_clip_algorithm: Any = None) -> None:

@@ -27,7 +27,7 @@ into FP32 is needed anyway, so the unscale happens there.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.optim import Optimizer
@@ -58,14 +58,17 @@ def torch_adam_step(optimizer: Optimizer, grads: list[torch.Tensor | None], inde
         if not params:
             continue
         states = [_state(optimizer, p) for p in params]
-        grouped = Optimizer._group_tensors_by_device_and_dtype(
-            [  # one C++ call, as torch's fused Adam
-                params,
-                group_grads,
-                [s["exp_avg"] for s in states],
-                [s["exp_avg_sq"] for s in states],
-                [s["step"] for s in states],
-            ]
+        grouped = cast(  # its lists hold no None: every list given has a tensor at every index
+            "dict[tuple[torch.device, torch.dtype], tuple[list[list[torch.Tensor]], list[int]]]",
+            Optimizer._group_tensors_by_device_and_dtype(
+                [  # one C++ call, as torch's fused Adam
+                    params,
+                    group_grads,
+                    [s["exp_avg"] for s in states],
+                    [s["exp_avg_sq"] for s in states],
+                    [s["step"] for s in states],
+                ]
+            ),
         )
         beta1, beta2 = group["betas"]
         decoupled = bool(group.get("decoupled_weight_decay", adamw_default))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.optim import Optimizer
@@ -210,7 +210,7 @@ class MasterWeightOptimizer(Optimizer):
 
     # ------------------------------------------------------------------ shared state
     @property
-    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+    def param_groups(self) -> list[dict[str, Any]]:
         return self.optimizer.param_groups
 
     @param_groups.setter
@@ -218,7 +218,7 @@ class MasterWeightOptimizer(Optimizer):
         self.optimizer.param_groups = value
 
     @property
-    def state(self) -> Any:  # type: ignore[override]
+    def state(self) -> Any:
         return self.optimizer.state
 
     @state.setter
@@ -242,7 +242,7 @@ class MasterWeightOptimizer(Optimizer):
         own weights: their FP32 :class:`MasterParameter`s, or, with ``master="bf16_split"``,
         the int16 extensions (the masters' low 16 bits). What memory accounting should count."""
         if self.master == "bf16_split":
-            return [r.low_bits for r in self._records]
+            return cast("list[torch.Tensor]", [r.low_bits for r in self._records])  # set for split masters
         return list(self._half_masters)
 
     @torch.no_grad()
@@ -251,7 +251,8 @@ class MasterWeightOptimizer(Optimizer):
         joined from the two halves with ``master="bf16_split"``, detached clones otherwise."""
         self._refresh_masters()
         if self.master == "bf16_split":
-            return [_split.join(p, r.low_bits) for p, r in zip(self._half_models, self._records)]
+            # low_bits is set for split masters
+            return [_split.join(p, cast(torch.Tensor, r.low_bits)) for p, r in zip(self._half_models, self._records)]
         return [m.detach().clone() for m in self._half_masters]
 
     # ------------------------------------------------------------------ optimizer API
@@ -335,7 +336,7 @@ class MasterWeightOptimizer(Optimizer):
                 eager.append(i)
         if checked:
             _adam.nonfinite_check(ops, checked, flag(found, torch.device("cpu")))
-        grads = session.grads
+        grads = cast("list[torch.Tensor]", session.grads)  # at the indices in eager and single: not None
         devices = {grads[i].device for i in eager}
         for device in devices:
             index = eager if len(devices) == 1 else [i for i in eager if grads[i].device == device]
@@ -375,7 +376,7 @@ class MasterWeightOptimizer(Optimizer):
             if wanted is None or id(model_p) in wanted:
                 resync(model_p, record)
 
-    def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:  # type: ignore[override]
+    def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
         """Update the masters with the wrapped optimizer's rule, then copy them into the model.
 
         Without a loss scaler in between, the model's gradients are the masters' gradients as
@@ -391,7 +392,8 @@ class MasterWeightOptimizer(Optimizer):
         self._refresh_masters()
         try:
             if self.master == "bf16_split":
-                result = self._step_split(kwargs)
+                self._step_split(kwargs)
+                result = None
             else:
                 result = self._step(self._session or self._begin_session(None), kwargs)
         finally:
@@ -429,7 +431,8 @@ class MasterWeightOptimizer(Optimizer):
                     record.master.copy_(saved)
                     model_p.copy_(record.master)
                 else:
-                    _split.split_into(saved.to(model_p.device, torch.float32), model_p, record.low_bits)
+                    low_bits = cast(torch.Tensor, record.low_bits)  # a split master's
+                    _split.split_into(saved.to(model_p.device, torch.float32), model_p, low_bits)
                 record.version, record.ptr = model_p._version, model_p.data_ptr()
 
     def _restore_fp32_moments(self, state_dict: dict[str, Any]) -> None:
@@ -539,7 +542,9 @@ class MasterWeightOptimizer(Optimizer):
                 grads.append(slot)
                 continue
             grad = model.grad
-            if grad is not seen[i] or grad._version != versions[i]:
+            # seen[i] is not None here, so `grad is None` adds no case to `grad is not seen[i]`: it only
+            # narrows grad for the type checker (cheaper than a cast() call per parameter)
+            if grad is None or grad is not seen[i] or grad._version != versions[i]:
                 self._warn_grads_changed()
                 if grad is not None:
                     pending.append(i)
@@ -557,8 +562,9 @@ class MasterWeightOptimizer(Optimizer):
         multi-tensor copy (and unscale) per device, sparse or strided ones one by one
         (``only_unreadable``: just those the CPU kernel cannot read)."""
         batch: list[int] = []
+        present = cast("list[torch.Tensor]", grads)  # the same list: not None at the indices in pending
         for i in pending:
-            grad = grads[i]
+            grad = present[i]
             if (
                 grad.is_sparse
                 or not grad.is_contiguous()
@@ -568,9 +574,9 @@ class MasterWeightOptimizer(Optimizer):
                 grads[i] = unscaled_copy(grad, session.inv_on(grad.device), session.ops)
             elif not only_unreadable:
                 batch.append(i)
-        for device in {grads[i].device for i in batch}:
-            index = [i for i in batch if grads[i].device == device]
-            copies = eager_unscale([grads[i] for i in index], session.inv_on(device), None, session.ops)
+        for device in {present[i].device for i in batch}:
+            index = [i for i in batch if present[i].device == device]
+            copies = eager_unscale([present[i] for i in index], session.inv_on(device), None, session.ops)
             for i, copy in zip(index, copies):
                 grads[i] = copy
 
@@ -586,16 +592,17 @@ class MasterWeightOptimizer(Optimizer):
                 self._kernel_ops(), self.optimizer, grads, self._index_of, models, 1.0 if inv is None else float(inv)
             )
             if unwritten is not None:
-                self.optimizer._opt_called = True  # what an LR scheduler's step tracking records
+                # what an LR scheduler's step tracking records (torch's private flag, not in the stubs)
+                self.optimizer._opt_called = True  # type: ignore[attr-defined]
                 self._copy_into_model(unwritten)
                 self._record_versions(grads)
                 return None
-            pending = [i for i in pending if grads[i] is not None and grads[i].dtype in _HALF]
+            pending = [i for i in pending if (g := grads[i]) is not None and g.dtype in _HALF]
         self._to_fp32(session, grads, pending)
         result = None
         if path == "torch":
             torch_adam_step(self.optimizer, grads, self._index_of)
-            self.optimizer._opt_called = True
+            self.optimizer._opt_called = True  # type: ignore[attr-defined]  # torch's private flag (see above)
         else:  # the wrapped optimizer's own step reads the masters' .grad
             touched = session.touched
             for i, (master, grad) in enumerate(zip(masters, grads)):
@@ -624,7 +631,7 @@ class MasterWeightOptimizer(Optimizer):
         done = ops is not None and _adam.split_adam_step(ops, self.optimizer, self._low_bits_of)
         if not done:
             _split.step_with_torch_ops(self.optimizer, self._low_bits_of)
-        self.optimizer._opt_called = True
+        self.optimizer._opt_called = True  # type: ignore[attr-defined]  # torch's private flag (see _step)
         for model_p, record in zip(self._half_models, self._records):
             if model_p.grad is not None:
                 record.version, record.ptr = model_p._version, model_p.data_ptr()

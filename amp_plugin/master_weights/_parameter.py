@@ -14,7 +14,7 @@ any graph.
 from __future__ import annotations
 
 import weakref
-from typing import Any, Protocol
+from typing import Any, Protocol, SupportsIndex, TypeVar, cast
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
@@ -22,9 +22,20 @@ from torch.utils.weak import WeakIdKeyDictionary
 __all__ = ["MasterParameter"]
 
 _HALF = (torch.float16, torch.bfloat16)
+_T = TypeVar("_T")
+
+
+class _Slot(Protocol[_T]):
+    """A getset descriptor of torch's C tensor (the stubs type the class attribute as its value)."""
+
+    def __get__(self, obj: torch.Tensor, objtype: type | None = None, /) -> _T: ...
+
+    def __set__(self, obj: torch.Tensor, value: _T, /) -> None: ...
+
+
 # The tensor's own slots, under the Python properties MasterParameter puts over them.
-GRAD_SLOT = torch._C.TensorBase.grad
-REQUIRES_GRAD_SLOT = torch._C.TensorBase.requires_grad
+GRAD_SLOT = cast("_Slot[torch.Tensor | None]", torch._C.TensorBase.grad)
+REQUIRES_GRAD_SLOT = cast("_Slot[bool]", torch._C.TensorBase.requires_grad)
 
 
 class _Session(Protocol):  # the gradient session of a MasterWeightOptimizer step (see _grads.py)
@@ -78,7 +89,7 @@ class MasterParameter(torch.nn.Parameter):
 
     # ------------------------------------------------------------------ grad
     @property
-    def grad(self) -> torch.Tensor | None:  # type: ignore[override]
+    def grad(self) -> torch.Tensor | None:
         g = self._amp_grad
         if g is None:
             pending = self._amp_pending
@@ -99,7 +110,7 @@ class MasterParameter(torch.nn.Parameter):
 
     # ------------------------------------------------------------------ requires_grad
     @property
-    def requires_grad(self) -> bool:  # type: ignore[override]
+    def requires_grad(self) -> bool:
         model = self._amp_model()
         return REQUIRES_GRAD_SLOT.__get__(self) if model is None else model.requires_grad
 
@@ -110,7 +121,7 @@ class MasterParameter(torch.nn.Parameter):
         if model is not None:
             model.requires_grad = value
 
-    def requires_grad_(self, requires_grad: bool = True) -> MasterParameter:  # type: ignore[override]
+    def requires_grad_(self, requires_grad: bool = True) -> MasterParameter:
         self.requires_grad = requires_grad
         return self
 
@@ -122,10 +133,10 @@ class MasterParameter(torch.nn.Parameter):
             )
         return memo[id(self)]
 
-    def __reduce_ex__(self, proto: int) -> tuple:
+    def __reduce_ex__(self, proto: SupportsIndex) -> tuple:
         return torch._utils._rebuild_parameter, (self.data, REQUIRES_GRAD_SLOT.__get__(self), {})
 
-    def __repr__(self) -> str:
+    def __repr__(self) -> str:  # type: ignore[override]  # torch's takes a tensor_contents keyword, unused here
         return "MasterParameter containing:\n" + torch.Tensor.__repr__(self.data)
 
 
@@ -176,7 +187,7 @@ def refresh(model_p: torch.Tensor, record: Record) -> None:
 def resync(model_p: torch.Tensor, record: Record) -> None:
     """Copy the model parameter into its master (after a write the wrapper did not make). A
     split master's low bits are cleared: the master is then the weight, exactly."""
-    like = record.master if record.master is not None else record.low_bits
+    like = cast(torch.Tensor, record.master if record.master is not None else record.low_bits)  # one is set
     if (
         model_p.dtype not in _HALF
         or model_p.shape != like.shape
@@ -193,5 +204,5 @@ def resync(model_p: torch.Tensor, record: Record) -> None:
     if record.master is not None:
         record.master.copy_(model_p)
     else:
-        record.low_bits.zero_()
+        cast(torch.Tensor, record.low_bits).zero_()  # a split master's
     record.version, record.ptr = model_p._version, model_p.data_ptr()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from typing_extensions import override
@@ -146,7 +146,7 @@ class LossScaleMonitor(Callback):
         update = self._record_update()
         if update is None:
             return
-        log = dict(on_step=True, on_epoch=False, prog_bar=self.prog_bar, batch_size=1)
+        log: dict[str, Any] = dict(on_step=True, on_epoch=False, prog_bar=self.prog_bar, batch_size=1)
         pl_module.log("amp/loss_scale", torch.tensor(update.old_scale), **log)
         pl_module.log("amp/skipped_steps", torch.tensor(float(scaler.skipped_steps)), **log)
 
@@ -189,7 +189,8 @@ class LossScaleMonitor(Callback):
         update = scaler.last_update
         if update is None or (update.reason is None and not update.found_inf):
             return update
-        names = tuple(self._plugin.last_nonfinite_params) if update.found_inf else ()
+        plugin = cast(MixedPrecisionPlugin, self._plugin)  # set: the stand-in scaler never updates
+        names = tuple(plugin.last_nonfinite_params) if update.found_inf else ()
         event = ScaleEvent(self._batch_step, update.old_scale, update.new_scale, update.reason or "skipped", names)
         self.events.append(event)
         self._csv.append([event.row()])
