@@ -100,7 +100,8 @@ class RecoveryCheckpoint(Callback):
         # one: a run that diverges before the first periodic save still has one to go back to.
         self._clean_steps = 0
         for i in self._forget_on_start:  # restored from a file saved before the first step (see save)
-            trainer.optimizers[i].state.clear()
+            if i < len(trainer.optimizers):
+                trainer.optimizers[i].state.clear()
         self._forget_on_start = []
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         if scaler is not None and scaler.is_enabled() and self._all_finite(trainer, pl_module):
