@@ -51,3 +51,22 @@ def test_the_lightning_example_runs(package):
     exec(code, namespace)
     assert namespace["trainer"].global_step == 3
     assert namespace["plugin"].scaler.hysteresis == 2
+
+
+def test_the_docs_name_tests_and_files_that_exist():
+    """Every ``tests/...py::test_name`` and every tests/ or benchmarks/ file the docs cite is there."""
+    root = Path(__file__).resolve().parents[1]
+    docs = "".join((root / name).read_text() for name in ("README.md", "BENCHMARKS.md", "RELIABILITY.md"))
+    cited = re.findall(r"(tests/[\w/]+\.py)::(\w+)", docs)
+    assert len(cited) > 20  # the Guarantees table names its tests
+    missing = [
+        f"{path}::{name}"
+        for path, name in cited
+        if not (root / path).is_file() or f"def {name}(" not in (root / path).read_text()
+    ]
+    missing += [
+        path
+        for path in set(re.findall(r"((?:tests|benchmarks)/[\w/]+\.(?:py|txt|json))", docs))
+        if not (root / path).is_file()
+    ]
+    assert not missing
