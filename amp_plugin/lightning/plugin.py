@@ -39,7 +39,7 @@ from amp_plugin.dynamic_scaler import LossScaleCollapseError
 from amp_plugin.emulation import CpuHalfEmulation, cpu_half_path, should_emulate
 from amp_plugin.half_module import cast_floating, cast_module
 from amp_plugin.lightning import checkpoint_state
-from amp_plugin.lightning._namespace import LIGHTNING_MODULES, Precision, rank_zero_info, trainer_calls
+from amp_plugin.lightning._namespace import LIGHTNING_MODULES, Precision, rank_zero_info, rank_zero_warn, trainer_calls
 from amp_plugin.lightning.checkpoint_state import CHECKPOINT_KEY
 from amp_plugin.lightning.lr_hold import LRHold
 from amp_plugin.lightning.recovery import save_last_good
@@ -182,6 +182,11 @@ class MixedPrecisionPlugin(Precision):
         self.sharded = bool(units)
         if self.sharded:
             fsdp.check_or_set_policies(units, self.settings)
+            if self.settings.master == "bf16_split":
+                rank_zero_warn(
+                    "precision='bf16_split' under FSDP2 trains as precision='bf16': the sharded FP32 parameters "
+                    "are the master weights (16/N bytes per parameter per rank), so there is no BF16 master to split."
+                )
             if self.amp_precision != "fp32" and not self.master_weights and not self.autocast:
                 module.to(self.compute_dtype)  # pure half: the shards themselves become half
         elif self.amp_precision != "fp32" and not self.autocast:
