@@ -95,6 +95,8 @@ def check_fits(module: Any, checkpoint: dict[str, Any], ckpt_path: str) -> None:
 
 # ---------------------------------------------------------------------------------- settings on resume
 def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):  # betas: a tuple, or a list after FSDP2's load
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
     try:
         return bool(a == b) if not isinstance(a, torch.Tensor) else bool(torch.equal(a, torch.as_tensor(b)))
     except (RuntimeError, TypeError, ValueError):
