@@ -13,7 +13,6 @@ Lightning miscounts the epoch after resuming from a checkpoint written in
 from __future__ import annotations
 
 import io
-import os
 import signal
 import subprocess
 import sys
@@ -21,26 +20,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+import _cli_procs
 import pytest
 import torch
 
-from amp_plugin.lightning import pl
 from amp_plugin.lightning.checkpoint_io import AtomicCheckpointIO
 
 ROOT = Path(__file__).resolve().parents[1]
-TESTS = Path(__file__).resolve().parent
-
-
-class Throttle(pl.Callback):
-    """Sleep after every step from ``after_step`` on: a window in which to kill the run."""
-
-    def __init__(self, after_step: int, seconds: float) -> None:
-        self.after_step = after_step
-        self.seconds = seconds
-
-    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        if trainer.global_step >= self.after_step:
-            time.sleep(self.seconds)
 
 
 def epoch_length() -> int:
@@ -50,16 +36,9 @@ def epoch_length() -> int:
 
 
 def start(args: list[str], run_dir: Path, log_name: str | None = None) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS), env.get("PYTHONPATH")]))
-    with open(run_dir.parent / f"{log_name or run_dir.name}.log", "w") as log:  # the child keeps its own handle
-        return subprocess.Popen(
-            [sys.executable, str(ROOT / "train.py"), *args, f"hydra.run.dir={run_dir}"],
-            cwd=run_dir.parent,
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
+    """``train.py ARGS`` into ``run_dir``, logging to ``<log_name or run_dir.name>.log`` beside it."""
+    log = run_dir.parent / f"{log_name or run_dir.name}.log"
+    return _cli_procs.start([*args, f"hydra.run.dir={run_dir}"], run_dir.parent, log)
 
 
 def finish(proc: subprocess.Popen, run_dir: Path, timeout: float = 300, log_name: str | None = None) -> None:
@@ -104,9 +83,7 @@ def test_sigkill_then_resume_is_bit_exact(tmp_path):
     victim = start(
         [
             *common,
-            "+callbacks.throttle._target_=test_resume_cli.Throttle",
-            f"+callbacks.throttle.after_step={k}",
-            "+callbacks.throttle.seconds=0.5",
+            *_cli_procs.throttle(after_step=k, seconds=0.5),
         ],
         victim_dir,
     )
