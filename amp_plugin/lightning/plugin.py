@@ -38,7 +38,7 @@ from amp_plugin import fsdp
 from amp_plugin.dynamic_scaler import LossScaleCollapseError
 from amp_plugin.emulation import CpuHalfEmulation, cpu_half_path, should_emulate
 from amp_plugin.half_module import cast_floating, cast_module
-from amp_plugin.lightning import checkpoint_state
+from amp_plugin.lightning import checkpoint_state, model_grads
 from amp_plugin.lightning._namespace import LIGHTNING_MODULES, Precision, rank_zero_info, rank_zero_warn, trainer_calls
 from amp_plugin.lightning.checkpoint_state import CHECKPOINT_KEY
 from amp_plugin.lightning.lr_hold import LRHold
@@ -316,8 +316,8 @@ class MixedPrecisionPlugin(Precision):
         self._unscale_once(optimizer)
         shown = self._show_unscaled_model_grads(model, optimizer)
         self._after_closure(model, optimizer)
-        if shown:
-            _take_model_grad_edits(*shown)
+        if shown is not None:
+            shown.take_edits()
         scaler = self.scaler
         result = scaler.step(optimizer, **kwargs)  # type: ignore[arg-type]
         self._stepped.add(key)
@@ -339,34 +339,15 @@ class MixedPrecisionPlugin(Precision):
             self._unscaled.add(id(optimizer))
             self.scaler.unscale_(optimizer)
 
-    def _show_unscaled_model_grads(self, model: Any, optimizer: Any) -> tuple[list, list, list] | None:
-        """With master weights, write the unscaled gradients (rounded to the half type) into the
-        module's own ``p.grad`` when a hook may read them there; return what to watch for edits.
-
-        Costs the FP32 master gradients (made now) and a copy, so only when the module or a
-        callback overrides ``on_before_optimizer_step`` or ``configure_gradient_clipping``.
-        """
+    def _show_unscaled_model_grads(self, model: Any, optimizer: Any) -> model_grads.ShownGrads | None:
+        """With master weights, when a hook may read the module's ``p.grad``, the unscaled
+        gradients written there (:mod:`amp_plugin.lightning.model_grads`)."""
         optimizer = _unwrap(optimizer)
         if not isinstance(optimizer, MasterWeightOptimizer):
             return None  # FP32 or pure-half parameters: their own gradients were unscaled in place
         if self._hooks_read_model_grads is None:
-            self._hooks_read_model_grads = _hooks_may_read_grads(model)
-        if not self._hooks_read_model_grads:
-            return None
-        models, masters, grads = [], [], []
-        for model_p, master in zip(optimizer.model_params(), optimizer.master_params()):
-            if model_p is master or model_p.grad is None or model_p.grad.is_sparse:
-                continue
-            fp32 = master.grad  # made here, from the still scaled model gradient
-            if fp32 is None or fp32.is_sparse:
-                continue
-            models.append(model_p)
-            masters.append(master)
-            grads.append(fp32)
-        model_grads = cast("list[Tensor]", [p.grad for p in models])  # checked above: not None
-        if grads:
-            torch._foreach_copy_(model_grads, grads)
-        return models, masters, [g._version for g in model_grads]
+            self._hooks_read_model_grads = model_grads.hooks_may_read_grads(model)
+        return model_grads.show_unscaled(optimizer) if self._hooks_read_model_grads else None
 
     @override
     def clip_gradients(self, optimizer: Optimizer, clip_val: float = 0.0, gradient_clip_algorithm: Any = None) -> None:
@@ -455,33 +436,6 @@ class MixedPrecisionPlugin(Precision):
             f"{type(self).__name__}(precision={self.settings.preset!r}, scaler={self.scaler!r}, "
             f"emulate={self.emulate!r}, skip_lr_on_overflow={self.skip_lr_on_overflow})"
         )
-
-
-_HOOKS = ("on_before_optimizer_step", "configure_gradient_clipping")
-
-
-def _hooks_may_read_grads(model: Any) -> bool:
-    """Whether the module or a callback overrides a hook that runs between the unscale and the
-    step (amp_plugin's callbacks that read the optimizer's FP32 gradients excepted)."""
-
-    def overrides(obj: Any, hook: str) -> bool:
-        owner = next((k for k in type(obj).__mro__ if hook in vars(k)), None)
-        return owner is not None and not owner.__module__.startswith(("lightning.", "pytorch_lightning."))
-
-    trainer = getattr(model, "trainer", None)
-    callbacks = [cb for cb in getattr(trainer, "callbacks", []) if not getattr(cb, "reads_master_grads", False)]
-    return any(overrides(model, hook) for hook in _HOOKS) or any(
-        overrides(cb, "on_before_optimizer_step") for cb in callbacks
-    )
-
-
-@torch.no_grad()
-def _take_model_grad_edits(models: list, masters: list, versions: list[int]) -> None:
-    """A hook edited the module's (unscaled) ``p.grad``: the step uses the edited values."""
-    for model_p, master, version in zip(models, masters, versions):
-        grad = model_p.grad
-        if grad is not None and grad._version != version and master.grad is not None:
-            master.grad.copy_(grad)
 
 
 def _unwrap(optimizer: Any) -> Any:
