@@ -80,7 +80,7 @@ def test_the_fused_step_never_stores_an_fp32_gradient(mode):
             assert max((e.cpu_memory_usage for e in prof.events()), default=0) < 256 * 4  # a bias's worth
         names = [e.name for e in prof.events()]
         assert names.count("amp_plugin::nonfinite_check_") == 1 and names.count("amp_plugin::adam_step_") == 1
-        assert all(m.grad is None for m in half_masters(opt))
+        assert all(GRAD_SLOT.__get__(m) is None for m in half_masters(opt))  # freed by the step
         assert all(p.grad is not None for p in model.parameters())  # the model's gradients stay
         opt.zero_grad()
 
@@ -92,7 +92,7 @@ def test_master_grads_are_unscaled_fp32_from_unscale_to_step_then_freed(mode):
     scaler = DynamicLossScaler(init_scale=2.0**10)
     set_grads(ref, half, 0, scaler.get_scale())
     model_grads = [(p.grad, p.grad._version) for p in half.parameters()]
-    assert all(m.grad is None for m in half_masters(opt))  # nothing before unscale_
+    assert all(GRAD_SLOT.__get__(m) is None for m in half_masters(opt))  # nothing stored before unscale_
     scaler.unscale_(opt)
     for m, r in zip(opt.master_params(), ref.parameters()):
         assert m.grad.dtype == torch.float32 and torch.equal(m.grad, r.grad)
@@ -102,6 +102,8 @@ def test_master_grads_are_unscaled_fp32_from_unscale_to_step_then_freed(mode):
             assert p.grad is g and g._version == version
     scaler.step(opt)
     scaler.update()
+    assert all(GRAD_SLOT.__get__(m) is None for m in half_masters(opt))
+    opt.zero_grad()
     assert all(m.grad is None for m in half_masters(opt))
 
 

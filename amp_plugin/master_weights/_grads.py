@@ -121,7 +121,7 @@ class GradSession:
     """One step's gradients for one :class:`~amp_plugin.MasterWeightOptimizer` (see the module
     docstring). Indices are positions in the optimizer's half-precision pairs."""
 
-    __slots__ = ("eager", "grads", "inv", "ops", "owner", "touched", "versions")
+    __slots__ = ("auto", "eager", "grads", "inv", "ops", "owner", "touched", "versions")
 
     def __init__(
         self,
@@ -137,6 +137,26 @@ class GradSession:
         self.eager: dict[int, torch.Tensor] = {}  # index -> FP32 gradient computed ahead
         self.touched: set[int] = set()  # indices whose master's grad slot was filled (read or set)
         self.ops = ops
+        self.auto = False  # started by reading a master's gradient, not by unscale_/sync_grads/the step
+
+    def renew(self, index: int) -> None:
+        """A session started by a read (``auto``): if the model gradient at ``index`` changed
+        since (a backward ran after the read), take the new one, as if the session began now."""
+        grad = self.owner._half_models[index].grad
+        if not self.changed(index, grad):
+            return
+        master = self.owner._half_masters[index]
+        set_grad(master, None)
+        self.touched.discard(index)
+        self.eager.pop(index, None)
+        self.grads[index] = grad
+        self.versions[index] = 0 if grad is None else grad._version
+        master._amp_pending = None if grad is None else (self, index)
+        self.owner._take_sum(self, index, grad)
+
+    def renew_all(self) -> None:
+        for index in range(len(self.grads)):
+            self.renew(index)
 
     def inv_on(self, device: torch.device) -> torch.Tensor | None:
         return None if self.inv is None else self.inv(device)

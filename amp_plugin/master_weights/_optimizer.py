@@ -3,6 +3,7 @@ FP32 masters (see the package docstring)."""
 
 from __future__ import annotations
 
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import Any, cast
@@ -12,7 +13,7 @@ from torch.optim import Optimizer
 
 from amp_plugin import fused as _fused
 from amp_plugin.fused import adam as _adam
-from amp_plugin.master_weights import _split
+from amp_plugin.master_weights import _accumulate, _split
 from amp_plugin.master_weights._grads import (
     GradSession,
     eager_unscale,
@@ -191,6 +192,7 @@ class MasterWeightOptimizer(Optimizer):
         self._index_of: dict[int, int] = {}  # id(master) -> its position among the half-precision params
         self._low_bits_of: dict[int, torch.Tensor] = {}  # master="bf16_split": id(param) -> its low 16 bits
         self._session: GradSession | None = None
+        self._accumulators: list[Any] = []  # the hooked gradient accumulators it keeps alive (_accumulate.py)
         self._warned_grads = False
         # adam_ineligible's verdicts (amp_plugin's kernels, torch's), worked out at the first step
         self._reasons: dict[str, str | None] = {}
@@ -290,6 +292,9 @@ class MasterWeightOptimizer(Optimizer):
         """Clear the model's gradients (set to ``None``, or zeroed in place) and drop the
         masters' (transient) gradients."""
         self._end_session()
+        for record in self._records:
+            if record.acc is not None:
+                _accumulate.detach_sum(record)
         if set_to_none:
             for p in self._model_params:
                 p.grad = None
@@ -325,8 +330,13 @@ class MasterWeightOptimizer(Optimizer):
         found = unscale_grouped(by_device_dtype(self._own_grads()), inv_scale_on)
         ops = self._kernel_ops()
         checked, eager, single = [], [], []
+        summed = dict(session.eager)  # FP32 sums of accumulated gradients, ours to unscale in place
+        for device in {t.device for t in summed.values()}:
+            torch._amp_foreach_non_finite_check_and_unscale_(
+                [t for t in summed.values() if t.device == device], flag(found, device), inv_scale_on(device)
+            )
         for i, grad in enumerate(session.grads):
-            if grad is None:
+            if grad is None or i in summed:
                 continue
             if grad.is_sparse or not grad.is_contiguous():
                 single.append(i)  # one by one: a coalesced sparse copy, or a contiguous one
@@ -390,6 +400,8 @@ class MasterWeightOptimizer(Optimizer):
                 loss = closure()
             self._end_session()  # the closure's backward wrote new gradients
         self._refresh_masters()
+        if self._session is not None and self._session.auto:
+            self._session.renew_all()  # a master gradient was read, then backward ran again: take the new ones
         try:
             if self.master == "bf16_split":
                 self._step_split(kwargs)
@@ -484,6 +496,9 @@ class MasterWeightOptimizer(Optimizer):
                     old = self.optimizer.state[master]
                     self.optimizer.state[master] = {k: upcast_state(v, p) for k, v in old.items()}
                 params[i] = master
+                if not split:
+                    master._amp_owner = weakref.ref(self)
+                    _accumulate.attach(p, record, self, self._accumulators)
                 self._half_models.append(p)
                 self._half_masters.append(master)
                 self._records.append(record)
@@ -507,7 +522,17 @@ class MasterWeightOptimizer(Optimizer):
             if master._amp_grad is not None:  # set outside a step: the model's gradient replaces it
                 set_grad(master, None)
             master._amp_pending = None if grad is None else (session, i)
+            self._take_sum(session, i, grad)
         return session
+
+    def _take_sum(self, session: GradSession, index: int, grad: torch.Tensor | None) -> None:
+        """Gradients accumulated over several backward passes: their FP32 sum is the master
+        gradient (still scaled: ``unscale_grads_`` unscales it in place)."""
+        record = self._records[index]
+        if record.acc is not None and grad is not None:
+            summed = _accumulate.sum_for(record, grad)
+            if summed is not None:
+                session.eager[index] = summed
 
     def _end_session(self) -> None:
         session, self._session = self._session, None

@@ -1,9 +1,9 @@
 """The FP32 master of a half-precision model parameter: :class:`MasterParameter`, and the
 record that ties it to its model parameter.
 
-A master's gradient is transient. Between ``scaler.unscale_(opt)`` (or ``opt.sync_grads()``)
-and the end of the step it *is* the model's gradient times the unscale factor, but nothing
-is stored until someone reads it: reading ``master.grad`` from Python (clipping, a hook, a
+A master's gradient is transient. Between ``scaler.unscale_(opt)`` (or ``opt.sync_grads()``, or
+a first read without either) and the end of the step it *is* the model's gradient times the
+unscale factor, but nothing is stored until someone reads it: reading ``master.grad`` from Python (clipping, a hook, a
 callback) materializes ``model_grad.float() * inv_scale`` into an FP32 buffer, which the step
 then uses as it finds it (clipped, edited, replaced). The fused step reads the half gradient
 itself where nobody did. C++ code (kernels, autograd) sees the tensor's own ``grad`` slot,
@@ -51,13 +51,15 @@ class MasterParameter(torch.nn.Parameter):
 
     Two attributes differ from a plain ``Parameter``:
 
-    - ``grad``: ``None`` outside a step. From ``scaler.unscale_(opt)`` or ``opt.sync_grads()``
-      until the step ends, reading it returns the unscaled FP32 gradient, made on the first
-      read from the model's gradient (``model_grad.float() * inv_scale``: the bits a
-      copy-then-unscale pass stores) and kept until the step, which uses it as it then is
-      (clipped in place, replaced by assignment, or set to ``None`` to leave the parameter
-      out). The step frees it. Not read, it costs no memory: the fused step reads the half
-      gradient directly.
+    - ``grad``: the gradient the next step will use. From ``scaler.unscale_(opt)`` or
+      ``opt.sync_grads()`` until the step ends, reading it returns the unscaled FP32 gradient,
+      made on the first read from the model's gradient (``model_grad.float() * inv_scale``:
+      the bits a copy-then-unscale pass stores) and kept until the step, which uses it as it
+      then is (clipped in place, replaced by assignment, or set to ``None`` to leave the
+      parameter out). A read with neither (a plain loop without a scaler) starts the same
+      from the model's gradient, unscaled by nothing. The step frees it. Not read, it costs no
+      memory: the fused step reads the half gradient directly. ``None`` while the model
+      parameter has no gradient.
     - ``requires_grad``: the model parameter's. Setting it (``p.requires_grad = False`` or
       ``p.requires_grad_(False)``, as Lightning's ``toggle_optimizer`` does to the other
       optimizers' parameters) sets the model parameter's too, so freezing an optimizer's
@@ -68,6 +70,7 @@ class MasterParameter(torch.nn.Parameter):
     """
 
     _amp_model: Any  # weakref.ref to the model parameter
+    _amp_owner: Any  # weakref.ref to the MasterWeightOptimizer that last adopted it
     _amp_pending: tuple[_Session, int] | None
     _amp_grad: torch.Tensor | None  # what the grad slot holds, as this class wrote it (read without a C call)
 
@@ -79,6 +82,7 @@ class MasterParameter(torch.nn.Parameter):
             data.copy_(model_param)
         master = torch.Tensor._make_subclass(MasterParameter, data, model_param.requires_grad)
         master._amp_model = weakref.ref(model_param)
+        master._amp_owner = _nobody
         master._amp_pending = None
         master._amp_grad = None
         return master
@@ -90,6 +94,10 @@ class MasterParameter(torch.nn.Parameter):
     # ------------------------------------------------------------------ grad
     @property
     def grad(self) -> torch.Tensor | None:
+        owner = self._amp_owner()
+        session = None if owner is None else owner._session
+        if session is None or session.auto:
+            self._amp_sync(owner, session)
         g = self._amp_grad
         if g is None:
             pending = self._amp_pending
@@ -107,6 +115,23 @@ class MasterParameter(torch.nn.Parameter):
     @grad.deleter
     def grad(self) -> None:
         self.grad = None
+
+    def _amp_sync(self, owner: Any, session: Any) -> None:
+        """A read with no step under way (no ``unscale_``, no ``sync_grads()``): start the
+        step's gradients from the model's (as ``sync_grads()`` does), so that the read
+        (``clip_grad_norm_(opt.master_params(), c)`` before ``opt.step()``) gets the gradient
+        the step will use, and the step uses it as the read left it. Before a loss scaler's
+        ``unscale_`` that is the model's gradient, still scaled (as torch's own ``p.grad`` is
+        then); ``unscale_`` starts afresh. A backward after such a read is taken in: the
+        gradients it changed are read anew."""
+        if session is not None:
+            session.renew(owner._index_of[id(self)])
+            return
+        model = self._amp_model()
+        if owner is not None and model is not None and model.grad is not None:
+            owner.sync_grads()
+            if owner._session is not None:
+                owner._session.auto = True
 
     # ------------------------------------------------------------------ requires_grad
     @property
@@ -140,6 +165,10 @@ class MasterParameter(torch.nn.Parameter):
         return "MasterParameter containing:\n" + torch.Tensor.__repr__(self.data)
 
 
+def _nobody() -> None:
+    return None
+
+
 def set_grad(master: MasterParameter, value: torch.Tensor | None) -> None:
     """Write a master's grad slot (and the copy the ``grad`` property reads)."""
     GRAD_SLOT.__set__(master, value)
@@ -155,14 +184,18 @@ class Record:
     parameter since then (``zero_()``, ``copy_()``, ``load_state_dict``, an init function)
     changes ``_version``, and ``param.data = other`` changes ``data_ptr()``.
 
+    ``acc`` holds the parameter's FP32 gradient sum while gradients are accumulated over
+    several backward passes (:mod:`amp_plugin.master_weights._accumulate`).
+
     ``master`` is the :class:`MasterParameter`, or, for a BF16 master split in two
     (``master="bf16_split"``), ``None``; then ``low_bits`` holds the low 16 bits of the FP32
     master (int16, shaped like the parameter) and the parameter itself the high 16.
     """
 
-    __slots__ = ("low_bits", "master", "ptr", "version")
+    __slots__ = ("acc", "low_bits", "master", "ptr", "version")
 
     def __init__(self, master: MasterParameter | None, low_bits: torch.Tensor | None, version: int, ptr: int) -> None:
+        self.acc: Any = None  # the FP32 sum of an accumulation window (see _accumulate.py), once hooked
         self.master = master
         self.low_bits = low_bits
         self.version = version
