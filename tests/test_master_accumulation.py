@@ -201,3 +201,49 @@ def test_two_optimizers_over_a_shared_parameter_sum_once():
     for master, expected in zip(b.master_params(), reference[:2]):
         assert torch.equal(master.grad, expected)
     del a, b
+
+
+class _Accumulating:
+    """A Linear model trained with SGD(lr=1), one optimizer step over 4 micro-batches; it
+    keeps a copy of itself as converted (BF16) at the start of fit and its batches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+        g = torch.Generator().manual_seed(1)
+        self.data = torch.utils.data.TensorDataset(torch.randn(64, 32, generator=g))
+
+    def training_step(self, batch, batch_idx):
+        return self.net(batch[0]).float().pow(2).mean()
+
+    def on_fit_start(self) -> None:
+        import copy
+
+        self.start = copy.deepcopy(self.net)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1.0)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(self.data, batch_size=16)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_lightning_accumulate_grad_batches_sums_in_fp32(pl, precision):
+    from amp_plugin.lightning import MixedPrecisionPlugin
+    from tests._models import as_lightning, quiet_trainer
+
+    model = as_lightning(pl, _Accumulating)()
+    trainer = quiet_trainer(pl, plugins=[MixedPrecisionPlugin(precision)], max_steps=1, accumulate_grad_batches=4)
+    trainer.fit(model)
+    start, dtype = model.start, model.start[0].weight.dtype
+    scale = trainer.precision_plugin.scaler.get_scale() if precision == "fp16" else 1.0
+    per_batch = []
+    for (x,) in torch.utils.data.DataLoader(model.data, batch_size=16):
+        start.zero_grad(set_to_none=True)
+        (start(x.to(dtype)).float().pow(2).mean() / 4 * scale).backward()
+        per_batch.append([p.grad.clone() for p in start.parameters()])
+    expected = [p.detach().float() - g * (1.0 / scale) for p, g in zip(start.parameters(), fp32_sums(per_batch))]
+    masters = trainer.optimizers[0].fp32_masters()
+    assert all(torch.equal(m, e) for m, e in zip(masters, expected))
