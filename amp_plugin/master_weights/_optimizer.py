@@ -118,7 +118,17 @@ class MasterWeightOptimizer(Optimizer):
     is never stored in FP32: the Adam kernel reads the half gradient and the factor. So with
     AdamW the training state is 16 bytes per parameter (half weight and gradient, FP32 master
     and two moments), plus 4 per parameter whose master gradient was read, until the step.
-    The step frees every master gradient.
+    The step frees every master gradient. A read without ``unscale_`` or ``sync_grads()``
+    (``clip_grad_norm_(opt.master_params(), c)`` in a plain loop without a scaler) starts the
+    same from the model's gradients, so what a read gives is what the step uses.
+
+    Accumulation (several backward passes before a step: Lightning's
+    ``accumulate_grad_batches``, or a plain loop): the micro-batch gradients are summed in
+    FP32, as in Lightning's ``bf16-mixed``, not in the half dtype; the step uses the FP32 sum
+    and the model's gradient holds it rounded once. The sum exists from the second backward of
+    a window to the step: 4 bytes per parameter during a window, none when every step has one
+    backward (:mod:`amp_plugin.master_weights._accumulate`). Under DDP the all-reduced model
+    gradient is used instead.
 
     The model's gradients stay as backward left them: scaled. Changing them after
     ``unscale_`` is almost always a mistake (``clip_grad_norm_(model.parameters())`` from
