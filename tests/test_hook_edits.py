@@ -129,3 +129,17 @@ def test_p_grad_set_to_none_in_a_hook_leaves_the_parameter_out_of_the_step(pl, p
     model, weights = fit(pl, preset, action=drop_first_bias)
     assert torch.equal(weights[1], model.start[1])  # net[0].bias: not stepped
     assert not torch.equal(weights[0], model.start[0])  # the others trained
+
+
+def clip_masters_in_fp32(module):
+    masters = module.trainer.optimizers[0].master_params()
+    torch.nn.utils.clip_grad_norm_(masters, 1e-3)
+    module.clipped_masters = [m.grad.clone() for m in masters]
+
+
+@pytest.mark.parametrize("preset", MASTER_PRESETS)
+def test_a_hook_that_edits_the_master_grads_is_stepped_with_them_as_they_are(pl, preset):
+    model, _ = fit(pl, preset, action=clip_masters_in_fp32)
+    assert all(torch.equal(a, b) for a, b in zip(model.stepped[0], model.clipped_masters))
+    total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in model.stepped[0]]))
+    assert total.item() == pytest.approx(1e-3, rel=1e-5)

@@ -81,8 +81,8 @@ class ShownGrads:
             if master_grad is None or master_grad.is_sparse or grad.is_sparse or grad.shape != master_grad.shape:
                 continue
             changed = grad != master_grad.to(grad.dtype)  # NaN counts as changed: taking it changes nothing
-            if bool(changed.any()):
-                master_grad.copy_(torch.where(changed, grad.to(master_grad.dtype), master_grad))
+            # no host sync (no `if changed.any()`): one more pass over a tensor a hook wrote
+            master_grad.copy_(torch.where(changed, grad.to(master_grad.dtype), master_grad))
         self._record()
 
     @torch.no_grad()
