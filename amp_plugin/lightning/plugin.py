@@ -4,9 +4,12 @@ One optimizer step, in this order (written once, here)::
 
     closure (forward, scaled backward)
     -> inf check and unscale (FP32 master grads made only where something reads them)
-    -> on_before_optimizer_step hooks and gradient clipping see unscaled grads: FP32 in
-       the optimizer's param groups, and, when a hook may read them, the module's own
-       p.grad too (unscaled, rounded to the half type; an edit there reaches the step)
+    -> on_before_optimizer_step hooks see unscaled grads: FP32 in the optimizer's param
+       groups, and, when a hook may read them, the module's own p.grad too (unscaled,
+       rounded to the half type); what a hook changed there reaches the step
+    -> configure_gradient_clipping: Lightning's clipping clips the FP32 master grads, then
+       the module's p.grad shows the clipped values; what the hook changes there after
+       that reaches the step too (lightning/model_grads.py, docs/lightning_hooks.md)
     -> step, or skip when a gradient is inf/NaN (all ranks agree)
     -> scale update (once per iteration, also with several optimizers)
     -> masters copied back into the half-precision model (only after a real step)
@@ -125,6 +128,7 @@ class MixedPrecisionPlugin(Precision):
         self._stepped: set[int] = set()  # optimizers stepped in this iteration (manual optimization)
         self._emulation_hold: Any = None
         self._hooks_read_model_grads: bool | None = None  # worked out at the first step of a fit
+        self._shown: dict[int, model_grads.ShownGrads] = {}  # optimizer -> its grads shown in the module's p.grad
         self._described = False
         self._lr_hold = LRHold(lambda: self.settings.skip_lr_on_overflow and self.scaler.last_step_skipped)
 
@@ -315,9 +319,15 @@ class MixedPrecisionPlugin(Precision):
             return None  # training_step returned None: no backward ran, nothing to step
         self._unscale_once(optimizer)
         shown = self._show_unscaled_model_grads(model, optimizer)
-        self._after_closure(model, optimizer)
-        if shown is not None:
-            shown.take_edits()
+        if shown is None:
+            self._after_closure(model, optimizer)
+        else:
+            self._shown[key] = shown
+            try:
+                self._after_closure(model, optimizer)  # the hooks, then _clip_gradients
+            finally:
+                del self._shown[key]
+            shown.take_edits()  # made by configure_gradient_clipping after it clipped
         scaler = self.scaler
         result = scaler.step(optimizer, **kwargs)  # type: ignore[arg-type]
         self._stepped.add(key)
@@ -355,14 +365,21 @@ class MixedPrecisionPlugin(Precision):
 
         In manual optimization ``self.clip_gradients(opt, ...)`` comes before ``opt.step()``:
         the gradients are unscaled here first (as ``scaler.unscale_`` before clipping in a plain
-        loop), and the step does not unscale them again.
+        loop), and the step does not unscale them again. Where the module's ``p.grad`` shows
+        the gradients (a hook may read them), what a hook changed there is taken first, and
+        the clipped gradients are shown there after.
         """
         if clip_val > 0 and self.amp_precision != "fp32":
             self._unscale_once(optimizer)
+        shown = self._shown.get(id(_unwrap(optimizer)))
+        if shown is not None:
+            shown.take_edits()  # made in configure_gradient_clipping before it called clip_gradients
         if gradient_clip_algorithm is None:
             super().clip_gradients(optimizer, clip_val)
         else:
             super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm)
+        if shown is not None and clip_val > 0:
+            shown.show_again()  # the module's p.grad shows the clipped gradients, as in an FP32 run
 
     @override
     def _clip_gradients(
@@ -372,6 +389,9 @@ class MixedPrecisionPlugin(Precision):
         # plugin serves both namespaces (amp_plugin.lightning._namespace).
         if not isinstance(model, LIGHTNING_MODULES) or not model.automatic_optimization:
             return
+        shown = self._shown.get(id(_unwrap(optimizer)))
+        if shown is not None:
+            shown.take_edits()  # made by the on_before_optimizer_step hooks, before Lightning clips
         trainer_calls(model)._call_lightning_module_hook(
             model.trainer,
             "configure_gradient_clipping",
