@@ -1,6 +1,7 @@
 """What each loss-scaling policy costs: skipped batches, retries, wasted passes, final loss, time.
 
     python benchmarks/bench_scaling_policies.py [--seeds 0 1] [--steps-scale 1.0]
+    python benchmarks/bench_scaling_policies.py --init-scale 16777216 --growth-interval 10 --spike 8
 
 Policies (all FP16 with FP32 master weights, ``MixedPrecisionPlugin("fp16")``):
 
@@ -19,6 +20,9 @@ number of optimizer steps, then validates once. Reported per recipe and policy: 
 steps (batches never trained on), retries, wasted compute (forward+backward passes that
 updated nothing, as a fraction of all), the final validation loss (mean over seeds, and the
 paired difference to ``GradScaler`` with its standard error) and the wall time per run.
+``--init-scale`` and ``--growth-interval`` set every policy's, for a run that starts too high
+and probes the overflow threshold often; ``--spike`` sets the spiky run's loss factor.
+Results: BENCHMARKS.md, "Loss scaling policies".
 """
 
 from __future__ import annotations
@@ -54,7 +58,9 @@ RECIPES: dict[str, tuple[str, dict[str, Any], int, tuple[int, ...]]] = {
 SPIKE = 2.0**12
 
 
-def run_one(recipe: str, policy: str, seed: int, steps_scale: float) -> dict[str, Any]:
+def run_one(
+    recipe: str, policy: str, seed: int, steps_scale: float, scaler_kwargs: dict[str, Any], spike: float
+) -> dict[str, Any]:
     """Train one policy on one recipe and seed; validate once at the end."""
     import amp_plugin.recipes as recipes
     from amp_plugin import DynamicLossScaler, MixedPrecisionPlugin
@@ -69,14 +75,14 @@ def run_one(recipe: str, policy: str, seed: int, steps_scale: float) -> dict[str
     class Spikes(pl.Callback):
         def on_before_backward(self, trainer: Any, pl_module: Any, loss: torch.Tensor) -> None:
             if trainer.global_step in spikes:
-                loss.mul_(SPIKE)
+                loss.mul_(spike)
 
     pl.seed_everything(seed, verbose=False)
     kwargs = dict(kwargs)
     if cls_name == "UnderflowDemoRecipe":
         kwargs["seed"] = seed
     module = getattr(recipes, cls_name)(**kwargs)
-    scaler = DynamicLossScaler(**POLICIES[policy])
+    scaler = DynamicLossScaler(**{**POLICIES[policy], **scaler_kwargs})
     plugin = MixedPrecisionPlugin("fp16", scaler=scaler)
     trainer = pl.Trainer(
         accelerator="cpu",
@@ -117,16 +123,27 @@ def main() -> None:
     parser.add_argument("--steps-scale", type=float, default=1.0, help="multiply every recipe's step count")
     parser.add_argument("--recipes", nargs="+", default=list(RECIPES), choices=list(RECIPES))
     parser.add_argument("--policies", nargs="+", default=list(POLICIES), choices=list(POLICIES))
+    parser.add_argument("--init-scale", type=float, default=2.0**16, help="every policy's init_scale")
+    parser.add_argument("--growth-interval", type=int, default=2000, help="every policy's growth_interval")
+    parser.add_argument("--spike", type=float, default=SPIKE, help="the spiky run's loss factor")
     parser.add_argument("--out", type=Path, default=None, help="also write the table to this file")
     args = parser.parse_args()
+    scaler_kwargs = {"init_scale": args.init_scale, "growth_interval": args.growth_interval}
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
     cpu = _cpu_name()
-    lines = [f"CPU: {cpu}; torch {torch.__version__}; 1 thread; seeds {args.seeds}", ""]
+    lines = [
+        f"CPU: {cpu}; torch {torch.__version__}; 1 thread; seeds {args.seeds}; init_scale {args.init_scale:g}, "
+        f"growth_interval {args.growth_interval}, spike x{args.spike:g}, steps x{args.steps_scale:g}",
+        "",
+    ]
     header = "| recipe | policy | skipped | retried | wasted | val loss | vs GradScaler (paired, ±SE) | s/run |"
     lines += [header, "|" + "---|" * 8]
     for recipe in args.recipes:
-        results = {p: [run_one(recipe, p, seed, args.steps_scale) for seed in args.seeds] for p in args.policies}
+        results = {
+            p: [run_one(recipe, p, seed, args.steps_scale, scaler_kwargs, args.spike) for seed in args.seeds]
+            for p in args.policies
+        }
         base = results.get("GradScaler")
         for policy, runs in results.items():
             val, _ = _mean_se([r["val_loss"] for r in runs])
