@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import math
 from enum import Enum
+from functools import partial
 from typing import Any
 
 import torch
 
 from amp_plugin._checks import check_choice, check_int, check_number, check_scale
 from amp_plugin.scaler import LossScaler, ScaleUpdate, _state_int, to_float32
+from amp_plugin.scaler_settings import Setting, check_settings
 
 __all__ = ["DynamicLossScaler", "HysteresisReset", "LossScaleCollapseError", "OnMinScale"]
 
@@ -112,12 +114,39 @@ class DynamicLossScaler(LossScaler):
             growth still counts as one).
         on_min_scale: what an overflow due to back off at ``min_scale`` does: ``"raise"``
             :class:`LossScaleCollapseError` from ``update()``, or ``"skip"`` and carry on.
-        enabled: ``False`` makes every method a pass-through.
+        retries: how often an overflowing batch runs again before it is skipped (>= 0). Inside
+            :meth:`~amp_plugin.LossScaler.attempts` (the plugin uses it in Lightning's
+            automatic optimization), an overflow with retries left backs the scale off by
+            ``backoff_factor`` (whatever the hysteresis; ``reason="retry"``, counted in
+            ``retried_steps``, not in ``skipped_steps``) and the same batch runs again; the
+            overflow that spends the last retry is a skip under the rules above. No retry at
+            ``min_scale``, where it would overflow again.
+        enabled: ``False`` makes every method a pass-through (a bool).
 
     Every scale (``init_scale``, ``min_scale``, ``max_scale``, ``update(new_scale)``, a loaded
     ``"scale"``) must be finite, > 0 and inside float32's normal range ``[2**-126,
     3.4028e38]``, so that the scale and its reciprocal are finite float32 tensors.
     """
+
+    # The settings, each declared once: checked, saved, loaded and shown from this table.
+    growth_factor: float
+    backoff_factor: float
+    growth_interval: int
+    hysteresis: int
+    hysteresis_reset: str
+    on_min_scale: str
+    retries: int
+    _SETTINGS = (
+        Setting("growth_factor", lambda name, value: check_number(name, value, gt=1.0), "g"),
+        Setting("backoff_factor", lambda name, value: check_number(name, value, gt=0.0, lt=1.0), "g"),
+        Setting("growth_interval", partial(check_int, ge=1), "d"),
+        Setting("hysteresis", partial(check_int, ge=1), "d"),
+        Setting("hysteresis_reset", partial(check_choice, choices=_HYSTERESIS_RESETS)),
+        Setting("min_scale", check_scale, "g"),
+        Setting("max_scale", check_scale, "g"),
+        Setting("on_min_scale", partial(check_choice, choices=_ON_MIN_SCALE)),
+        Setting("retries", partial(check_int, ge=0), "d"),
+    )
 
     def __init__(
         self,
@@ -130,16 +159,25 @@ class DynamicLossScaler(LossScaler):
         min_scale: float = 1.0,
         max_scale: float = 2.0**24,
         on_min_scale: str = "raise",
+        retries: int = 0,
         enabled: bool = True,
     ) -> None:
-        self.growth_factor = _check_growth_factor(growth_factor)
-        self.backoff_factor = _check_backoff_factor(backoff_factor)
-        self.growth_interval = check_int("growth_interval", growth_interval, ge=1)
-        self.hysteresis = check_int("hysteresis", hysteresis, ge=1)
-        self.hysteresis_reset = check_choice("hysteresis_reset", hysteresis_reset, _HYSTERESIS_RESETS)
-        self.min_scale, self.max_scale = _check_limits(min_scale, max_scale)
-        self.on_min_scale = check_choice("on_min_scale", on_min_scale, _ON_MIN_SCALE)
-        init = _check_in_limits("init_scale", init_scale, self.min_scale, self.max_scale)
+        given = dict(
+            growth_factor=growth_factor,
+            backoff_factor=backoff_factor,
+            growth_interval=growth_interval,
+            hysteresis=hysteresis,
+            hysteresis_reset=hysteresis_reset,
+            min_scale=min_scale,
+            max_scale=max_scale,
+            on_min_scale=on_min_scale,
+            retries=retries,
+        )
+        settings = check_settings(self._SETTINGS, given)
+        self._check_together(settings)
+        init = _check_in_limits("init_scale", init_scale, settings["min_scale"], settings["max_scale"])
+        for name, value in settings.items():
+            setattr(self, name, value)
         super().__init__(init, enabled=enabled)
         self._scale_value = self._clamp(self._scale_value)
         self._growth_tracker = 0
@@ -152,7 +190,7 @@ class DynamicLossScaler(LossScaler):
 
     def set_growth_factor(self, new_factor: float) -> None:
         """Set the growth factor (a finite number > 1, as in the constructor)."""
-        self.growth_factor = _check_growth_factor(new_factor, "new_factor")
+        self.growth_factor = self._check("growth_factor", "new_factor", new_factor)
 
     def get_backoff_factor(self) -> float:
         """The scale's backoff factor."""
@@ -160,7 +198,7 @@ class DynamicLossScaler(LossScaler):
 
     def set_backoff_factor(self, new_factor: float) -> None:
         """Set the backoff factor (a finite number in (0, 1), as in the constructor)."""
-        self.backoff_factor = _check_backoff_factor(new_factor, "new_factor")
+        self.backoff_factor = self._check("backoff_factor", "new_factor", new_factor)
 
     def get_growth_interval(self) -> int:
         """Clean steps in a row before the scale grows."""
@@ -169,7 +207,11 @@ class DynamicLossScaler(LossScaler):
     def set_growth_interval(self, new_interval: int) -> None:
         """Set the growth interval (an integer >= 1, as in the constructor). The current run of
         clean steps is kept: if it already reaches the new interval, the next clean step grows."""
-        self.growth_interval = check_int("new_interval", new_interval, ge=1)
+        self.growth_interval = self._check("growth_interval", "new_interval", new_interval)
+
+    def _check(self, setting: str, name: str, value: Any) -> Any:
+        """``value`` checked as the constructor checks ``setting``, errors naming ``name``."""
+        return next(s for s in self._SETTINGS if s.name == setting).check(name, value)
 
     def _policy(self, found_inf: bool) -> tuple[float, str | None]:
         scale = self._scale_value
@@ -196,25 +238,17 @@ class DynamicLossScaler(LossScaler):
         if update.reason == "min_scale" and self.on_min_scale == "raise":
             raise LossScaleCollapseError(update.old_scale, update.iteration, self.consecutive_skips)
 
-    def settings(self) -> dict[str, Any]:
-        return {
-            "growth_factor": self.growth_factor,
-            "backoff_factor": self.backoff_factor,
-            "growth_interval": self.growth_interval,
-            "hysteresis": self.hysteresis,
-            "hysteresis_reset": self.hysteresis_reset,
-            "min_scale": self.min_scale,
-            "max_scale": self.max_scale,
-            "on_min_scale": self.on_min_scale,
-        }
+    def _retry_scale(self) -> float | None:
+        if self.retries == 0 or self._scale_value <= self.min_scale:
+            return None  # at the floor a retry would overflow the same way: skip as usual
+        self._growth_tracker = 0
+        return max(to_float32(self._scale_value * self.backoff_factor), self._min32)
 
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
         if not state:
             return state
-        state.update(
-            self.settings(), _growth_tracker=self._growth_tracker, _hysteresis_tracker=self._hysteresis_tracker
-        )
+        state.update(_growth_tracker=self._growth_tracker, _hysteresis_tracker=self._hysteresis_tracker)
         return state
 
     def resume_from(self, state_dict: dict[str, Any]) -> list[str]:
@@ -225,6 +259,10 @@ class DynamicLossScaler(LossScaler):
             self._hysteresis_tracker = self.hysteresis
         return changed
 
+    def restarted(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """See :meth:`LossScaler.restarted`: also no clean steps counted and a full hysteresis."""
+        return {**super().restarted(state_dict), "_growth_tracker": 0, "_hysteresis_tracker": self.hysteresis}
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore every tracker.
 
@@ -234,36 +272,28 @@ class DynamicLossScaler(LossScaler):
         must also lie in ``[min_scale, max_scale]``, the loaded limits if any) before
         anything changes; ``ValueError`` names the bad key.
         """
-        if not self._enabled:
-            return
-        if len(state_dict) == 0:
-            super().load_state_dict(state_dict)  # the empty-dict error
-        get = state_dict.get
-        growth_factor = _check_growth_factor(get("growth_factor", self.growth_factor))
-        backoff_factor = _check_backoff_factor(get("backoff_factor", self.backoff_factor))
-        growth_interval = _state_int(state_dict, "growth_interval", self.growth_interval)
-        hysteresis = _state_int(state_dict, "hysteresis", self.hysteresis)
-        for key, value, low in (("growth_interval", growth_interval, 1), ("hysteresis", hysteresis, 1)):
-            check_int(key, value, ge=low)
-        hysteresis_reset = check_choice(
-            "hysteresis_reset", get("hysteresis_reset", self.hysteresis_reset), _HYSTERESIS_RESETS
-        )
-        on_min_scale = check_choice("on_min_scale", get("on_min_scale", self.on_min_scale), _ON_MIN_SCALE)
-        min_scale, max_scale = _check_limits(get("min_scale", self.min_scale), get("max_scale", self.max_scale))
-        values = self._checked_state(state_dict)
-        _check_in_limits("scale", values["scale"], min_scale, max_scale)
-        growth_tracker = _state_int(state_dict, "_growth_tracker", 0)
-        # A hysteresis lowered since the save (settings changed on resume) caps the tracker.
-        hysteresis_tracker = min(_state_int(state_dict, "_hysteresis_tracker", hysteresis), hysteresis)
-        # All checked: apply.
         super().load_state_dict(state_dict)
-        self.growth_factor, self.backoff_factor = growth_factor, backoff_factor
-        self.growth_interval, self._growth_tracker = growth_interval, growth_tracker
-        self.hysteresis, self.hysteresis_reset = hysteresis, hysteresis_reset
-        self._hysteresis_tracker = hysteresis_tracker
-        self.min_scale, self.max_scale = min_scale, max_scale
-        self.on_min_scale = on_min_scale
         self._set_scale(self._clamp(self._scale_value))
+
+    def _check_together(self, settings: dict[str, Any]) -> None:
+        if settings["min_scale"] > settings["max_scale"]:
+            raise ValueError(
+                f"min_scale={settings['min_scale']!r} is above max_scale={settings['max_scale']!r}: min_scale "
+                "must be <= max_scale."
+            )
+
+    def _checked_state(self, state_dict: dict[str, Any], settings: dict[str, Any]) -> dict[str, Any]:
+        values = super()._checked_state(state_dict, settings)
+        _check_in_limits("scale", values["scale"], settings["min_scale"], settings["max_scale"])
+        values["_growth_tracker"] = _state_int(state_dict, "_growth_tracker", 0)
+        # A hysteresis lowered since the save (settings changed on resume) caps the tracker.
+        hysteresis = settings["hysteresis"]
+        values["_hysteresis_tracker"] = min(_state_int(state_dict, "_hysteresis_tracker", hysteresis), hysteresis)
+        return values
+
+    def _load_trackers(self, values: dict[str, Any]) -> None:
+        self._growth_tracker = values["_growth_tracker"]
+        self._hysteresis_tracker = values["_hysteresis_tracker"]
 
     def _check_manual_scale(self, value: Any) -> float:
         return self._clamp(to_float32(_check_in_limits("new_scale", value, self.min_scale, self.max_scale)))
@@ -291,30 +321,6 @@ class DynamicLossScaler(LossScaler):
     def max_scale(self, value: float) -> None:
         self._max_scale = value
         self._max32 = _float32_at_most(value)
-
-    def __repr__(self) -> str:
-        return (
-            f"DynamicLossScaler(scale={self._scale_value:g}, growth_factor={self.growth_factor:g}, "
-            f"backoff_factor={self.backoff_factor:g}, growth_interval={self.growth_interval}, "
-            f"hysteresis={self.hysteresis}, hysteresis_reset={self.hysteresis_reset!r}, "
-            f"min_scale={self.min_scale:g}, max_scale={self.max_scale:g}, "
-            f"on_min_scale={self.on_min_scale!r}, enabled={self._enabled})"
-        )
-
-
-def _check_growth_factor(value: Any, name: str = "growth_factor") -> float:
-    return check_number(name, value, gt=1.0)
-
-
-def _check_backoff_factor(value: Any, name: str = "backoff_factor") -> float:
-    return check_number(name, value, gt=0.0, lt=1.0)
-
-
-def _check_limits(min_scale: Any, max_scale: Any) -> tuple[float, float]:
-    low, high = check_scale("min_scale", min_scale), check_scale("max_scale", max_scale)
-    if low > high:
-        raise ValueError(f"min_scale={min_scale!r} is above max_scale={max_scale!r}: min_scale must be <= max_scale.")
-    return low, high
 
 
 def _check_in_limits(name: str, value: Any, min_scale: float, max_scale: float) -> float:

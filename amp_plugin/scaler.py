@@ -23,15 +23,17 @@ from __future__ import annotations
 
 import inspect
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Protocol, cast
+from typing import Any, ClassVar, Protocol, cast
 
 import torch
 
 from amp_plugin._checks import check_int, check_scale
 from amp_plugin._dtensor import is_dtensor
+from amp_plugin.rng_state import RngState
+from amp_plugin.scaler_settings import Setting, check_bool, check_settings
 
 __all__ = ["HalfLossWarning", "LossScaler", "ScaleUpdate", "StaticLossScaler", "to_float32"]
 
@@ -64,7 +66,8 @@ class ScaleUpdate:
             ``max_scale`` still counts), ``"overflow"`` (backed off), ``"hysteresis"``
             (overflow absorbed by hysteresis, scale kept), ``"min_scale"`` (overflow at
             ``min_scale`` with ``on_min_scale="skip"``, scale kept), ``"manual"``
-            (``update(new_scale)``).
+            (``update(new_scale)``), ``"retry"`` (backed off to run the same batch again,
+            see ``DynamicLossScaler(retries=N)``; the batch is not skipped yet).
     """
 
     iteration: int
@@ -107,14 +110,28 @@ class _OptimizerState:
 class LossScaler:
     """Base class: the ``torch.amp.GradScaler`` interface around a scale policy.
 
+    A subclass lists its settings once, in ``_SETTINGS`` (:mod:`amp_plugin.scaler_settings`):
+    its constructor checks them with :func:`~amp_plugin.scaler_settings.check_settings`, and
+    ``settings()``, ``state_dict()``, ``load_state_dict()`` and ``__repr__`` read the table.
+
     Args:
         init_scale: the starting scale.
         enabled: ``False`` makes every method a pass-through (``scale`` returns its input,
-            ``step`` just steps), so a loop needs no branches for fp32/bf16.
+            ``step`` just steps), so a loop needs no branches for fp32/bf16. A bool.
+
+    Attributes:
+        skipped_steps: iterations whose step was skipped (their batch was not trained on).
+        retried_steps: attempts run again at a lower scale (``DynamicLossScaler(retries=N)``).
+        update_count: iterations so far (a retried batch is one iteration).
+        iteration_updates: every :class:`ScaleUpdate` of the last iteration: its retries,
+            then the update that ended it.
     """
 
+    _SETTINGS: ClassVar[tuple[Setting, ...]] = ()
+    retries: int = 0  # how often an overflowing batch may run again (DynamicLossScaler's setting)
+
     def __init__(self, init_scale: float, enabled: bool = True) -> None:
-        self._enabled = bool(enabled)
+        self._enabled = check_bool("enabled", enabled)
         self._scale_value = to_float32(check_scale("init_scale", init_scale))
         self._scale: torch.Tensor | None = None  # device copy, created on first use
         self._inv_scales: dict[torch.device, torch.Tensor] = {}  # 1/scale per device, until the scale changes
@@ -122,10 +139,15 @@ class LossScaler:
         self._iteration_skipped = False
         self._new_iteration = True
         self.skipped_steps = 0
+        self.retried_steps = 0
         self.consecutive_skips = 0
         self.update_count = 0
         self.last_step_skipped = False
         self.last_update: ScaleUpdate | None = None
+        self.iteration_updates: tuple[ScaleUpdate, ...] = ()
+        self._retry_updates: list[ScaleUpdate] = []  # this iteration's retries so far
+        self._attempt: int | None = None  # inside attempts(): the attempt running (0 = first)
+        self._retrying = False
         self._half_loss_warned = False
 
     # ------------------------------------------------------------------ public API
@@ -249,6 +271,10 @@ class LossScaler:
             found = self._iteration_found_inf(require=False)
         else:
             found = self._iteration_found_inf(require=True)
+            retry = self._retry_scale() if found and self._may_retry() else None
+            if retry is not None:
+                self._begin_retry(old, retry)
+                return
             new, reason = self._policy(found)
         self._per_optimizer.clear()
         self._new_iteration = True
@@ -256,6 +282,9 @@ class LossScaler:
         self.skipped_steps += int(found)
         self.consecutive_skips = self.consecutive_skips + 1 if found else 0
         self.last_update = ScaleUpdate(self.update_count, old, new, found, reason)
+        self.iteration_updates = (*self._retry_updates, self.last_update)
+        self._retry_updates = []
+        self._retrying = False
         self.update_count += 1
         self._set_scale(new)
         self._after_update(self.last_update)
@@ -264,36 +293,49 @@ class LossScaler:
         """Everything needed to continue exactly; ``{}`` when disabled (like GradScaler)."""
         if not self._enabled:
             return {}
-        return {
+        state = {
             "scale": self._scale_value,
             "skipped_steps": self.skipped_steps,
+            "retried_steps": self.retried_steps,
             "consecutive_skips": self.consecutive_skips,
             "update_count": self.update_count,
             "last_step_skipped": self.last_step_skipped,
         }
+        state.update((s.name, s.get(self)) for s in self._SETTINGS if s.in_state)
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore from :meth:`state_dict`, or from a ``torch.amp.GradScaler`` state dict.
 
         Every value is checked as the constructor checks it before anything changes: a bad
         or missing entry raises ``ValueError`` naming its key and leaves the scaler as it was.
-        Keys this scaler does not know are ignored (a dynamic scaler's settings, loaded into a
-        :class:`StaticLossScaler`).
+        A setting the dict does not hold keeps this scaler's value, and a
+        :class:`StaticLossScaler`'s dict brings no settings. Keys this scaler does not know
+        are ignored (a dynamic scaler's settings, loaded into a :class:`StaticLossScaler`).
         """
         if not self._enabled:
             return
         if len(state_dict) == 0:
             raise RuntimeError("The source state dict is empty, possibly because it was saved from a disabled scaler.")
-        values = self._checked_state(state_dict)
+        table = [s for s in self._SETTINGS if s.in_state]
+        source = {} if state_dict.get("static") is True else state_dict
+        settings = check_settings(table, {s.name: source.get(s.name, s.get(self)) for s in table}, loading=True)
+        self._check_together(settings)
+        values = self._checked_state(state_dict, settings)
+        # All checked: apply.
+        for setting in table:
+            setattr(self, setting.attr or setting.name, settings[setting.name])
         self._set_scale(values["scale"])
         self.skipped_steps = values["skipped_steps"]
+        self.retried_steps = values["retried_steps"]
         self.consecutive_skips = values["consecutive_skips"]
         self.update_count = values["update_count"]
         self.last_step_skipped = values["last_step_skipped"]
+        self._load_trackers(values)
 
     def settings(self) -> dict[str, Any]:
         """The constructor arguments that shape the scale policy (not its progress)."""
-        return {}
+        return {s.name: s.get(self) for s in self._SETTINGS}
 
     def resume_from(self, state_dict: dict[str, Any]) -> list[str]:
         """Continue a saved run's scale and trackers under this scaler's own settings.
@@ -309,20 +351,91 @@ class LossScaler:
         self.load_state_dict(state)
         return changed
 
+    def restarted(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """A saved state dict whose scale restarts at this scaler's current scale.
+
+        The saved run's counters (skipped steps, retries, updates) are kept; what drives the
+        scale from here (the run of clean steps, the hysteresis, the skips in a row) starts
+        afresh, as in a new scaler. Load the result with :meth:`load_state_dict` or
+        :meth:`resume_from`; ``state_dict`` itself is not changed.
+        """
+        return {**state_dict, "scale": self._scale_value, "consecutive_skips": 0, "last_step_skipped": False}
+
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(scale={self.get_scale():g}, enabled={self._enabled})"
+        shown = [s.shown(self) for s in self._SETTINGS if s.name != "scale"]
+        return ", ".join([f"{type(self).__name__}(scale={self._scale_value:g}", *shown, f"enabled={self._enabled})"])
+
+    # ------------------------------------------------------------------ retries
+    @property
+    def retrying(self) -> bool:
+        """True after an ``update()`` that backed the scale off to run the same batch again
+        (inside :meth:`attempts`, until the next attempt starts)."""
+        return self._retrying
+
+    @property
+    def passes(self) -> int:
+        """Forward and backward passes that ended in an update: iterations plus retries."""
+        return self.update_count + self.retried_steps
+
+    @property
+    def wasted_passes(self) -> int:
+        """Passes that updated nothing: every retried attempt and every skipped iteration."""
+        return self.retried_steps + self.skipped_steps
+
+    @property
+    def wasted_fraction(self) -> float:
+        """``wasted_passes / passes`` (0.0 before the first update)."""
+        return self.wasted_passes / self.passes if self.passes else 0.0
+
+    def attempts(self) -> Iterator[int]:
+        """Run one batch (or one accumulation window) until it steps or its retries are spent.
+
+        Yields the attempt number (0 first). Put the batch's whole step inside::
+
+            for _ in scaler.attempts():
+                optimizer.zero_grad()
+                scaler.scale(loss_fn(model(x), y)).backward()
+                scaler.step(optimizer)
+                scaler.update()
+
+        With ``retries=0`` (or a disabled scaler) the body runs once. Otherwise, when the step
+        overflowed, ``update()`` backs the scale off instead of ending the iteration, and the
+        body runs again, with the random streams put back where they were before the first
+        attempt (:class:`~amp_plugin.rng_state.RngState`), up to ``retries`` times; the last
+        overflow is a skip as without retries. Only an ``update()`` inside this loop can retry.
+        """
+        rng = RngState() if self._enabled and self.retries > 0 else None
+        self._attempt, self._retrying, self._retry_updates = 0, False, []
+        try:
+            while True:
+                yield self._attempt
+                if not self._retrying:
+                    return
+                self._retrying = False
+                if rng is not None:
+                    rng.restore()
+        finally:
+            self._attempt, self._retrying = None, False
 
     # ------------------------------------------------------------------ for subclasses
     def _policy(self, found_inf: bool) -> tuple[float, str | None]:
         """Return ``(new_scale, reason)`` for an iteration; see :class:`ScaleUpdate`."""
         raise NotImplementedError
 
+    def _retry_scale(self) -> float | None:
+        """The scale to run an overflowing batch again with, or ``None`` for no retry."""
+        return None
+
     def _check_manual_scale(self, value: Any) -> float:
         """The float32 scale ``update(new_scale)`` sets, or ``ValueError``."""
         return to_float32(check_scale("new_scale", value))
 
-    def _checked_state(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        """The values :meth:`load_state_dict` sets, each checked; ``ValueError`` names the key."""
+    def _check_together(self, settings: dict[str, Any]) -> None:
+        """Check what the settings' own checks cannot see alone (``ValueError``)."""
+
+    def _checked_state(self, state_dict: dict[str, Any], settings: dict[str, Any]) -> dict[str, Any]:
+        """The progress :meth:`load_state_dict` sets, each value checked (with the loaded
+        ``settings`` at hand); ``ValueError`` names the key."""
         if "scale" not in state_dict:
             raise ValueError(
                 f"The state dict has no 'scale' entry (its keys: {sorted(state_dict)}): a scaler state dict "
@@ -331,10 +444,14 @@ class LossScaler:
         return {
             "scale": to_float32(check_scale("scale", state_dict["scale"])),
             "skipped_steps": _state_int(state_dict, "skipped_steps", 0),
+            "retried_steps": _state_int(state_dict, "retried_steps", 0),
             "consecutive_skips": _state_int(state_dict, "consecutive_skips", 0),
             "update_count": _state_int(state_dict, "update_count", 0),
             "last_step_skipped": _state_bool(state_dict, "last_step_skipped", False),
         }
+
+    def _load_trackers(self, values: dict[str, Any]) -> None:
+        """Set a subclass's own trackers from :meth:`_checked_state`'s values."""
 
     def _after_update(self, update: ScaleUpdate) -> None:
         """Called at the end of ``update()``, state already consistent (may raise)."""
@@ -360,6 +477,14 @@ class LossScaler:
         """``step()`` for an optimizer with ``_step_supports_amp_scaling``: torch 2.13's protocol."""
         aware = cast(_ScalingAwareOptimizer, optimizer)
         if "grad_scaler" in inspect.signature(optimizer.step).parameters:
+            warnings.warn(  # as torch.amp.GradScaler warns, which deprecates this protocol
+                f"{type(self).__name__} passes itself as a keyword argument (grad_scaler=) to "
+                f"{type(optimizer).__name__}.step, as torch.amp.GradScaler does until torch removes that protocol. "
+                "Let the optimizer's step read the "
+                "`grad_scale` and `found_inf` tensors the scaler sets on it instead (drop its grad_scaler argument).",
+                FutureWarning,
+                stacklevel=3,
+            )
             retval = aware.step(*args, **kwargs, grad_scaler=self)
             state.stage = _Stage.STEPPED
             if state.found_inf:  # the optimizer ran the inf check through _check_inf_per_device
@@ -392,6 +517,25 @@ class LossScaler:
             self._iteration_skipped = False
         self._iteration_skipped |= found
         self.last_step_skipped = self._iteration_skipped
+
+    def _may_retry(self) -> bool:
+        """Inside :meth:`attempts`, with retries left, and no optimizer of the iteration stepped."""
+        if self._attempt is None or self._attempt >= self.retries:
+            return False
+        states = [s for s in self._per_optimizer.values() if s.stage is not _Stage.READY]
+        return all(self._found_inf_host(s) for s in states)
+
+    def _begin_retry(self, old: float, new: float) -> None:
+        """``update()`` for an attempt that runs again at ``new``: the iteration goes on."""
+        self._per_optimizer.clear()
+        self._new_iteration = True
+        self.last_step_skipped = True
+        self.retried_steps += 1
+        self._attempt = (self._attempt or 0) + 1
+        self._retrying = True
+        self.last_update = ScaleUpdate(self.update_count, old, new, True, "retry")
+        self._retry_updates.append(self.last_update)
+        self._set_scale(new)
 
     # torch.amp.GradScaler's hooks for optimizers that handle the scale themselves (an optimizer
     # given grad_scaler=self may call them).
@@ -525,21 +669,32 @@ class StaticLossScaler(LossScaler):
     It has no ``torch.amp.GradScaler`` counterpart, so no growth/backoff getters and setters
     (:class:`~amp_plugin.DynamicLossScaler` has them). ``load_state_dict`` takes the
     ``"scale"`` and the counters of any scaler's state dict and ignores a dynamic scaler's
-    settings: the loaded scale stays fixed from then on.
+    settings: the loaded scale stays fixed from then on. Its own state dict loads into
+    ``torch.amp.GradScaler`` as one whose scale never moves (growth and backoff factors 1.0),
+    and into :class:`~amp_plugin.DynamicLossScaler` with that scaler's own settings.
 
     Args:
         scale: the constant scale: finite, > 0, inside float32's normal range.
         enabled: ``False`` makes it a pass-through.
     """
 
+    _SETTINGS = (Setting("scale", check_scale, "g", attr="_scale_value", in_state=False),)
+
     def __init__(self, scale: float = 2.0**16, enabled: bool = True) -> None:
-        super().__init__(check_scale("scale", scale), enabled=enabled)
+        checked = check_settings(self._SETTINGS, {"scale": scale})
+        super().__init__(checked["scale"], enabled=enabled)
 
     def _policy(self, found_inf: bool) -> tuple[float, str | None]:
         return self._scale_value, None
 
-    def settings(self) -> dict[str, Any]:
-        return {"scale": self._scale_value}
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        if state:
+            # What torch.amp.GradScaler.load_state_dict reads, for a scale that never moves;
+            # "static" tells a DynamicLossScaler that these are no settings of its own.
+            state.update(growth_factor=1.0, backoff_factor=1.0, growth_interval=_INT32_MAX, _growth_tracker=0)
+            state["static"] = True
+        return state
 
-    def __repr__(self) -> str:
-        return f"StaticLossScaler(scale={self._scale_value:g}, enabled={self._enabled})"
+
+_INT32_MAX = 2**31 - 1

@@ -248,7 +248,7 @@ def test_adds_no_host_sync(pl, tmp_path, monkeypatch):
     monkeypatch.setattr(pl.LightningModule, "log", spy_log)
     fit(pl, tmp_path, as_lightning(pl, Net)(inf_at={2}), monitor, max_steps=5)
     assert calls == []
-    assert len(logged) == 10 and {device.type for _, device in logged} == {"cpu"}
+    assert len(logged) == 15 and {device.type for _, device in logged} == {"cpu"}  # 3 metrics, 5 steps
 
 
 class _Window(Callback):
@@ -377,3 +377,38 @@ def test_arguments_are_checked():
         LossScaleMonitor(notice_interval_s=-1)
     with pytest.raises(TypeError, match="prog_bar"):
         LossScaleMonitor(prog_bar="yes")
+
+
+class OnceNet(Net):
+    """``Net`` whose inf gradients come on the first attempt of each listed step only."""
+
+    def on_after_backward(self):
+        if self.global_step in self.inf_at:
+            self.inf_at = self.inf_at - {self.global_step}
+            self.l2.weight.grad[0, :3] = float("inf")
+
+
+def test_retries_are_events_and_counted_beside_the_skips(pl, tmp_path):
+    monitor = LossScaleMonitor()
+    model = as_lightning(pl, OnceNet)(inf_at={2})
+    trainer = fit(pl, tmp_path, model, monitor, max_steps=4, scaler=small_scaler(retries=1))
+    rows = read_csv(f"{trainer.log_dir}/scale_events.csv")[1:]
+    assert rows == [["2", "1024.0", "512.0", "retry", ""]]
+    names = ("amp/loss_scale", "amp/skipped_steps", "amp/retried_steps", "amp/wasted_compute")
+    metrics = step_metrics(trainer, *names)
+    assert [tuple(metrics[s][n] for n in names) for s in range(4)] == [
+        (1024, 0, 0, 0.0),
+        (1024, 0, 0, 0.0),
+        (512, 0, 1, 0.25),  # the batch ran again at 512 and was trained on: 1 of 4 passes wasted
+        (512, 0, 1, float(torch.tensor(1 / 5))),  # logged as a float32 tensor
+    ]
+
+
+def test_a_retry_that_overflows_again_is_a_retry_then_a_skip(pl, tmp_path):
+    monitor = LossScaleMonitor()
+    trainer = fit(pl, tmp_path, as_lightning(pl, Net)(inf_at={1}), monitor, max_steps=2, scaler=small_scaler(retries=1))
+    assert [(e.step, e.old_scale, e.new_scale, e.reason, e.nonfinite_params) for e in monitor.events] == [
+        (1, 1024.0, 512.0, "retry", ()),
+        (1, 512.0, 256.0, "overflow", (("l2.weight", 3),)),
+    ]
+    assert trainer.precision_plugin.scaler.wasted_fraction == 2 / 3

@@ -299,7 +299,8 @@ def test_an_optimizer_taking_grad_scaler_gets_the_scaler():
     p.grad = torch.ones(3)
     opt = ScaleAwareKwarg([p], lr=0.1)
     scaler = DynamicLossScaler()
-    assert scaler.step(opt) == "stepped" and opt.given is scaler
+    with pytest.warns(FutureWarning, match="itself as a keyword argument"):  # as GradScaler warns
+        assert scaler.step(opt) == "stepped" and opt.given is scaler
     scaler._check_inf_per_device(opt)  # what such an optimizer may call
     assert scaler._found_inf_per_device(opt)[torch.device("cpu")].item() == 0.0
     scaler.update()
@@ -437,3 +438,61 @@ def test_update_new_scale_is_checked(new_scale):
         scaler.update(new_scale)
     scaler.update(torch.tensor(8.0))  # still in the iteration: nothing changed
     assert scaler.get_scale() == 8.0
+
+
+# ---------------------------------------------------------------- the settings table
+@pytest.mark.parametrize("make", [DynamicLossScaler, StaticLossScaler], ids=["dynamic", "static"])
+@pytest.mark.parametrize("enabled", ["no", 1, None])
+def test_enabled_must_be_a_bool(make, enabled):
+    with pytest.raises(TypeError, match=rf"^enabled={enabled!r} is not allowed: enabled must be True or False"):
+        make(enabled=enabled)
+
+
+def test_every_setting_is_in_settings_state_dict_and_repr():
+    import inspect
+
+    arguments = set(inspect.signature(DynamicLossScaler).parameters) - {"init_scale", "enabled"}
+    scaler = DynamicLossScaler(growth_interval=7, hysteresis=3, retries=2, min_scale=0.5, on_min_scale="skip")
+    assert set(scaler.settings()) == arguments
+    state = scaler.state_dict()
+    assert {k: state[k] for k in arguments} == scaler.settings()
+    assert repr(scaler) == (
+        "DynamicLossScaler(scale=65536, growth_factor=2, backoff_factor=0.5, growth_interval=7, hysteresis=3, "
+        "hysteresis_reset='growth', min_scale=0.5, max_scale=1.67772e+07, on_min_scale='skip', retries=2, "
+        "enabled=True)"
+    )
+    assert repr(StaticLossScaler(8.0, enabled=False)) == "StaticLossScaler(scale=8, enabled=False)"
+    assert StaticLossScaler(8.0).settings() == {"scale": 8.0}
+
+
+@pytest.mark.parametrize("key, value", [("retries", -1), ("retries", 1.5), ("retries", True)])
+def test_the_retries_setting_is_checked_in_the_constructor_and_on_load(key, value):
+    with pytest.raises((TypeError, ValueError), match=f"^{key}="):
+        DynamicLossScaler(**{key: value})
+    state = DynamicLossScaler().state_dict()
+    state[key] = value
+    with pytest.raises(ValueError, match=f"^{key}="):
+        DynamicLossScaler().load_state_dict(state)
+
+
+def test_restarted_keeps_the_counters_and_restarts_what_drives_the_scale():
+    p = torch.nn.Parameter(torch.ones(1))
+    opt = torch.optim.SGD([p], lr=0.0)
+    saved_run = DynamicLossScaler(init_scale=64.0, growth_interval=5, hysteresis=3)
+    for grad in (math.inf, 1.0, 1.0, math.inf):
+        p.grad = torch.full((1,), grad)
+        saved_run.step(opt)
+        saved_run.update()
+    saved = saved_run.state_dict()
+    assert (saved["_growth_tracker"], saved["_hysteresis_tracker"], saved["consecutive_skips"]) == (0, 1, 1)
+    scaler = DynamicLossScaler(init_scale=8.0, growth_interval=5, hysteresis=2)
+    restarted = scaler.restarted(saved)
+    assert saved == saved_run.state_dict()  # not changed in place
+    scaler.load_state_dict(restarted)
+    fresh = DynamicLossScaler(init_scale=8.0, growth_interval=5, hysteresis=2)
+    assert (scaler.skipped_steps, scaler.update_count) == (2, 4)
+    for key in ("scale", "_growth_tracker", "_hysteresis_tracker", "consecutive_skips", "last_step_skipped"):
+        assert scaler.state_dict()[key] == fresh.state_dict()[key], key
+    static = StaticLossScaler(4.0)
+    static.load_state_dict(static.restarted(saved))
+    assert static.get_scale() == 4.0 and static.skipped_steps == 2

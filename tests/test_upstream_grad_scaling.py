@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import math
 import pickle
+import warnings
 
 import pytest
 import torch
 
-from amp_plugin import DynamicLossScaler, MasterWeightOptimizer
+from amp_plugin import DynamicLossScaler, MasterWeightOptimizer, StaticLossScaler
 
 
 def grad_scaler(**kwargs):
@@ -204,6 +205,68 @@ def test_grad_scaling_state_dict(source, target, lazy_init_scale):
     assert s1.get_scale() == 3.0
     assert (s1.get_growth_factor(), s1.get_backoff_factor(), s1.get_growth_interval()) == (4.0, 0.5, 2)
     assert s1.state_dict()["_growth_tracker"] == 0
+
+
+@SCALERS
+def test_grad_scaler_pass_itself(make_scaler):
+    """Upstream's ``test_grad_scaler_pass_itself``: an optimizer whose ``step`` takes
+    ``grad_scaler=`` is handed the scaler, with a ``FutureWarning`` (the deprecated protocol);
+    one without it gets ``grad_scale`` and ``found_inf`` for the call, and no warning."""
+    scaler = make_scaler(init_scale=2.0)
+    seen = {}
+
+    class Placeholder(torch.optim.Optimizer):
+        def __init__(self, params):
+            super().__init__(params, {})
+            self._step_supports_amp_scaling = True
+
+    class Optimizer1(Placeholder):
+        def step(self, closure=None, *, grad_scaler=None):
+            seen["given"] = grad_scaler
+            seen["attrs1"] = hasattr(self, "grad_scale") or hasattr(self, "found_inf")
+
+    class Optimizer2(Placeholder):
+        def step(self, closure=None):
+            seen["attrs2"] = (type(self.grad_scale), type(self.found_inf))
+
+    x = torch.randn(4, 4)
+    m = torch.nn.Linear(4, 1)
+    o1, o2 = Optimizer1(m.parameters()), Optimizer2(m.parameters())
+    with torch.autocast("cpu", dtype=torch.half):
+        loss = m(x).mean().float()  # upstream scales the FP16 loss; ours would warn HalfLossWarning
+    scaler.scale(loss).backward()
+    with pytest.warns(FutureWarning, match="itself as a keyword argument"):
+        scaler.step(o1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        scaler.step(o2)
+    scaler.update()
+    assert seen == {"given": scaler, "attrs1": False, "attrs2": (torch.Tensor, torch.Tensor)}
+
+
+def test_a_static_scaler_state_dict_loads_into_grad_scaler():
+    """A ``StaticLossScaler``'s state dict loads into ``torch.amp.GradScaler``, which then
+    keeps the scale fixed and skips the same steps: the static run goes on there."""
+    static = StaticLossScaler(scale=512.0)
+    run_overflow_pattern(static, [False, True, False])
+    torch_scaler = grad_scaler(init_scale=2.0)
+    torch_scaler.load_state_dict(static.state_dict())
+    pattern = [True, False, True, True] + [False] * 5
+    assert run_overflow_pattern(torch_scaler, pattern) == run_overflow_pattern(static, pattern) == [512.0] * 9
+
+
+def run_overflow_pattern(scaler, pattern):
+    """Scales after each update, for an inf gradient where ``pattern`` is True."""
+    p = torch.nn.Parameter(torch.zeros(2))
+    opt = torch.optim.SGD([p], lr=0.1)
+    scales = []
+    for overflow in pattern:
+        scaler.scale(torch.ones(()))
+        p.grad = torch.full((2,), math.inf if overflow else 1.0)
+        scaler.step(opt)
+        scaler.update()
+        scales.append(scaler.get_scale())
+    return scales
 
 
 @SCALERS

@@ -145,7 +145,19 @@ def _num(value: Any, digits: int = 4) -> str:
 
 def _rows(runs: Sequence[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
     metrics = [m for m in _METRICS if any(m in r.get("final_metrics", {}) for r in runs)]
-    header = ["run", "precision", "scaler", "recipe", "steps", *metrics, "skipped", "scale end", "time s"]
+    header = [
+        "run",
+        "precision",
+        "scaler",
+        "recipe",
+        "steps",
+        *metrics,
+        "skipped",
+        "retried",
+        "wasted",
+        "scale end",
+        "time s",
+    ]
     table = []
     for run in runs:
         if run.get("status") != "ok":
@@ -163,6 +175,8 @@ def _rows(runs: Sequence[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
                 str(run["steps"]),
                 *(_num(final.get(m)) for m in metrics),
                 str(run["skipped_steps"]),
+                str(run.get("retried_steps", 0)),  # summaries written before retries existed: none
+                f"{run['wasted_compute']:.1%}" if run.get("wasted_compute") is not None else "-",
                 _num(run["loss_scale"]["end"]) if run["loss_scale"]["end"] is not None else "-",
                 f"{run['wall_time_s']:.1f}",
             ]

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 
     from amp_plugin.app.build import Run
     from amp_plugin.lightning.plugin import MixedPrecisionPlugin
+    from amp_plugin.scaler import LossScaler
 else:
     from amp_plugin.lightning import pl
 
@@ -63,6 +64,8 @@ class RunRecorder(Callback):
         self.start_scale = math.nan
         self.start_step = 0
         self.start_skipped = 0
+        self.start_retried = 0
+        self.start_passes = 0
         self.started = False  # whether training got past Lightning's setup
 
     @override
@@ -76,6 +79,7 @@ class RunRecorder(Callback):
         scaler = cast("MixedPrecisionPlugin", trainer.precision_plugin).scaler  # the app's plugin
         self.start_scale = _scale(scaler)
         self.start_skipped = scaler.skipped_steps
+        self.start_retried, self.start_passes = scaler.retried_steps, scaler.passes
         self.start_step = trainer.global_step
 
     @override
@@ -210,11 +214,21 @@ def summarize(run: Run, wall: float, metrics: Mapping[str, Any]) -> dict[str, An
         },
         "skipped_steps": scaler.skipped_steps - recorder.start_skipped,
         "skipped_steps_total": scaler.skipped_steps,
+        # Batches run again at a lower scale (DynamicLossScaler(retries=N)), and the fraction of
+        # this process's forward+backward passes that updated nothing (retried or skipped).
+        "retried_steps": scaler.retried_steps - recorder.start_retried,
+        "wasted_compute": _wasted(scaler, recorder),
         # (step, kind) of each fault written by this process (fault.* options; rank 0's view).
         "faults_injected": [[step, kind] for step, kind in run.injector.injected] if run.injector else [],
         "output_dir": str(output_dir),
         "paths": {k: (str(v) if v is not None else None) for k, v in paths.items()},
     }
+
+
+def _wasted(scaler: LossScaler, recorder: RunRecorder) -> float:
+    passes = scaler.passes - recorder.start_passes
+    wasted = scaler.skipped_steps - recorder.start_skipped + scaler.retried_steps - recorder.start_retried
+    return round(wasted / passes, 6) if passes else 0.0
 
 
 def _metric_order(item: tuple[str, Any]) -> tuple[int, str]:
@@ -314,6 +328,16 @@ def format_summary(summary: Mapping[str, Any]) -> str:
         f"  final        {metrics or '-'}",
         f"  loss scale   {scale}",
         f"  skipped      {summary['skipped_steps']} of {steps} steps",
+        *(
+            [f"  retried      {summary['retried_steps']} batches run again at a lower scale"]
+            if summary.get("retried_steps")
+            else []
+        ),
+        *(
+            [f"  wasted       {summary['wasted_compute']:.1%} of forward+backward passes updated nothing"]
+            if summary.get("wasted_compute")
+            else []
+        ),
     ]
     faults = summary.get("faults_injected") or []
     if faults:

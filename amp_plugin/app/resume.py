@@ -172,9 +172,7 @@ class ResumeSettings(Callback):
             )
         else:
             return
-        saved.update(scale=configured, consecutive_skips=0, last_step_skipped=False, _growth_tracker=0)
-        if "_hysteresis_tracker" in saved:
-            saved["_hysteresis_tracker"] = getattr(scaler, "hysteresis", saved["_hysteresis_tracker"])
+        checkpoint[CHECKPOINT_KEY]["scaler"] = scaler.restarted(saved)
         self._log(why)
 
     # -------------------------------------------------------------- recipe settings

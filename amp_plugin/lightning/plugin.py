@@ -308,6 +308,52 @@ class MixedPrecisionPlugin(Precision):
     def optimizer_step(  # type: ignore[override]
         self, optimizer: Optimizable, model: pl.LightningModule, closure: Callable[[], Any], **kwargs: Any
     ) -> Any:
+        if not (self.scaler.retries and self.scaler.is_enabled() and model.automatic_optimization):
+            return self._optimizer_step_once(optimizer, model, closure, **kwargs)
+        # DynamicLossScaler(retries=N): an overflowing step runs the closure (the same batch) again.
+        accumulate = getattr(model.trainer, "accumulate_grad_batches", 1)
+        if accumulate != 1:
+            raise ValueError(
+                f"DynamicLossScaler(retries={self.scaler.retries}) cannot retry with accumulate_grad_batches="
+                f"{accumulate}: Lightning ran the window's earlier micro-batches before this step, so only the "
+                "last one could run again, and the window's gradients would mix two scales. Use retries=0 with "
+                "gradient accumulation, or accumulate in manual optimization inside plugin.attempts()."
+            )
+        result = None
+        for _ in self.scaler.attempts():
+            result = self._optimizer_step_once(optimizer, model, closure, **kwargs)
+        return result
+
+    def attempts(self) -> Generator[int, None, None]:
+        """Manual optimization: run a batch's steps again at a lower scale when they overflowed.
+
+        ``DynamicLossScaler(retries=N)``; see :meth:`~amp_plugin.LossScaler.attempts`. In
+        ``training_step``::
+
+            for _ in self.trainer.precision_plugin.attempts():
+                opt.zero_grad()
+                self.manual_backward(self.loss(batch))
+                opt.step()
+
+        The scale update that would come after ``training_step`` runs at the end of each
+        attempt instead, so the next attempt knows whether to run. A retried attempt's
+        ``opt.step()`` calls do not count in ``trainer.global_step``.
+        """
+        trainer = self._module.trainer if self._module is not None else None
+        loop = getattr(getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None), "manual_optimization", None)
+        progress = getattr(loop, "optim_step_progress", None)
+        for attempt in self.scaler.attempts():
+            counted = progress.state_dict() if progress is not None else None
+            yield attempt
+            if self._pending_update:
+                self._pending_update = False
+                self._update(trainer)
+            if self.scaler.retrying and progress is not None:
+                progress.load_state_dict(counted)  # the attempt's steps are taken again
+
+    def _optimizer_step_once(
+        self, optimizer: Optimizable, model: pl.LightningModule, closure: Callable[[], Any], **kwargs: Any
+    ) -> Any:
         if self.amp_precision == "fp32":
             return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
         key = id(_unwrap(optimizer))

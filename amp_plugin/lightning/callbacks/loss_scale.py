@@ -38,10 +38,12 @@ class ScaleEvent:
         new_scale: the scale after the update.
         reason: ``"overflow"`` (backed off), ``"growth"``, ``"hysteresis"`` (overflow
             absorbed, scale kept), ``"min_scale"`` (overflow at the floor), ``"manual"``
-            (``update(new_scale)``) or ``"skipped"`` (a skip the policy answered by keeping
-            the scale, e.g. :class:`~amp_plugin.StaticLossScaler`).
+            (``update(new_scale)``), ``"retry"`` (backed off to run the same batch again, with
+            ``DynamicLossScaler(retries=N)``: not a skip) or ``"skipped"`` (a skip the policy
+            answered by keeping the scale, e.g. :class:`~amp_plugin.StaticLossScaler`).
         nonfinite_params: on a skipped step, ``(param_name, count)`` of the parameters whose
-            gradients had inf/NaN elements (the top few, most first); empty otherwise.
+            gradients had inf/NaN elements (the top few, most first); empty otherwise (and on
+            a ``"retry"`` row, whose attempt the last one replaced).
     """
 
     step: int
@@ -66,8 +68,13 @@ class LossScaleMonitor(Callback):
     accumulation logs once per optimizer step) it logs, with ``pl_module.log(on_step=True)``
     to every logger and the progress bar:
 
-    - ``amp/loss_scale``: the scale that optimizer step ran with;
-    - ``amp/skipped_steps``: skipped optimizer steps so far, this one included.
+    - ``amp/loss_scale``: the scale that optimizer step ran with (its last attempt);
+    - ``amp/skipped_steps``: skipped optimizer steps so far, this one included: batches the
+      model was not trained on;
+    - ``amp/retried_steps``: attempts run again at a lower scale so far
+      (``DynamicLossScaler(retries=N)``);
+    - ``amp/wasted_compute``: the fraction of all forward and backward passes that updated
+      nothing (retried attempts and skipped steps, :attr:`~amp_plugin.LossScaler.wasted_fraction`).
 
     Every update that did something (see :class:`ScaleEvent` for the reasons) becomes an
     entry of :attr:`events` and a row of ``scale_events.csv`` in the run's log dir
@@ -149,6 +156,9 @@ class LossScaleMonitor(Callback):
         log: dict[str, Any] = dict(on_step=True, on_epoch=False, prog_bar=self.prog_bar, batch_size=1)
         pl_module.log("amp/loss_scale", torch.tensor(update.old_scale), **log)
         pl_module.log("amp/skipped_steps", torch.tensor(float(scaler.skipped_steps)), **log)
+        if scaler.retries:
+            pl_module.log("amp/retried_steps", torch.tensor(float(scaler.retried_steps)), **log)
+        pl_module.log("amp/wasted_compute", torch.tensor(scaler.wasted_fraction), **{**log, "prog_bar": False})
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
@@ -183,18 +193,20 @@ class LossScaleMonitor(Callback):
         return self._plugin.scaler if self._plugin is not None else _NO_SCALING
 
     def _record_update(self) -> ScaleUpdate | None:
-        """Read the scaler's last update; record and announce it if it was an event."""
+        """Read the scaler's last iteration (its retries, then its last update); record and
+        announce each event. Returns the last update."""
         scaler = self._scaler()
         self._seen_updates = scaler.update_count
         update = scaler.last_update
-        if update is None or (update.reason is None and not update.found_inf):
-            return update
-        plugin = cast(MixedPrecisionPlugin, self._plugin)  # set: the stand-in scaler never updates
-        names = tuple(plugin.last_nonfinite_params) if update.found_inf else ()
-        event = ScaleEvent(self._batch_step, update.old_scale, update.new_scale, update.reason or "skipped", names)
-        self.events.append(event)
-        self._csv.append([event.row()])
-        self._notice(event, scaler.skipped_steps)
+        for each in scaler.iteration_updates or ((update,) if update is not None else ()):
+            if each.reason is None and not each.found_inf:
+                continue
+            plugin = cast(MixedPrecisionPlugin, self._plugin)  # set: the stand-in scaler never updates
+            names = tuple(plugin.last_nonfinite_params) if each.found_inf and each.reason != "retry" else ()
+            event = ScaleEvent(self._batch_step, each.old_scale, each.new_scale, each.reason or "skipped", names)
+            self.events.append(event)
+            self._csv.append([event.row()])
+            self._notice(event, scaler.skipped_steps)
         return update
 
     def _notice(self, event: ScaleEvent, skipped_total: int) -> None:
@@ -217,6 +229,8 @@ def _describe(event: ScaleEvent, skipped_total: int) -> str:
         return f"loss scale {old} -> {new} (growth after a run of clean steps)"
     if event.reason == "manual":
         return f"loss scale set {old} -> {new}"
+    if event.reason == "retry":
+        return f"inf/NaN gradients: loss scale {old} -> {new}, the same batch runs again (not skipped)"
     where = f" in {format_params(event.nonfinite_params)}" if event.nonfinite_params else ""
     then = {
         "overflow": f"loss scale {old} -> {new}",
