@@ -5,6 +5,7 @@ They live in :mod:`amp_plugin.lightning.callbacks`; importing this module import
 
 from amp_plugin.lightning.callbacks import (
     FaultInjector,
+    FP8Monitor,
     GradientHealthMonitor,
     LossScaleMonitor,
     ParamGradHealth,
@@ -13,6 +14,7 @@ from amp_plugin.lightning.callbacks import (
 )
 
 __all__ = [
+    "FP8Monitor",
     "FaultInjector",
     "GradientHealthMonitor",
     "LossScaleMonitor",

@@ -18,6 +18,7 @@ preset         dtype    master weights autocast default scaler like Lightning's
 ``fp16_pure``  FP16     no             no       dynamic        ``16-true``
 ``bf16_pure``  BF16     no             no       none           ``bf16-true``
 ``bf16_split`` BF16     yes, split     no       none           (no equivalent)
+``fp8``        FP8+BF16 yes            no       none           (Transformer Engine)
 ============== ======== ============== ======== ============== ==========================
 
 ``bf16_split`` keeps each FP32 master as the BF16 weight plus a 16-bit extension (the FP32
@@ -25,6 +26,10 @@ value's low 16 bits; ``MasterWeightOptimizer(..., master="bf16_split")``): the s
 FP32 master, 14 instead of 16 bytes of training state per parameter with AdamW, and the model's
 BF16 weight is the master truncated instead of rounded (see :mod:`amp_plugin.master_weights`).
 Adam and AdamW only.
+
+``fp8`` is ``bf16`` with the GEMMs of ``nn.Linear`` layers in FP8 (E4M3 forward, E5M2 gradients by
+default), with per-tensor or row-wise scaling; its settings are an :class:`~amp_plugin.fp8.Fp8Recipe`
+(``fp8=``; see :mod:`amp_plugin.fp8`).
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ import torch
 
 from amp_plugin._checks import check_choice
 from amp_plugin.dynamic_scaler import DynamicLossScaler
+from amp_plugin.fp8.recipe import Fp8Recipe
 from amp_plugin.scaler import LossScaler, StaticLossScaler
 
 __all__ = ["PRESETS", "Emulate", "PrecisionSettings", "Preset", "no_loss_scaling", "preset_name"]
@@ -61,6 +67,7 @@ class Preset:
     master_weights: bool
     autocast: bool
     master: Literal["fp32", "bf16_split"] = "fp32"  # how the masters are stored
+    fp8: bool = False  # nn.Linear GEMMs in FP8 (amp_plugin.fp8)
 
     def describe(self, short: bool = False) -> str:
         """The preset in words; ``short`` for a summary line."""
@@ -72,6 +79,9 @@ class Preset:
             if self.master == "bf16_split":
                 text += " split into the BF16 weight and a 16-bit extension"
             detail = text + " in the optimizer"
+            if self.fp8:
+                text = "FP8 linear GEMMs, " + text
+                detail = "FP8 nn.Linear GEMMs (E4M3/E5M2 with per-tensor scales), " + detail
         elif self.autocast:
             text = detail = f"FP32 weights, {dtype} compute under autocast"
         else:
@@ -89,6 +99,7 @@ PRESETS: dict[str, Preset] = {
     "fp16_pure": Preset("fp16", False, False),
     "bf16_pure": Preset("bf16", False, False),
     "bf16_split": Preset("bf16", True, False, master="bf16_split"),
+    "fp8": Preset("bf16", True, False, fp8=True),
 }
 """Every preset by name (the ``precision=`` values of the app and of the plugin)."""
 
@@ -122,6 +133,7 @@ class PrecisionSettings:
         skip_lr_on_overflow: skipped steps do not advance step-interval LR schedulers.
         master: how the optimizer stores the masters: ``"fp32"``, or ``"bf16_split"`` (the
             BF16 weight plus a 16-bit extension; the ``bf16_split`` preset).
+        fp8: the :class:`~amp_plugin.fp8.Fp8Recipe` of the ``fp8`` preset, else None.
     """
 
     precision: str
@@ -131,6 +143,7 @@ class PrecisionSettings:
     emulate: str = "auto"
     skip_lr_on_overflow: bool = True
     master: str = "fp32"
+    fp8: Fp8Recipe | None = None
 
     @classmethod
     def build(
@@ -141,6 +154,7 @@ class PrecisionSettings:
         scaler: LossScaler | Literal["auto"] | None = "auto",
         emulate: str = "auto",
         skip_lr_on_overflow: bool = True,
+        fp8: Fp8Recipe | dict[str, Any] | None = None,
     ) -> PrecisionSettings:
         """Check the arguments and fill in the defaults.
 
@@ -156,6 +170,8 @@ class PrecisionSettings:
                 scaling, or a :class:`~amp_plugin.LossScaler`.
             emulate: ``"auto"``, ``"on"`` or ``"off"``.
             skip_lr_on_overflow: whether skipped steps hold step-interval LR schedulers.
+            fp8: the FP8 settings of ``precision="fp8"`` (an :class:`~amp_plugin.fp8.Fp8Recipe` or
+                its arguments as a mapping; ``None``: the defaults). Other presets refuse it.
 
         Raises:
             ValueError: an unknown preset, a contradiction, a scaler with FP32.
@@ -178,6 +194,7 @@ class PrecisionSettings:
                 preset.master_weights if master_weights is None else master_weights,
                 preset.autocast if autocast is None else autocast,
                 preset.master if master_weights is not False else "fp32",
+                preset.fp8 and master_weights is not False,
             )
         if resolved.master_weights and resolved.autocast:
             raise ValueError(
@@ -193,6 +210,17 @@ class PrecisionSettings:
                 f"{key}={getattr(preset, key)!r} ({preset.describe()}). For that combination use "
                 f"precision={fitting!r}."
             )
+        if fp8 is not None and not resolved.fp8:
+            raise ValueError(
+                f"fp8={fp8!r} is not allowed with precision={name!r}: FP8 settings apply to precision='fp8' only."
+            )
+        recipe = fp8 if isinstance(fp8, Fp8Recipe) or fp8 is None else None
+        if isinstance(fp8, dict):
+            recipe = Fp8Recipe.from_dict(fp8)
+        elif fp8 is not None and recipe is None:
+            raise TypeError(f"fp8={fp8!r} is not allowed: fp8 must be an Fp8Recipe, a dict of its arguments or None.")
+        if resolved.fp8 and recipe is None:
+            recipe = Fp8Recipe()
         return cls(
             precision=resolved.precision,
             master_weights=resolved.master_weights,
@@ -201,11 +229,12 @@ class PrecisionSettings:
             scaler=_resolve_scaler(scaler, resolved.precision),
             emulate=emulate,
             skip_lr_on_overflow=skip_lr_on_overflow,
+            fp8=recipe,
         )
 
     # ------------------------------------------------------------------ derived
     def _preset(self) -> Preset:
-        return Preset(self.precision, self.master_weights, self.autocast, self.master)  # type: ignore[arg-type]
+        return Preset(self.precision, self.master_weights, self.autocast, self.master, self.fp8 is not None)  # type: ignore[arg-type]
 
     @property
     def preset(self) -> str:

@@ -37,6 +37,7 @@ DEFAULT_SCALER = {
     "bf16_autocast": "none",
     "bf16_pure": "none",
     "bf16_split": "none",
+    "fp8": "none",
     "fp32": "none",
 }
 
@@ -118,6 +119,7 @@ def test_every_preset_and_recipe_instantiates(preset, recipe):
         "ModelCheckpoint",
         "RecoveryCheckpoint",
         "PreflightChecks",
+        *(["FP8Monitor"] if preset == "fp8" else []),  # added to the defaults with fp8
     ]
     assert run.trainer.precision_plugin is plugin
 

@@ -221,6 +221,8 @@ def worker(out_dir: str, scenario: str, precision: str, namespace: str) -> None:
         save(scenario, t, result(t, m, plugin))
     elif scenario == "presets":
         for name, preset in PRESETS.items():
+            if preset.fp8:
+                continue  # convert_module refuses fp8 under FSDP2
             kwargs = {"scaler": DynamicLossScaler(init_scale=2.0**10)} if preset.precision == "fp16" else {}
             plugin = MixedPrecisionPlugin(name, **kwargs)
             with warnings.catch_warnings(record=True) as caught:
@@ -345,6 +347,8 @@ def test_sharded_gradient_statistics_equal_whole_tensor_statistics(tmp_path_fact
 def test_fsdp2_every_preset_trains(tmp_path_factory):
     out = run(tmp_path_factory, "presets", "fp16")
     for name, preset in PRESETS.items():
+        if preset.fp8:
+            continue  # refused under FSDP2
         for r in load(out, f"preset_{name}"):
             assert r["global_step"] == 3 and r["optimizer"] == "AdamW", name
             compute = "torch.float32" if preset.precision == "fp32" else HALF[preset.precision]
@@ -412,6 +416,7 @@ def test_policy_of_each_preset():
         "fp16_pure": MixedPrecisionPolicy(param_dtype=torch.float16),
         "bf16_pure": MixedPrecisionPolicy(param_dtype=torch.bfloat16),
         "bf16_split": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+        "fp8": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),  # bf16's
     }
     for name in PRESETS:
         assert policy_for(PrecisionSettings.build(name, scaler=None)) == expected[name], name

@@ -215,6 +215,7 @@ def build(cfg: DictConfig, settings: PrecisionSettings | None = None, output_dir
     from amp_plugin.app.report import HISTORY_FILE, RunRecorder
     from amp_plugin.app.resume import ResumeSettings, check_fits, load_checkpoint, resumes_in_place
     from amp_plugin.lightning import AtomicCheckpointIO, FaultInjector, MixedPrecisionPlugin, pl
+    from amp_plugin.lightning.callbacks.fp8 import FP8Monitor
     from amp_plugin.lightning.final_checkpoint import FinalCheckpoint
     from amp_plugin.lightning.interrupt import GracefulInterrupt
     from amp_plugin.lightning.nan_guard import NonFiniteGuard
@@ -234,6 +235,8 @@ def build(cfg: DictConfig, settings: PrecisionSettings | None = None, output_dir
         resume_step = int(checkpoint.get("global_step", 0))
     plugin = MixedPrecisionPlugin.from_settings(settings)
     callbacks = [make(f"callbacks.{name}", node) for name, node in _entries(cfg.callbacks)]
+    if settings.fp8 is not None and callbacks and not any(isinstance(c, FP8Monitor) for c in callbacks):
+        callbacks.append(FP8Monitor(every_n_steps=log_every_n_steps(cfg.trainer)))  # fp8: in the defaults
     in_place = resumes_in_place(cfg.ckpt_path, output_dir)
     loggers = [
         make(f"logger.{name}" if name else "logger", node, **_logger_extra(node, in_place, resume_step))

@@ -26,6 +26,7 @@ from omegaconf import MISSING
 from amp_plugin import dynamic_scaler
 from amp_plugin.app.rundir import register_resolver
 from amp_plugin.dynamic_scaler import DynamicLossScaler
+from amp_plugin.fp8.recipe import AmaxComputeAlgo, Fp8FormatName, Scaling
 from amp_plugin.scaler import StaticLossScaler
 from amp_plugin.settings import PRESETS, Emulate
 
@@ -33,6 +34,7 @@ __all__ = [
     "ClipAlgorithm",
     "DynamicScalerConf",
     "FaultConf",
+    "Fp8Conf",
     "HysteresisReset",
     "NoScalerConf",
     "OnMinScale",
@@ -99,6 +101,25 @@ class NoScalerConf:
 
 
 @dataclass
+class Fp8Conf:
+    """Arguments of :class:`amp_plugin.fp8.Fp8Recipe` (``precision=fp8``; ranges checked there)."""
+
+    scaling: Scaling = Scaling.delayed
+    fp8_format: Fp8FormatName = Fp8FormatName.hybrid
+    margin: int = 0
+    amax_history_len: int = 1024
+    amax_compute_algo: AmaxComputeAlgo = AmaxComputeAlgo.max
+    amax_floor: float = 1e-12
+    fallback_saturation: float = 0.01
+    fallback_steps: int = 16
+    keep_bf16: list[str] = field(default_factory=list)
+    keep_first_last: bool = True
+    min_features: int = 16
+    multiple_of: int = 16
+    reduce_amax: bool = True
+
+
+@dataclass
 class PrecisionConf:
     """Arguments of :meth:`amp_plugin.settings.PrecisionSettings.build` (the scaler comes from ``scaler``).
 
@@ -111,6 +132,7 @@ class PrecisionConf:
     autocast: Optional[bool] = None
     emulate: Emulate = Emulate.auto
     skip_lr_on_overflow: bool = True
+    fp8: Optional[Fp8Conf] = None  # precision=fp8 only (configs/precision/fp8.yaml)
 
 
 @dataclass

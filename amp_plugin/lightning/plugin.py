@@ -40,6 +40,7 @@ from typing_extensions import override
 from amp_plugin import fsdp
 from amp_plugin.dynamic_scaler import LossScaleCollapseError
 from amp_plugin.emulation import CpuHalfEmulation, cpu_half_path, should_emulate
+from amp_plugin.fp8 import Fp8Layers, Fp8Recipe, convert_to_fp8
 from amp_plugin.half_module import cast_floating, cast_module
 from amp_plugin.lightning import checkpoint_state, model_grads
 from amp_plugin.lightning._namespace import LIGHTNING_MODULES, Precision, rank_zero_info, rank_zero_warn, trainer_calls
@@ -85,6 +86,9 @@ class MixedPrecisionPlugin(Precision):
             :class:`~amp_plugin.CpuHalfEmulation` (FP32 matmuls rounded once). ``"on"`` forces
             the emulation, ``"off"`` the native CPU kernels.
         skip_lr_on_overflow: a skipped step does not advance "step"-interval LR schedulers.
+        fp8: with ``precision="fp8"``, an :class:`~amp_plugin.fp8.Fp8Recipe` (or its arguments as a
+            dict); ``None``: the defaults. The eligible ``nn.Linear`` layers are converted in
+            ``convert_module`` and their scales updated once per optimizer step (docs/fp8.md).
 
     Attributes:
         settings: the validated :class:`~amp_plugin.settings.PrecisionSettings`.
@@ -96,6 +100,8 @@ class MixedPrecisionPlugin(Precision):
         compute_path: how this run's half-precision matmuls run and why, e.g.
             ``"bf16: native (avx512_bf16)"`` (known once fitting starts).
         sharded: whether the module is sharded with FSDP2 (known once fitting starts).
+        fp8_layers: the model's :class:`~amp_plugin.fp8.Fp8Layers` with ``precision="fp8"``
+            (known once fitting starts), else None.
     """
 
     def __init__(
@@ -106,6 +112,7 @@ class MixedPrecisionPlugin(Precision):
         scaler: LossScaler | Literal["auto"] | None = "auto",
         emulate: str = "auto",
         skip_lr_on_overflow: bool = True,
+        fp8: Fp8Recipe | dict[str, Any] | None = None,
     ) -> None:
         self.settings = PrecisionSettings.build(
             precision,
@@ -114,7 +121,9 @@ class MixedPrecisionPlugin(Precision):
             scaler,
             emulate,
             skip_lr_on_overflow,
+            fp8,
         )
+        self.fp8_layers: Fp8Layers | None = None
         # what Lightning's `trainer.precision` reports ("32-true", "16-mixed", "bf16-true", ...)
         self.precision = cast("_PRECISION_INPUT_STR", self.settings.lightning_precision)
         self.last_nonfinite_params: list[tuple[str, int]] = []
@@ -135,7 +144,9 @@ class MixedPrecisionPlugin(Precision):
     @classmethod
     def from_settings(cls, settings: PrecisionSettings) -> MixedPrecisionPlugin:
         """A plugin for already validated settings (what the app builds before importing Lightning)."""
-        plugin = cls(settings.preset, None, None, settings.scaler, settings.emulate, settings.skip_lr_on_overflow)
+        plugin = cls(
+            settings.preset, None, None, settings.scaler, settings.emulate, settings.skip_lr_on_overflow, settings.fp8
+        )
         return plugin
 
     # ------------------------------------------------------------------ settings
@@ -195,6 +206,10 @@ class MixedPrecisionPlugin(Precision):
                 module.to(self.compute_dtype)  # pure half: the shards themselves become half
         elif self.amp_precision != "fp32" and not self.autocast:
             cast_module(module, self.compute_dtype, keep_norm_fp32=self.master_weights)
+        if self.settings.fp8 is not None:
+            if self.sharded:
+                raise ValueError("precision='fp8' does not support FSDP2 yet: use DDP or a single device.")
+            self.fp8_layers = convert_to_fp8(module, self.settings.fp8)
         return module
 
     @override
@@ -450,6 +465,8 @@ class MixedPrecisionPlugin(Precision):
         """``scaler.update()``; if the scale collapses, save the last good state first."""
         self._unscaled.clear()
         self._stepped.clear()
+        if self.fp8_layers is not None:
+            self.fp8_layers.update()  # delayed scales, amax histories, fallback counters
         try:
             self.scaler.update()
         except LossScaleCollapseError as err:
@@ -481,12 +498,16 @@ class MixedPrecisionPlugin(Precision):
         checkpoint[CHECKPOINT_KEY] = checkpoint_state.section(self.settings)
         if self.sharded and self.master_weights:
             checkpoint[CHECKPOINT_KEY]["master_params_in"] = "state_dict (FSDP2: the FP32 sharded parameters)"
+        if self.fp8_layers is not None:
+            checkpoint[CHECKPOINT_KEY]["fp8"] = self.fp8_layers.state_dict()
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         saved = checkpoint.get(CHECKPOINT_KEY)
         if saved is not None:
             checkpoint_state.restore(self.settings, saved)
+        if saved is not None and self.fp8_layers is not None and saved.get("fp8") is not None:
+            self.fp8_layers.load_state_dict(saved["fp8"])
 
     # ------------------------------------------------------------------ internals
     def _emulation(self) -> contextlib.AbstractContextManager:

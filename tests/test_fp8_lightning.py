@@ -1,0 +1,112 @@
+"""The ``fp8`` preset in Lightning and in the app: conversion, per-step updates, FP8Monitor, resume."""
+
+from __future__ import annotations
+
+import csv
+import logging
+
+import torch
+from _models import TinyClassifier, as_lightning, quiet_trainer
+from test_app import compose_config
+
+from amp_plugin import MixedPrecisionPlugin
+from amp_plugin.app.run import train
+from amp_plugin.callbacks import FP8Monitor
+from amp_plugin.fp8 import Fp8Linear
+from amp_plugin.lightning.plugin import CHECKPOINT_KEY
+
+# TinyClassifier's two Linear layers (8 -> 16 -> 2) both convert with these settings.
+SMALL = {"keep_first_last": False, "min_features": 1, "multiple_of": 1, "amax_history_len": 4}
+
+
+def make(pl, **fp8):
+    pl.seed_everything(0)
+    model = as_lightning(pl, TinyClassifier)(n=24, step_keyed=True)
+    return model, MixedPrecisionPlugin("fp8", fp8={**SMALL, **fp8})
+
+
+def test_plugin_converts_updates_and_monitors(pl, tmp_path):
+    model, plugin = make(pl)
+    monitor = FP8Monitor(every_n_steps=2)
+    trainer = quiet_trainer(pl, plugins=[plugin], max_steps=5, callbacks=[monitor], default_root_dir=tmp_path)
+    trainer.fit(model)
+    assert isinstance(model.net[0], Fp8Linear) and isinstance(model.net[3], Fp8Linear)
+    assert model.net[0].weight.dtype == torch.bfloat16
+    layers = plugin.fp8_layers
+    assert layers is not None and layers.steps == 5  # one update per optimizer step
+    assert all(torch.count_nonzero(m.fp8_amax_history) > 0 for m in layers.layers.values())
+    with open(monitor.csv_path, newline="") as f:
+        rows = list(csv.reader(f))
+    assert rows[0] == ["step", "layer", "operand", "amax", "scale", "saturated_frac", "flushed_frac", "numel"]
+    assert [r[0] for r in rows[1:]] == ["2"] * 6 + ["4"] * 6  # 2 layers x 3 operands, every 2 steps
+    assert {r[1] for r in rows[1:]} == {"net.0", "net.3"}
+    assert {"fp8/max_saturated_frac", "fp8/min_scale", "fp8/bf16_fallbacks"} <= set(monitor.last_summary)
+    assert "FP8" in plugin.describe()
+
+
+def test_resume_continues_the_amax_histories_bit_for_bit(pl, tmp_path):
+    model, plugin = make(pl)
+    saver = pl.callbacks.ModelCheckpoint(dirpath=tmp_path, filename="{epoch}", save_top_k=-1, every_n_epochs=1)
+    trainer = quiet_trainer(pl, plugins=[plugin], max_steps=8, callbacks=[saver], enable_checkpointing=True)
+    trainer.fit(model)
+    full = plugin.fp8_layers.state_dict()
+    params = [p.detach().clone() for p in model.parameters()]
+    saved = torch.load(tmp_path / "epoch=0.ckpt", weights_only=False)
+    assert saved[CHECKPOINT_KEY]["fp8"]["steps"] == 3
+
+    model, plugin = make(pl)
+    trainer = quiet_trainer(pl, plugins=[plugin], max_steps=8)
+    trainer.fit(model, ckpt_path=tmp_path / "epoch=0.ckpt")  # saved after step 3 of 8
+    resumed = plugin.fp8_layers.state_dict()
+    assert resumed["steps"] == full["steps"] == 8
+    for name, entry in full["layers"].items():
+        assert torch.equal(entry["amax_history"], resumed["layers"][name]["amax_history"]), name
+        assert torch.equal(entry["scale"], resumed["layers"][name]["scale"]), name
+    for a, b in zip(params, model.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_a_layer_that_keeps_saturating_falls_back_once(pl, caplog):
+    class Exploding(as_lightning(pl, TinyClassifier)):  # type: ignore[misc]
+        def forward(self, x):
+            return self.net(x * 8.0 ** (self.global_step + 1))  # beyond every delayed scale
+
+    pl.seed_everything(0)
+    model = Exploding(n=24, step_keyed=True)
+    plugin = MixedPrecisionPlugin("fp8", fp8={**SMALL, "fallback_steps": 2})
+    with caplog.at_level(logging.WARNING, logger="amp_plugin.fp8"):
+        quiet_trainer(pl, plugins=[plugin], max_steps=6).fit(model)
+    assert "net.0" in [f.layer for f in plugin.fp8_layers.fallbacks]
+    assert not model.net[0].fp8_active
+    assert sum("'net.0' falls back to BF16" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_the_app_trains_char_gpt_with_fp8(tmp_path):
+    result = train(
+        compose_config(
+            "precision=fp8",
+            "recipe=char_gpt",
+            "recipe.max_chars=20000",
+            "trainer.max_steps=4",
+            "trainer.log_every_n_steps=2",
+            "trainer.limit_val_batches=1",
+            "trainer.enable_progress_bar=false",
+            "precision.fp8.scaling=current",
+            "plot=false",
+            output_dir=tmp_path,
+        )
+    )
+    assert result["status"] == "ok" and result["precision"] == "fp8" and result["steps"] == 4
+    layers = result["plugin"].fp8_layers
+    assert layers.recipe.scaling == "current"
+    assert "model.blocks.0.mlp.0" in layers.layers and "model.lm_head" not in layers.layers
+    assert torch.isfinite(torch.tensor(result["final_metrics"]["val/loss"]))
+    with open(tmp_path / "logs" / "fp8_stats.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert {r["step"] for r in rows} == {"2", "4"} and {r["operand"] for r in rows} == {
+        "input",
+        "weight",
+        "grad_output",
+    }
+    with open(tmp_path / "logs" / "metrics.csv", newline="") as f:
+        assert "fp8/max_saturated_frac" in next(csv.reader(f))
