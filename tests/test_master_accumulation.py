@@ -247,3 +247,20 @@ def test_lightning_accumulate_grad_batches_sums_in_fp32(pl, precision):
     expected = [p.detach().float() - g * (1.0 / scale) for p, g in zip(start.parameters(), fp32_sums(per_batch))]
     masters = trainer.optimizers[0].fp32_masters()
     assert all(torch.equal(m, e) for m, e in zip(masters, expected))
+
+
+def test_an_fp16_sum_beyond_fp16_range_is_an_overflow():
+    """Each micro-batch's scaled FP16 gradient is finite, their sum is not (in FP16): the model's
+    gradient shows inf, and the step is skipped, as without FP32 accumulation."""
+    model = torch.nn.Linear(4, 1, bias=False).half()
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+    opt = MasterWeightOptimizer(torch.optim.SGD(model.parameters(), lr=1.0))
+    scaler = DynamicLossScaler(init_scale=2.0**14)
+    x = torch.full((1, 4), 3.0, dtype=torch.float16)
+    for _ in range(2):
+        scaler.scale(model(x).float().sum()).backward()  # 3 * 2^14 = 49152 each, 98304 summed
+    assert torch.isinf(model.weight.grad).all()
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.last_step_skipped and scaler.get_scale() == 2.0**13

@@ -13,7 +13,9 @@ are accumulated:
   and writes the sum, rounded once, into the model's gradient, so whatever reads the model's
   gradient (a hook, DDP's reducer, a monitor) sees the best half-precision value;
 - the step uses the FP32 sum as the master gradient (unscaled, with the inf/NaN check), and
-  frees it.
+  frees it. An FP16 sum that overflows FP16's range where the model's gradient shows inf is an
+  overflow there too (the scale backs off), so the model's gradient and the master's agree on
+  what overflowed.
 
 The sum is used only while the model's gradient is still the tensor it last wrote, unchanged
 since (its ``_version``): anything else that wrote the gradient since (an edit by user code,
@@ -124,6 +126,10 @@ def sum_for(record: Any, grad: torch.Tensor | None) -> torch.Tensor | None:
         return None
     value = acc.value if acc.ours(grad) else None
     acc.clear()
+    if value is not None and grad is not None and grad.dtype is torch.float16:
+        # a sum beyond FP16's range is an overflow, as the model's gradient shows it (inf): the
+        # scaler backs off and the step is skipped, whatever reads the gradient
+        value = torch.where(torch.isinf(grad), grad.to(torch.float32), value)
     return value
 
 
