@@ -55,9 +55,7 @@ def warn_rounded(rounded: set[str], master: str, moments_dtype: torch.dtype) -> 
     if "moments" in rounded:
         parts.append(f"Adam's FP32 moments were rounded to {str(moments_dtype).replace('torch.', '')}")
     if "master values" in rounded:
-        parts.append(
-            f"the FP32 master values were rounded to the BF16 weights (master={master!r} keeps no FP32 master)"
-        )
+        parts.append(f"the FP32 masters were rounded to the BF16 weights (master={master!r} keeps no FP32 master)")
     if parts:
         warnings.warn(
             "Loading the optimizer state: " + "; ".join(parts) + ". Training continues from the rounded values.",
