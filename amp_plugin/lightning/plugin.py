@@ -184,9 +184,9 @@ class MixedPrecisionPlugin(Precision):
             fsdp.check_or_set_policies(units, self.settings)
             if self.settings.master != "fp32":
                 rank_zero_warn(
-                    f"precision={self.settings.preset!r} under FSDP2 keeps FP32 masters: the sharded FP32 parameters "
-                    f"are the master weights, so there is no BF16 master to split or round (moments: "
-                    f"{self.settings.moments.upper()})."
+                    f"precision={self.settings.preset!r} under FSDP2 trains as precision='bf16': the sharded FP32 "
+                    "parameters are the master weights (16/N bytes per parameter per rank), so there is no BF16 "
+                    "master to split or round, and the wrapped optimizer keeps its FP32 moments."
                 )
             if self.amp_precision != "fp32" and not self.master_weights and not self.autocast:
                 module.to(self.compute_dtype)  # pure half: the shards themselves become half
