@@ -85,18 +85,26 @@ class MasterWeightOptimizer(Optimizer):
 
             - ``"fp32"`` (default): an FP32 tensor per half parameter (4 bytes per parameter);
               the model's weight is the master rounded to nearest.
-            - ``"bf16_split"``: for a BF16 model and ``Adam``/``AdamW``: the master's high 16
-              bits *are* the model's BF16 weight and a 16-bit extension holds the low 16 (2
+            - ``"bf16_split"``: for a BF16 model and ``Adam``/``AdamW``: the model's BF16 weight
+              is the master rounded to nearest and a signed 16-bit remainder makes it exact (2
               bytes per parameter: AdamW's training state is 14 bytes per parameter instead of
-              16). The masters evolve exactly as FP32 masters do given the same gradients,
-              but the model's weight is the master truncated toward zero, not rounded (see
-              :mod:`amp_plugin.master_weights._split`). The step always runs torch's fused
-              Adam update (amp_plugin's kernel on the CPU, torch's kernel elsewhere). The
-              param groups hold the model's BF16 parameters themselves (there is no FP32
-              tensor): ``master_params()`` returns them, a loss scaler unscales their
-              gradients in place (exact for power-of-two scales: BF16 has FP32's range), and
-              ``state_dict()["master_params"]`` holds the joined FP32 masters, so checkpoints
-              move between the two kinds. FP16 parameters are refused (``ValueError``).
+              16). The masters (:meth:`fp32_masters`) are FP32 AdamW's given the same gradients,
+              bit for bit (see :mod:`amp_plugin.master_weights._split` for the one tie rule).
+            - ``"stochastic"``: for a BF16 model and ``Adam``/``AdamW``: no master; the weight is
+              updated in FP32 and written back with stochastic rounding (seeded by ``sr_seed``).
+
+            The kinds without an FP32 tensor always run torch's fused Adam update (amp_plugin's
+            kernel on the CPU, torch's multi-tensor kernels elsewhere). Their param groups hold
+            placeholder masters (FP32, NaN-valued) that key the optimizer state and carry the FP32
+            master gradients. FP16 parameters are refused (``ValueError``). See
+            ``docs/master_weights.md`` for the bytes per parameter and checkpoint conversion.
+        moments_dtype: ``None``/``torch.float32`` (default) or ``torch.bfloat16``: Adam's
+            ``exp_avg``/``exp_avg_sq`` of the half-precision parameters stored in BF16,
+            computed in FP32 inside the step and rounded to nearest once when stored (any
+            ``master`` kind; Adam/AdamW; FP32 parameters keep FP32 moments).
+        sr_seed: the seed of ``master="stochastic"``'s rounding (default: drawn from torch's
+            generator, so ``torch.manual_seed``/``seed_everything`` fixes it); carried, with its
+            step counter, in the state dict.
 
     Use it like the optimizer it wraps; a loss scaler's ``unscale_`` on it checks the model's
     half-precision gradients for inf/NaN and makes the unscaled FP32 master gradients
