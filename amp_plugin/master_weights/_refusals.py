@@ -28,6 +28,8 @@ _HALF = (torch.float16, torch.bfloat16)
 def check_fused_possible(optimizer: Optimizer, fused: bool | str) -> None:
     if fused == "torch":
         reason = _adam.adam_ineligible(optimizer, masters_to_come=True, device_type=None)
+        if reason is None:
+            reason = foreach_refusal(optimizer)
     else:
         reason = _adam.adam_ineligible(optimizer, masters_to_come=True)
         if reason is None:
