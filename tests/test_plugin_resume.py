@@ -21,7 +21,7 @@ def make(pl, precision="fp16", **plugin_kwargs):
 
 def final_state(trainer, model, plugin):
     opt = trainer.optimizers[0]
-    masters = opt.master_params() if isinstance(opt, MasterWeightOptimizer) else list(model.parameters())
+    masters = opt.fp32_masters() if isinstance(opt, MasterWeightOptimizer) else list(model.parameters())
     return {
         "params": [p.detach().clone() for p in model.parameters()],
         "masters": [m.detach().clone() for m in masters],
@@ -44,7 +44,14 @@ def assert_same(a, b):
 
 @pytest.mark.parametrize(
     "precision, kwargs",
-    [("fp16", {}), ("bf16", {}), ("bf16_split", {}), ("fp16", dict(master_weights=False, autocast=True))],
+    [
+        ("fp16", {}),
+        ("bf16", {}),
+        ("bf16_split", {}),
+        ("bf16_lean", {}),
+        ("bf16_sr", {}),
+        ("fp16", dict(master_weights=False, autocast=True)),
+    ],
 )
 def test_resume_is_bit_exact(pl, tmp_path, precision, kwargs):
     """A run that saves a checkpoint each epoch; resuming from the first gives the same end state.
