@@ -49,9 +49,7 @@ def test_sixteen_bf16_micro_batches_are_summed_in_fp32(fused, master):
     reference = fp32_sums(micro_grads(model, batches))
     ref_params = [p.detach().float().requires_grad_() for p in model.parameters()]
     ref_opt = torch.optim.AdamW(ref_params, lr=1e-2, fused=True)
-    opt = MasterWeightOptimizer(
-        torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True), fused=fused, master=master
-    )
+    opt = MasterWeightOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True), fused=fused, master=master)
     for x in batches:
         loss_of(model, x).backward()
     for master, expected in zip(opt.master_params(), reference):
