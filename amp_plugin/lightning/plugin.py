@@ -126,7 +126,7 @@ class MixedPrecisionPlugin(Precision):
         self._emulation_hold: Any = None
         self._hooks_read_model_grads: bool | None = None  # worked out at the first step of a fit
         self._described = False
-        self._lr_hold = LRHold(lambda: self.settings.skip_lr_on_overflow and self.scaler.last_step_skipped)
+        self._lr_hold = LRHold()
 
     @classmethod
     def from_settings(cls, settings: PrecisionSettings) -> MixedPrecisionPlugin:
@@ -226,7 +226,9 @@ class MixedPrecisionPlugin(Precision):
             self._emulation_hold.__enter__()
         module = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
         self._module = module if isinstance(module, LIGHTNING_MODULES) else None
-        self._lr_hold.attach(lr_schedulers)
+        if self.skip_lr_on_overflow:
+            manual = self._module is not None and not self._module.automatic_optimization
+            self._lr_hold.attach(lr_schedulers, manual=manual)
         self._hooks_read_model_grads = None
         if not self._described:  # once per plugin, not once per fit/validate stage
             self._described = True
@@ -321,12 +323,23 @@ class MixedPrecisionPlugin(Precision):
         scaler = self.scaler
         result = scaler.step(optimizer, **kwargs)  # type: ignore[arg-type]
         self._stepped.add(key)
+        self._note_step(model, optimizer)
         self.last_nonfinite_params = self._nonfinite_params(model) if scaler.last_step_skipped else []
         if model.automatic_optimization:
             self._update(model.trainer)
         else:
             self._pending_update = True
         return result
+
+    def _note_step(self, model: Any, optimizer: Any) -> None:
+        """Tell the LR hold whether this optimizer's step was taken (:mod:`~amp_plugin.lightning.lr_hold`)."""
+        skipped = self.scaler.step_skipped(optimizer)
+        trainer = getattr(model, "_trainer", None)
+        if model.automatic_optimization and trainer is not None:
+            batch_end = trainer.fit_loop.epoch_loop.batch_idx + 1
+            self._lr_hold.note_step(optimizer, skipped, trainer.current_epoch, batch_end)
+        else:
+            self._lr_hold.note_step(optimizer, skipped)
 
     def _unscale_once(self, optimizer: Any) -> None:
         """Unscale ``optimizer``'s gradients into what its step will use, once per iteration.
@@ -415,12 +428,16 @@ class MixedPrecisionPlugin(Precision):
         checkpoint[CHECKPOINT_KEY] = checkpoint_state.section(self.settings)
         if self.sharded and self.master_weights:
             checkpoint[CHECKPOINT_KEY]["master_params_in"] = "state_dict (FSDP2: the FP32 sharded parameters)"
+        if self._lr_hold.counts_frequencies:
+            checkpoint[CHECKPOINT_KEY]["lr_hold"] = self._lr_hold.state_dict()
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         saved = checkpoint.get(CHECKPOINT_KEY)
         if saved is not None:
             checkpoint_state.restore(self.settings, saved)
+            if "lr_hold" in saved:
+                self._lr_hold.load_state_dict(saved["lr_hold"])
 
     # ------------------------------------------------------------------ internals
     def _emulation(self) -> contextlib.AbstractContextManager:
