@@ -155,3 +155,23 @@ def test_resume_mid_epoch_keeps_counting_a_frequency_in_steps_taken(pl, tmp_path
     run(3, callbacks=[saver])
     resumed = run(8, ckpt_path=tmp_path / "step=3.ckpt")
     assert resumed.lr_scheduler_configs[0].scheduler.last_epoch == uninterrupted
+
+
+def test_the_fp32_preset_writes_the_checkpoint_lightnings_32_true_writes(pl, tmp_path):
+    """Nothing to restore, so no amp_plugin section: the checkpoints compare key by key."""
+    saved = {}
+    for name, trainer_kwargs in (("ours", dict(plugins=[MixedPrecisionPlugin("fp32")])), ("32-true", {})):
+        pl.seed_everything(0)
+        model = as_lightning(pl, TinyClassifier)(n=24, scheduler_gamma=0.9)
+        trainer = quiet_trainer(pl, max_steps=3, **trainer_kwargs)
+        trainer.fit(model)
+        trainer.save_checkpoint(tmp_path / f"{name}.ckpt")
+        saved[name] = torch.load(tmp_path / f"{name}.ckpt", weights_only=False)
+    assert CHECKPOINT_KEY not in saved["ours"]
+    assert saved["ours"].keys() == saved["32-true"].keys()
+    for key in ("state_dict", "optimizer_states", "lr_schedulers"):
+        assert str(saved["ours"][key]) == str(saved["32-true"][key]), key
+    model, plugin = make(pl, "fp32")
+    trainer = quiet_trainer(pl, plugins=[plugin], max_steps=4)
+    trainer.fit(model, ckpt_path=tmp_path / "ours.ckpt")  # resumes without a section
+    assert trainer.global_step == 4

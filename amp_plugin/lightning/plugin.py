@@ -41,6 +41,7 @@ from amp_plugin.half_module import cast_floating, cast_module
 from amp_plugin.lightning import checkpoint_state, model_grads
 from amp_plugin.lightning._namespace import LIGHTNING_MODULES, Precision, rank_zero_info, rank_zero_warn, trainer_calls
 from amp_plugin.lightning.checkpoint_state import CHECKPOINT_KEY
+from amp_plugin.lightning.finetuning import FinetuningAdapter
 from amp_plugin.lightning.lr_hold import LRHold
 from amp_plugin.lightning.recovery import save_last_good
 from amp_plugin.master_weights import MasterWeightOptimizer
@@ -127,6 +128,7 @@ class MixedPrecisionPlugin(Precision):
         self._hooks_read_model_grads: bool | None = None  # worked out at the first step of a fit
         self._described = False
         self._lr_hold = LRHold()
+        self._finetuning = FinetuningAdapter()
 
     @classmethod
     def from_settings(cls, settings: PrecisionSettings) -> MixedPrecisionPlugin:
@@ -229,6 +231,8 @@ class MixedPrecisionPlugin(Precision):
         if self.skip_lr_on_overflow:
             manual = self._module is not None and not self._module.automatic_optimization
             self._lr_hold.attach(lr_schedulers, manual=manual)
+        if self._module is not None and any(isinstance(o, MasterWeightOptimizer) for o in optimizers):
+            self._finetuning.attach(getattr(self._module._trainer, "callbacks", ()))
         self._hooks_read_model_grads = None
         if not self._described:  # once per plugin, not once per fit/validate stage
             self._described = True
@@ -238,6 +242,7 @@ class MixedPrecisionPlugin(Precision):
     @override
     def teardown(self) -> None:
         self._lr_hold.detach()
+        self._finetuning.detach()
         self._module = None
         if self._emulation_hold is not None:
             self._emulation_hold.__exit__(None, None, None)
@@ -425,6 +430,8 @@ class MixedPrecisionPlugin(Precision):
 
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if self.amp_precision == "fp32" and not self.scaler.is_enabled():
+            return  # nothing to restore: the checkpoint is the one Lightning's "32-true" writes
         checkpoint[CHECKPOINT_KEY] = checkpoint_state.section(self.settings)
         if self.sharded and self.master_weights:
             checkpoint[CHECKPOINT_KEY]["master_params_in"] = "state_dict (FSDP2: the FP32 sharded parameters)"
