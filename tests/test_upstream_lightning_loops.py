@@ -238,3 +238,71 @@ def test_each_namespace_logs_under_its_own_logger(pl, precision):
     finally:
         logger.setLevel(level)
         logger.removeHandler(handler)
+
+
+# ---------------------------------------------------------------------- module creation and refits
+class BuiltInConfigureModel:
+    """Lightning's pattern for large models: the layers are made in ``configure_model``."""
+
+    def __init__(self):
+        super().__init__()
+        self.created_dtype = None
+
+    def configure_model(self):
+        if not hasattr(self, "net"):
+            self.net = nn.Linear(8, 2)
+            self.created_dtype = self.net.weight.dtype
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self.net(x).float(), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(tiny_data(16), batch_size=8)
+
+
+@pytest.mark.parametrize(
+    "precision, created",
+    [
+        ("bf16_pure", torch.bfloat16),
+        ("bf16-true", torch.bfloat16),  # the control
+        ("fp16_pure", torch.float16),
+        ("16-true", torch.float16),  # the control
+        ("bf16", torch.float32),  # masters start from FP32 values; the module is cast after
+        ("fp16_autocast", torch.float32),
+    ],
+)
+def test_configure_model_creates_pure_half_modules_in_the_half_dtype(pl, precision, created):
+    model = as_lightning(pl, BuiltInConfigureModel)()
+    quiet_trainer(pl, max_steps=1, **precision_kwargs(precision)).fit(model)
+    assert model.created_dtype == created  # no FP32 copy first (peak memory), as Lightning's *-true
+    assert torch.get_default_dtype() == torch.float32
+
+
+class OptimizerMadeOnce(Backboned):
+    def __init__(self):
+        super().__init__()
+        self.opt = torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def configure_optimizers(self):
+        return self.opt
+
+
+@pytest.mark.parametrize("precision", ["fp16", "32-true"])
+def test_a_second_fit_with_the_same_optimizer_object(pl, precision):
+    """Design difference: master weights wrap the user's optimizer in place, so a second fit that
+    returns the same object is refused with a message saying so; Lightning's precisions refit it."""
+    model = as_lightning(pl, OptimizerMadeOnce)()
+    quiet_trainer(pl, max_steps=1, **precision_kwargs(precision)).fit(model)
+    second = quiet_trainer(pl, max_steps=2, **precision_kwargs(precision))
+    if precision == "32-true":
+        second.fit(model)
+        assert second.global_step == 2
+        return
+    with pytest.raises(
+        ValueError, match=r"same optimizer object cannot be given to a second fit.*inside configure_opt"
+    ):
+        second.fit(model)

@@ -45,6 +45,7 @@ from amp_plugin.lightning.finetuning import FinetuningAdapter
 from amp_plugin.lightning.lr_hold import LRHold
 from amp_plugin.lightning.recovery import save_last_good
 from amp_plugin.master_weights import MasterWeightOptimizer
+from amp_plugin.master_weights._parameter import WRAPPED
 from amp_plugin.scaler import LossScaler
 from amp_plugin.settings import PrecisionSettings
 
@@ -212,6 +213,9 @@ class MixedPrecisionPlugin(Precision):
             )
         if self.master_weights and not self.sharded:
             master = self.settings.master
+            for o in optimizers:
+                if o in WRAPPED and not isinstance(o, MasterWeightOptimizer):
+                    raise ValueError(_wrapped_again(type(o).__name__, self.settings.preset))
             optimizers = [
                 o if isinstance(o, MasterWeightOptimizer) else MasterWeightOptimizer(o, master=master)
                 for o in optimizers
@@ -269,6 +273,19 @@ class MixedPrecisionPlugin(Precision):
                 f"{dtype}: {how}, forced by emulate={self.emulate!r} (auto: {cpu_half_path(self.compute_dtype).reason})"
             )
         return f"{dtype}: {cpu_half_path(self.compute_dtype).reason}"
+
+    @override
+    def tensor_init_context(self) -> contextlib.AbstractContextManager:
+        """Pure half presets create tensors (and ``configure_model``'s modules) in the half dtype, as
+        Lightning's ``16-true``/``bf16-true``: no FP32 copy first, so no FP32 peak. The others create
+        FP32 tensors: the masters, and the FP32 parameters under autocast, start from FP32 values."""
+        if self.amp_precision == "fp32" or self.master_weights or self.autocast:
+            return contextlib.nullcontext()
+        return _default_dtype(self.compute_dtype)
+
+    @override
+    def module_init_context(self) -> contextlib.AbstractContextManager:
+        return self.tensor_init_context()
 
     # ------------------------------------------------------------------ forward / backward
     @override
@@ -465,3 +482,23 @@ class MixedPrecisionPlugin(Precision):
 def _unwrap(optimizer: Any) -> Any:
     """The optimizer inside a ``LightningOptimizer`` (what ``self.optimizers()`` returns)."""
     return getattr(optimizer, "_optimizer", optimizer)
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Generator[None, None, None]:
+    """``torch.set_default_dtype(dtype)`` inside the block, the previous default after it."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def _wrapped_again(name: str, preset: str) -> str:
+    return (
+        f"configure_optimizers returned a {name} that a MasterWeightOptimizer already wraps: precision="
+        f"{preset!r} wraps the optimizer in place (its param groups then hold the FP32 masters), so the same "
+        "optimizer object cannot be given to a second fit or a second plugin. Build the optimizer inside "
+        "configure_optimizers, so that each fit gets a new one (see docs/lightning_differences.md)."
+    )
