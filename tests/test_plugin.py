@@ -301,12 +301,10 @@ AVX512_BF16 = simulated_cpu(avx512_bf16=True)
     ],
 )
 def test_the_cpu_path_is_chosen_per_dtype_and_logged_once(pl, simulate, cpu, kwargs, emulating, path, monkeypatch):
-    # A handler on the logger that rank_zero_info writes to (the last imported Lightning package
-    # sets it): caplog sits on the root logger, which Lightning's loggers reach or not depending
-    # on what configured logging before (test order).
-    from lightning_utilities.core import rank_zero
-
-    logger = rank_zero.log
+    # A handler on the rank-zero logger of the namespace whose Trainer runs (each keeps its own):
+    # caplog sits on the root logger, which Lightning's loggers reach or not depending on what
+    # configured logging before (test order).
+    logger = logging.getLogger(f"{pl.__name__}.utilities.rank_zero")
     records: list[logging.LogRecord] = []
     handler = logging.Handler(logging.INFO)
     handler.emit = records.append  # type: ignore[method-assign]
