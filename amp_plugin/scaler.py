@@ -138,6 +138,7 @@ class LossScaler:
         self._per_optimizer: dict[int, _OptimizerState] = {}
         self._iteration_skipped = False
         self._new_iteration = True
+        self._skipped_by: dict[int, bool] = {}  # id(optimizer) -> its step was skipped, this or the last iteration
         self.skipped_steps = 0
         self.retried_steps = 0
         self.consecutive_skips = 0
@@ -211,6 +212,17 @@ class LossScaler:
             state.found_inf = _unscale_in_place(optimizer, self._inv_scale)
         state.stage = _Stage.UNSCALED
 
+    def step_skipped(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether ``optimizer``'s step was skipped in the iteration under way or, after ``update()``,
+        in the one ``update()`` ended (until the next ``step()``).
+
+        ``last_step_skipped`` covers the whole iteration: with several optimizers it is True as
+        soon as one of them skipped. This is the answer for one optimizer, so a loop holds only
+        the schedule of the optimizer that did not step. False for an optimizer that was not
+        stepped in that iteration, and always False on a disabled scaler.
+        """
+        return self._skipped_by.get(id(optimizer), False)
+
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """Unscale if needed, then call ``optimizer.step(*args, **kwargs)`` unless a gradient
         was inf/NaN. Returns what ``optimizer.step`` returned, or ``None`` when skipped
@@ -236,7 +248,7 @@ class LossScaler:
             self.unscale_(optimizer)
         found = self._found_inf_host(state)
         state.stage = _Stage.STEPPED
-        self._record_step(found)
+        self._record_step(found, optimizer)
         if found:
             return None
         return optimizer.step(*args, **kwargs)
@@ -488,7 +500,7 @@ class LossScaler:
             retval = aware.step(*args, **kwargs, grad_scaler=self)
             state.stage = _Stage.STEPPED
             if state.found_inf:  # the optimizer ran the inf check through _check_inf_per_device
-                self._record_step(self._found_inf_host(state))
+                self._record_step(self._found_inf_host(state), optimizer)
             return retval
         unscaled = state.stage is _Stage.UNSCALED
         if not unscaled:
@@ -508,13 +520,15 @@ class LossScaler:
             del aware.grad_scale
             del aware.found_inf
         state.stage = _Stage.STEPPED
-        self._record_step(self._found_inf_host(state))
+        self._record_step(self._found_inf_host(state), optimizer)
         return retval
 
-    def _record_step(self, found: bool) -> None:
+    def _record_step(self, found: bool, optimizer: torch.optim.Optimizer) -> None:
         if self._new_iteration:
             self._new_iteration = False
             self._iteration_skipped = False
+            self._skipped_by.clear()
+        self._skipped_by[id(optimizer)] = found
         self._iteration_skipped |= found
         self.last_step_skipped = self._iteration_skipped
 

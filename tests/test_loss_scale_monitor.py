@@ -169,8 +169,9 @@ def test_collapse_at_min_scale_is_recorded_before_the_run_dies(pl, tmp_path):
 
 
 @pytest.fixture
-def notices():
-    """Console notices (rank_zero_info lines) emitted by amp_plugin's callbacks."""
+def notices(pl):
+    """Console notices (rank_zero_info lines) emitted by amp_plugin's callbacks, on the rank-zero
+    logger of the namespace whose Trainer runs."""
     lines = []
 
     class Collect(logging.Handler):
@@ -178,7 +179,7 @@ def notices():
             if record.getMessage().startswith("amp:"):
                 lines.append(record.getMessage())
 
-    logger = logging.getLogger("pytorch_lightning.utilities.rank_zero")
+    logger = logging.getLogger(f"{pl.__name__}.utilities.rank_zero")
     handler = Collect(level=logging.INFO)
     logger.addHandler(handler)
     try:

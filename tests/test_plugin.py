@@ -301,12 +301,10 @@ AVX512_BF16 = simulated_cpu(avx512_bf16=True)
     ],
 )
 def test_the_cpu_path_is_chosen_per_dtype_and_logged_once(pl, simulate, cpu, kwargs, emulating, path, monkeypatch):
-    # A handler on the logger that rank_zero_info writes to (the last imported Lightning package
-    # sets it): caplog sits on the root logger, which Lightning's loggers reach or not depending
-    # on what configured logging before (test order).
-    from lightning_utilities.core import rank_zero
-
-    logger = rank_zero.log
+    # A handler on the rank-zero logger of the namespace whose Trainer runs (each keeps its own):
+    # caplog sits on the root logger, which Lightning's loggers reach or not depending on what
+    # configured logging before (test order).
+    logger = logging.getLogger(f"{pl.__name__}.utilities.rank_zero")
     records: list[logging.LogRecord] = []
     handler = logging.Handler(logging.INFO)
     handler.emit = records.append  # type: ignore[method-assign]
@@ -620,3 +618,83 @@ def test_the_bf16_split_preset_keeps_masters_as_weight_plus_extension(pl):
         assert torch.equal(weight[~ties], master[~ties].to(torch.bfloat16))
     with pytest.raises(ValueError, match="master_weights=False contradicts precision='bf16_split'.*bf16_pure"):
         MixedPrecisionPlugin("bf16_split", master_weights=False)
+
+
+class TwoSchedules:
+    """Manual optimization, two optimizers with a StepLR(step_size=1, gamma=0.5) each, stepped by the
+    user after their optimizer; A's gradient overflows at the iterations in ``overflow_at``."""
+
+    def __init__(self, overflow_at: tuple[int, ...] = ()):
+        super().__init__()
+        self.automatic_optimization = False
+        self.a = torch.nn.Linear(8, 2)
+        self.b = torch.nn.Linear(8, 2)
+        self.overflow_at = set(overflow_at)
+        self.iteration = 0
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        (opt_a, opt_b), (sch_a, sch_b) = self.optimizers(), self.lr_schedulers()
+        for net, opt, sch in ((self.a, opt_a, sch_a), (self.b, opt_b, sch_b)):
+            opt.zero_grad()
+            self.manual_backward(F.cross_entropy(net(x).float(), y))
+            if net is self.a and self.iteration in self.overflow_at:
+                self.a.weight.grad[0, 0] = math.inf
+            opt.step()
+            sch.step()
+        self.iteration += 1
+
+    def configure_optimizers(self):
+        opts = [torch.optim.SGD(net.parameters(), lr=0.1) for net in (self.a, self.b)]
+        return opts, [torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5) for o in opts]
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(tiny_data(32), batch_size=8)
+
+
+@pytest.mark.parametrize("preset", ["fp16", "fp16_autocast", "fp16_pure"])
+def test_manual_optimization_holds_only_the_schedule_of_the_optimizer_that_skipped(pl, preset):
+    model = as_lightning(pl, TwoSchedules)(overflow_at=(1,))
+    plugin = MixedPrecisionPlugin(preset, scaler=DynamicLossScaler(init_scale=2.0**8))
+    trainer = fit(pl, model, plugin, max_epochs=1)
+    assert model.iteration == 4 and plugin.scaler.skipped_steps == 1
+    sch_a, sch_b = (config.scheduler for config in trainer.lr_scheduler_configs)
+    assert (sch_a.last_epoch, sch_b.last_epoch) == (3, 4)  # A skipped once in 4 iterations; B never did
+    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**3, rel=1e-12)
+    assert trainer.optimizers[1].param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**4, rel=1e-12)
+    assert type(sch_a) is torch.optim.lr_scheduler.StepLR  # given back after the fit
+
+
+class EveryOtherStep(TinyClassifier):
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=self.lr)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step", "frequency": 2}}
+
+
+@pytest.mark.parametrize(
+    "overflow_at, accumulate, steps",
+    [
+        ((), 1, 8),  # Lightning's own count: batches 2, 4, 6, 8
+        ((1,), 1, 8),  # a skip on a boundary: the schedule steps at the 2nd, 4th and 6th step taken
+        ((0,), 1, 8),  # off a boundary: the same, one batch later
+        ((0, 3), 1, 9),  # 7 steps taken of 9: 3 schedule steps
+        ((1, 3), 1, 8),  # two skips on boundaries: 6 steps taken, 3 schedule steps (Lightning's count: 4 less 2)
+        ((), 2, 4),  # accumulation: Lightning counts batches, so frequency 2 over 2 batches is every step
+        ((1,), 2, 4),  # 3 steps taken, 3 schedule steps
+    ],
+)
+def test_a_frequency_n_schedule_steps_once_every_n_steps_taken(pl, overflow_at, accumulate, steps):
+    model = as_lightning(pl, EveryOtherStep)(overflow_at=overflow_at, lr=0.1, n=64 * 4)
+    plugin = MixedPrecisionPlugin("fp16", scaler=DynamicLossScaler(init_scale=2.0**8))
+    trainer = fit(pl, model, plugin, max_steps=steps, accumulate_grad_batches=accumulate)
+    taken = steps - len(overflow_at)
+    assert plugin.scaler.skipped_steps == len(overflow_at)
+    expected = taken * accumulate // 2
+    scheduler = trainer.lr_scheduler_configs[0].scheduler
+    assert scheduler.last_epoch == expected
+    assert trainer.lr_scheduler_configs[0].frequency == 2  # Lightning's config is given back
+    # the control: Lightning's own precision over the steps taken, without skips
+    control = quiet_trainer(pl, precision="32-true", max_steps=taken, accumulate_grad_batches=accumulate)
+    control.fit(as_lightning(pl, EveryOtherStep)(lr=0.1, n=64 * 4))
+    assert control.lr_scheduler_configs[0].scheduler.last_epoch == expected

@@ -134,3 +134,51 @@ def test_resuming_with_another_hysteresis_uses_it_from_the_first_overflow(pl, tm
         trainer.fit(model, ckpt_path=tmp_path / "c.ckpt")
     assert plugin.scaler.skipped_steps == 4  # one before the checkpoint, three after
     assert plugin.scaler.get_scale() == 2.0**9  # two overflows absorbed, the third backed off
+
+
+class EveryOtherStepKeyed(TinyClassifier):
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=self.lr)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step", "frequency": 2}}
+
+
+def test_resume_mid_epoch_keeps_counting_a_frequency_in_steps_taken(pl, tmp_path):
+    """Saved after step 3 of 8, one step skipped before it (on a frequency-2 boundary): the resumed
+    schedule is where the uninterrupted one is (3 schedule steps for 7 steps taken, not 4)."""
+
+    def run(max_steps, ckpt_path=None, callbacks=()):
+        model = as_lightning(pl, EveryOtherStepKeyed)(overflow_at=(1,), lr=0.1, n=256, step_keyed=True)
+        plugin = MixedPrecisionPlugin("fp16", scaler=DynamicLossScaler(init_scale=2.0**8))
+        trainer = quiet_trainer(
+            pl, plugins=[plugin], max_steps=max_steps, callbacks=list(callbacks), enable_checkpointing=bool(callbacks)
+        )
+        trainer.fit(model, ckpt_path=ckpt_path)
+        return trainer
+
+    uninterrupted = run(8).lr_scheduler_configs[0].scheduler.last_epoch
+    assert uninterrupted == 3
+    saver = pl.callbacks.ModelCheckpoint(dirpath=tmp_path, filename="{step}", save_top_k=-1, every_n_train_steps=3)
+    run(3, callbacks=[saver])
+    resumed = run(8, ckpt_path=tmp_path / "step=3.ckpt")
+    assert resumed.lr_scheduler_configs[0].scheduler.last_epoch == uninterrupted
+
+
+def test_the_fp32_preset_writes_the_checkpoint_lightnings_32_true_writes(pl, tmp_path):
+    """Nothing to restore, so no amp_plugin section: the checkpoints compare key by key."""
+    saved = {}
+    for name, trainer_kwargs in (("ours", dict(plugins=[MixedPrecisionPlugin("fp32")])), ("32-true", {})):
+        pl.seed_everything(0)
+        model = as_lightning(pl, TinyClassifier)(n=24, scheduler_gamma=0.9)
+        trainer = quiet_trainer(pl, max_steps=3, **trainer_kwargs)
+        trainer.fit(model)
+        trainer.save_checkpoint(tmp_path / f"{name}.ckpt")
+        saved[name] = torch.load(tmp_path / f"{name}.ckpt", weights_only=False)
+    assert CHECKPOINT_KEY not in saved["ours"]
+    assert saved["ours"].keys() == saved["32-true"].keys()
+    for key in ("state_dict", "optimizer_states", "lr_schedulers"):
+        assert str(saved["ours"][key]) == str(saved["32-true"][key]), key
+    model, plugin = make(pl, "fp32")
+    trainer = quiet_trainer(pl, plugins=[plugin], max_steps=4)
+    trainer.fit(model, ckpt_path=tmp_path / "ours.ckpt")  # resumes without a section
+    assert trainer.global_step == 4

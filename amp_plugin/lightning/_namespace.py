@@ -16,7 +16,9 @@ when it is installed, else ``pytorch_lightning``. ``AMP_PLUGIN_LIGHTNING=pytorch
 from __future__ import annotations
 
 import importlib
+import logging
 import os
+import sys
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
@@ -58,7 +60,57 @@ def _installed() -> dict[str, tuple[ModuleType, ModuleType]]:
     return found
 
 
-_FOUND = _installed()
+class _RankZeroLog:
+    """Lightning's shared rank-zero logger, routed to the namespace of the code that logs.
+
+    ``lightning_utilities`` sends every ``rank_zero_info``/``rank_zero_warn`` message to one
+    module-level logger, which each Lightning package re-points to its own logger when it is
+    imported: with both loaded, the last one imported receives the other's messages too, and
+    ``logging.getLogger("lightning.pytorch").setLevel(...)`` no longer reaches them. This
+    stands in for that logger: a message logged from ``lightning.*`` code goes to the logger
+    ``lightning.pytorch`` set, one from ``pytorch_lightning``/``lightning_fabric`` code to the
+    logger ``pytorch_lightning`` set, anything else to the logger in place before amp_plugin
+    loaded a second package.
+    """
+
+    def __init__(self, loggers: dict[str, logging.Logger], fallback: logging.Logger) -> None:
+        self._loggers = loggers  # top-level package name -> logger
+        self._fallback = fallback
+
+    def _pick(self) -> logging.Logger:
+        frame = sys._getframe(2)
+        while frame is not None:
+            top = str(frame.f_globals.get("__name__", "")).partition(".")[0]
+            if top in self._loggers:
+                return self._loggers[top]
+            frame = frame.f_back  # type: ignore[assignment]
+        return self._fallback
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._pick(), name)
+
+
+def _import_keeping_rank_zero_log() -> dict[str, tuple[ModuleType, ModuleType]]:
+    """:func:`_installed`, leaving each package's rank-zero messages on its own logger."""
+    try:
+        import lightning_utilities.core.rank_zero as rank_zero_module
+    except ImportError:  # a Lightning without lightning_utilities: nothing shared to keep apart
+        return _installed()
+    before = rank_zero_module.log
+    found = _installed()
+    if len(found) < 2 or isinstance(before, _RankZeroLog):
+        return found
+    loggers = {
+        "lightning": logging.getLogger("lightning.pytorch.utilities.rank_zero"),
+        "pytorch_lightning": logging.getLogger("pytorch_lightning.utilities.rank_zero"),
+        "lightning_fabric": logging.getLogger("pytorch_lightning.utilities.rank_zero"),
+    }
+    fallback = before if before.name in {lg.name for lg in loggers.values()} else loggers[next(iter(found))]
+    rank_zero_module.log = _RankZeroLog(loggers, fallback)  # type: ignore[assignment]
+    return found
+
+
+_FOUND = _import_keeping_rank_zero_log()
 
 
 def _preferred() -> str:

@@ -45,9 +45,11 @@ from amp_plugin.half_module import cast_floating, cast_module
 from amp_plugin.lightning import checkpoint_state, model_grads
 from amp_plugin.lightning._namespace import LIGHTNING_MODULES, Precision, rank_zero_info, rank_zero_warn, trainer_calls
 from amp_plugin.lightning.checkpoint_state import CHECKPOINT_KEY
+from amp_plugin.lightning.finetuning import FinetuningAdapter
 from amp_plugin.lightning.lr_hold import LRHold
 from amp_plugin.lightning.recovery import save_last_good
 from amp_plugin.master_weights import MasterWeightOptimizer
+from amp_plugin.master_weights._parameter import WRAPPED
 from amp_plugin.scaler import LossScaler
 from amp_plugin.settings import PrecisionSettings
 
@@ -139,7 +141,8 @@ class MixedPrecisionPlugin(Precision):
         self._hooks_read_model_grads: bool | None = None  # worked out at the first step of a fit
         self._shown: dict[int, model_grads.ShownGrads] = {}  # optimizer -> its grads shown in the module's p.grad
         self._described = False
-        self._lr_hold = LRHold(lambda: self.settings.skip_lr_on_overflow and self.scaler.last_step_skipped)
+        self._lr_hold = LRHold()
+        self._finetuning = FinetuningAdapter()
 
     @classmethod
     def from_settings(cls, settings: PrecisionSettings) -> MixedPrecisionPlugin:
@@ -230,6 +233,9 @@ class MixedPrecisionPlugin(Precision):
             )
         if self.master_weights and not self.sharded:
             master, moments = self.settings.master, self.settings.moments_dtype
+            for o in optimizers:
+                if o in WRAPPED and not isinstance(o, MasterWeightOptimizer):
+                    raise ValueError(_wrapped_again(type(o).__name__, self.settings.preset))
             optimizers = [
                 o
                 if isinstance(o, MasterWeightOptimizer)
@@ -248,7 +254,11 @@ class MixedPrecisionPlugin(Precision):
             self._emulation_hold.__enter__()
         module = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
         self._module = module if isinstance(module, LIGHTNING_MODULES) else None
-        self._lr_hold.attach(lr_schedulers)
+        if self.skip_lr_on_overflow:
+            manual = self._module is not None and not self._module.automatic_optimization
+            self._lr_hold.attach(lr_schedulers, manual=manual)
+        if self._module is not None and any(isinstance(o, MasterWeightOptimizer) for o in optimizers):
+            self._finetuning.attach(getattr(self._module._trainer, "callbacks", ()))
         self._hooks_read_model_grads = None
         if not self._described:  # once per plugin, not once per fit/validate stage
             self._described = True
@@ -258,6 +268,7 @@ class MixedPrecisionPlugin(Precision):
     @override
     def teardown(self) -> None:
         self._lr_hold.detach()
+        self._finetuning.detach()
         self._module = None
         if self._emulation_hold is not None:
             self._emulation_hold.__exit__(None, None, None)
@@ -284,6 +295,19 @@ class MixedPrecisionPlugin(Precision):
                 f"{dtype}: {how}, forced by emulate={self.emulate!r} (auto: {cpu_half_path(self.compute_dtype).reason})"
             )
         return f"{dtype}: {cpu_half_path(self.compute_dtype).reason}"
+
+    @override
+    def tensor_init_context(self) -> contextlib.AbstractContextManager:
+        """Pure half presets create tensors (and ``configure_model``'s modules) in the half dtype, as
+        Lightning's ``16-true``/``bf16-true``: no FP32 copy first, so no FP32 peak. The others create
+        FP32 tensors: the masters, and the FP32 parameters under autocast, start from FP32 values."""
+        if self.amp_precision == "fp32" or self.master_weights or self.autocast:
+            return contextlib.nullcontext()
+        return _default_dtype(self.compute_dtype)
+
+    @override
+    def module_init_context(self) -> contextlib.AbstractContextManager:
+        return self.tensor_init_context()
 
     # ------------------------------------------------------------------ forward / backward
     @override
@@ -395,12 +419,23 @@ class MixedPrecisionPlugin(Precision):
         scaler = self.scaler
         result = scaler.step(optimizer, **kwargs)  # type: ignore[arg-type]
         self._stepped.add(key)
+        self._note_step(model, optimizer)
         self.last_nonfinite_params = self._nonfinite_params(model) if scaler.last_step_skipped else []
         if model.automatic_optimization:
             self._update(model.trainer)
         else:
             self._pending_update = True
         return result
+
+    def _note_step(self, model: Any, optimizer: Any) -> None:
+        """Tell the LR hold whether this optimizer's step was taken (:mod:`~amp_plugin.lightning.lr_hold`)."""
+        skipped = self.scaler.step_skipped(optimizer)
+        trainer = getattr(model, "_trainer", None)
+        if model.automatic_optimization and trainer is not None:
+            batch_end = trainer.fit_loop.epoch_loop.batch_idx + 1
+            self._lr_hold.note_step(optimizer, skipped, trainer.current_epoch, batch_end)
+        else:
+            self._lr_hold.note_step(optimizer, skipped)
 
     def _unscale_once(self, optimizer: Any) -> None:
         """Unscale ``optimizer``'s gradients into what its step will use, once per iteration.
@@ -498,17 +533,23 @@ class MixedPrecisionPlugin(Precision):
 
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if self.amp_precision == "fp32" and not self.scaler.is_enabled():
+            return  # nothing to restore: the checkpoint is the one Lightning's "32-true" writes
         checkpoint[CHECKPOINT_KEY] = checkpoint_state.section(self.settings)
         if self.sharded and self.master_weights:
             checkpoint[CHECKPOINT_KEY]["master_params_in"] = "state_dict (FSDP2: the FP32 sharded parameters)"
         if self.fp8_layers is not None:
             checkpoint[CHECKPOINT_KEY]["fp8"] = self.fp8_layers.state_dict()
+        if self._lr_hold.counts_frequencies:
+            checkpoint[CHECKPOINT_KEY]["lr_hold"] = self._lr_hold.state_dict()
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         saved = checkpoint.get(CHECKPOINT_KEY)
         if saved is not None:
             checkpoint_state.restore(self.settings, saved)
+            if "lr_hold" in saved:
+                self._lr_hold.load_state_dict(saved["lr_hold"])
         if saved is not None and self.fp8_layers is not None and saved.get("fp8") is not None:
             self.fp8_layers.load_state_dict(saved["fp8"])
 
@@ -531,3 +572,23 @@ class MixedPrecisionPlugin(Precision):
 def _unwrap(optimizer: Any) -> Any:
     """The optimizer inside a ``LightningOptimizer`` (what ``self.optimizers()`` returns)."""
     return getattr(optimizer, "_optimizer", optimizer)
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Generator[None, None, None]:
+    """``torch.set_default_dtype(dtype)`` inside the block, the previous default after it."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def _wrapped_again(name: str, preset: str) -> str:
+    return (
+        f"configure_optimizers returned a {name} that a MasterWeightOptimizer already wraps: precision="
+        f"{preset!r} wraps the optimizer in place (its param groups then hold the FP32 masters), so the same "
+        "optimizer object cannot be given to a second fit or a second plugin. Build the optimizer inside "
+        "configure_optimizers, so that each fit gets a new one (see docs/lightning_differences.md)."
+    )

@@ -1,0 +1,110 @@
+"""Lightning's ``BaseFinetuning``/``BackboneFinetuning`` callbacks over master-weight optimizers.
+
+Those callbacks name each optimizer's parameters by looking them up in
+``pl_module.named_parameters()``, and on resume assign the saved groups back with
+``optimizer.param_groups = ...``. A :class:`~amp_plugin.MasterWeightOptimizer`'s groups hold
+the FP32 masters, which are not the module's parameters, so the lookup raises
+``KeyError: MasterParameter`` and the assignment would put model parameters where the masters
+belong. While a fit runs, :class:`FinetuningAdapter` gives each such callback a subclass of
+its own class that names a master by its model parameter and restores saved groups through
+``add_param_group`` (which builds their masters), and gives the class back at teardown.
+Freezing and unfreezing act on the module's parameters, which the masters follow.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from amp_plugin.lightning._namespace import NAMESPACES
+from amp_plugin.master_weights import MasterParameter, MasterWeightOptimizer
+
+__all__ = ["FinetuningAdapter"]
+
+_BASES: tuple[type, ...] = tuple(ns.callbacks.BaseFinetuning for ns in NAMESPACES)
+
+
+class _ByModelParam(dict):
+    """Lightning's ``{parameter: name}`` mapping that also names a master by its model parameter."""
+
+    def __missing__(self, key: Any) -> Any:
+        if isinstance(key, MasterParameter):
+            model = key.model_param()
+            if model is not None and model in self:
+                return self[model]
+        raise KeyError(key)
+
+
+def _named(param_groups: list[dict[str, Any]], mapping: dict) -> list[dict[str, Any]]:
+    """Lightning's ``_apply_mapping_to_param_groups``, with masters named by their model parameter."""
+    mapping = _ByModelParam(mapping)
+    return [
+        {**{k: v for k, v in g.items() if k != "params"}, "params": [mapping[p] for p in g["params"]]}
+        for g in param_groups
+    ]
+
+
+def _restore_groups(optimizer: MasterWeightOptimizer, saved: list[dict[str, Any]], named: dict[str, Any]) -> None:
+    """Bring ``optimizer`` to the saved groups: settings of the groups it has, the others added."""
+    current = optimizer.param_groups
+    for group, state in zip(current, saved):
+        group.update({k: v for k, v in state.items() if k != "params"})
+    for state in saved[len(current) :]:
+        optimizer.add_param_group({**state, "params": [named[n] for n in state["params"]]})
+
+
+def _adapted_class(cls: type) -> type:
+    adapted: type[Any]  # the class made below, after the methods that refer to it
+
+    def _apply_mapping_to_param_groups(param_groups: list[dict[str, Any]], mapping: dict) -> list[dict[str, Any]]:
+        return _named(param_groups, mapping)
+
+    def on_fit_start(self: Any, trainer: Any, pl_module: Any) -> None:
+        if self._restarting and self._internal_optimizer_metadata:
+            named = dict(pl_module.named_parameters())
+            for index, optimizer in enumerate(trainer.optimizers):
+                saved = self._internal_optimizer_metadata.get(index)
+                if saved is not None and isinstance(optimizer, MasterWeightOptimizer):
+                    _restore_groups(optimizer, saved, named)
+                elif saved is not None:
+                    optimizer.param_groups = _named(saved, named)
+            self._restarting = False
+        super(adapted, self).on_fit_start(trainer, pl_module)  # nothing left to restore there
+
+    adapted = type(
+        cls.__name__,
+        (cls,),
+        {
+            "_apply_mapping_to_param_groups": staticmethod(_apply_mapping_to_param_groups),
+            "on_fit_start": on_fit_start,
+            "__module__": cls.__module__,
+            "__qualname__": cls.__qualname__,
+            "_amp_plugin_adapted": True,
+        },
+    )
+    return adapted
+
+
+class FinetuningAdapter:
+    """Adapt the trainer's finetuning callbacks to master-weight optimizers for one fit."""
+
+    def __init__(self) -> None:
+        self._adapted: list[tuple[Any, type]] = []
+
+    def attach(self, callbacks: Iterable[Any]) -> None:
+        """Give every ``BaseFinetuning`` in ``callbacks`` the adapted subclass of its class."""
+        self.detach()
+        for callback in callbacks:
+            if isinstance(callback, _BASES) and not type(callback).__dict__.get("_amp_plugin_adapted"):
+                original = type(callback)
+                callback.__class__ = _adapted_class(original)
+                self._adapted.append((callback, original))
+
+    def detach(self) -> None:
+        """Give every adapted callback its own class back."""
+        for callback, original in self._adapted:
+            callback.__class__ = original
+        self._adapted = []
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"_adapted": []}  # the adapted classes belong to the process that runs the fit
