@@ -148,9 +148,9 @@ def test_a_small_gate_end_to_end_trains_paired_seeds_and_reuses_finished_runs(tm
         summary = json.loads((tmp_path / r["preset"] / f"seed{r['seed']}" / "summary.json").read_text())
         assert summary["seed"] == r["seed"] and summary["precision"] == r["preset"]
         assert summary["final_metrics"]["val/loss"] == r["final_metrics"]["val/loss"]
-    # MLP 64 -> 16 -> 10: the BF16 weights and gradients, the masters (FP32, or the 16-bit remainders), AdamW's moments
+    # the BF16 weights and gradients, the masters (FP32, or the 16-bit remainders), AdamW's state
     split, ref = report["sides"]["bf16_split"]["bytes_per_param"], report["sides"]["bf16"]["bytes_per_param"]
-    assert ref["moments"] == pytest.approx(8.0, abs=0.01) and split["moments"] == pytest.approx(8.0, abs=0.01)
+    assert 8.0 < ref["moments"] < 8.1 and split["moments"] == ref["moments"]  # two FP32 moments + step counters
     assert ref["master"] > 3.0 and split["master"] == pytest.approx(ref["master"] / 2)
     assert ref["total"] - split["total"] == pytest.approx(ref["master"] / 2)
     assert [m["metric"] for m in report["metrics"]] == ["val/loss", "val/acc"]
