@@ -18,13 +18,20 @@ preset         dtype    master weights autocast default scaler like Lightning's
 ``fp16_pure``  FP16     no             no       dynamic        ``16-true``
 ``bf16_pure``  BF16     no             no       none           ``bf16-true``
 ``bf16_split`` BF16     yes, split     no       none           (no equivalent)
+``bf16_lean``  BF16     yes, split     no       none           (no equivalent)
+``bf16_sr``    BF16     no (stoch.)    no       none           (no equivalent)
 ============== ======== ============== ======== ============== ==========================
 
-``bf16_split`` keeps each FP32 master as the BF16 weight plus a 16-bit extension (the FP32
-value's low 16 bits; ``MasterWeightOptimizer(..., master="bf16_split")``): the same update as an
-FP32 master, 14 instead of 16 bytes of training state per parameter with AdamW, and the model's
-BF16 weight is the master truncated instead of rounded (see :mod:`amp_plugin.master_weights`).
-Adam and AdamW only.
+Training state per parameter with AdamW: 16 bytes for ``fp16``/``bf16`` (weight 2, gradient 2,
+FP32 master 4, FP32 moments 8, as Lightning's ``bf16-mixed``), 14 for ``bf16_split``, 10 for
+``bf16_lean``, 8 for ``bf16_sr`` (as ``bf16_pure``/``bf16-true``, but with updates that land).
+
+``bf16_split`` keeps each FP32 master as the BF16 weight (the master rounded to nearest) plus a
+signed 16-bit remainder (``MasterWeightOptimizer(..., master="bf16_split")``): the FP32 master's
+update bit for bit. ``bf16_lean`` adds BF16 moments (``moments_dtype=torch.bfloat16``: computed
+in FP32, rounded once when stored). ``bf16_sr`` keeps no master: the BF16 weight is updated in
+FP32 and written back with stochastic rounding (``master="stochastic"``), plus BF16 moments.
+The three: Adam and AdamW only (see ``docs/master_weights.md``).
 """
 
 from __future__ import annotations
@@ -60,7 +67,8 @@ class Preset:
     precision: Literal["fp16", "bf16", "fp32"]
     master_weights: bool
     autocast: bool
-    master: Literal["fp32", "bf16_split"] = "fp32"  # how the masters are stored
+    master: Literal["fp32", "bf16_split", "stochastic"] = "fp32"  # how the masters are stored
+    moments: Literal["fp32", "bf16"] = "fp32"  # the dtype of Adam's moments (MasterWeightOptimizer's moments_dtype)
 
     def describe(self, short: bool = False) -> str:
         """The preset in words; ``short`` for a summary line."""
@@ -70,8 +78,12 @@ class Preset:
         elif self.master_weights:
             text = f"{dtype} weights and compute, FP32 master weights"
             if self.master == "bf16_split":
-                text += " split into the BF16 weight and a 16-bit extension"
-            detail = text + " in the optimizer"
+                text += " kept as the BF16 weight and a 16-bit remainder"
+            if self.master == "stochastic":
+                text = f"{dtype} weights and compute, no master weights: stochastically rounded updates"
+            if self.moments == "bf16":
+                text += ", BF16 Adam moments"
+            detail = text + (" in the optimizer" if self.master != "stochastic" else "")
         elif self.autocast:
             text = detail = f"FP32 weights, {dtype} compute under autocast"
         else:
@@ -89,6 +101,8 @@ PRESETS: dict[str, Preset] = {
     "fp16_pure": Preset("fp16", False, False),
     "bf16_pure": Preset("bf16", False, False),
     "bf16_split": Preset("bf16", True, False, master="bf16_split"),
+    "bf16_lean": Preset("bf16", True, False, master="bf16_split", moments="bf16"),
+    "bf16_sr": Preset("bf16", True, False, master="stochastic", moments="bf16"),
 }
 """Every preset by name (the ``precision=`` values of the app and of the plugin)."""
 
@@ -120,8 +134,9 @@ class PrecisionSettings:
         scaler: the loss scaler; a disabled one (:func:`no_loss_scaling`) means no scaling.
         emulate: ``"auto"``, ``"on"`` or ``"off"`` (see :class:`Emulate`).
         skip_lr_on_overflow: skipped steps do not advance step-interval LR schedulers.
-        master: how the optimizer stores the masters: ``"fp32"``, or ``"bf16_split"`` (the
-            BF16 weight plus a 16-bit extension; the ``bf16_split`` preset).
+        master: how the optimizer stores the masters: ``"fp32"``, ``"bf16_split"`` (the BF16
+            weight plus a 16-bit remainder) or ``"stochastic"`` (none: stochastic rounding).
+        moments: ``"fp32"`` or ``"bf16"``: the dtype of Adam's moments.
     """
 
     precision: str
@@ -131,6 +146,7 @@ class PrecisionSettings:
     emulate: str = "auto"
     skip_lr_on_overflow: bool = True
     master: str = "fp32"
+    moments: str = "fp32"
 
     @classmethod
     def build(
@@ -178,6 +194,7 @@ class PrecisionSettings:
                 preset.master_weights if master_weights is None else master_weights,
                 preset.autocast if autocast is None else autocast,
                 preset.master if master_weights is not False else "fp32",
+                preset.moments if master_weights is not False else "fp32",
             )
         if resolved.master_weights and resolved.autocast:
             raise ValueError(
@@ -198,6 +215,7 @@ class PrecisionSettings:
             master_weights=resolved.master_weights,
             autocast=resolved.autocast,
             master=resolved.master,
+            moments=resolved.moments,
             scaler=_resolve_scaler(scaler, resolved.precision),
             emulate=emulate,
             skip_lr_on_overflow=skip_lr_on_overflow,
@@ -205,12 +223,17 @@ class PrecisionSettings:
 
     # ------------------------------------------------------------------ derived
     def _preset(self) -> Preset:
-        return Preset(self.precision, self.master_weights, self.autocast, self.master)  # type: ignore[arg-type]
+        return Preset(self.precision, self.master_weights, self.autocast, self.master, self.moments)  # type: ignore[arg-type]
 
     @property
     def preset(self) -> str:
         """The preset name these settings amount to."""
         return preset_name(self._preset())
+
+    @property
+    def moments_dtype(self) -> torch.dtype:
+        """``MasterWeightOptimizer``'s ``moments_dtype``: ``torch.float32`` or ``torch.bfloat16``."""
+        return DTYPES[self.moments]
 
     @property
     def compute_dtype(self) -> torch.dtype:

@@ -239,48 +239,100 @@ def test_adam_step_reads_half_gradients_times_the_unscale_factor(
         assert torch.equal(model, master.half())
 
 
+def reference_bf16_moments(master, grads, adamw, betas=(0.9, 0.999), weight_decay=0.01, maximize=False):
+    """torch's fused Adam on an FP32 master whose moments are rounded to BF16 after every step
+    (computed in FP32, stored in BF16): the oracle of moments_dtype=torch.bfloat16."""
+    p = master.clone()
+    m, v, step = torch.zeros_like(p, dtype=torch.bfloat16), torch.zeros_like(p, dtype=torch.bfloat16), torch.zeros(())
+    kernel = torch._fused_adamw_ if adamw else torch._fused_adam_
+    for g in grads:
+        mf, vf = m.float(), v.float()
+        step += 1
+        kernel([p], [g.float()], [mf], [vf], [], [step], amsgrad=False, lr=1e-3, beta1=betas[0], beta2=betas[1],
+               weight_decay=weight_decay, eps=1e-8, maximize=maximize, grad_scale=None, found_inf=None)  # fmt: skip
+        m.copy_(mf)
+        v.copy_(vf)
+    return p, m, v
+
+
 @pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("adamw,betas,weight_decay,maximize", ADAM_CONFIGS)
-def test_split_adam_step_is_torch_fused_adam_on_the_joined_master(
-    ops, grad_dtype, adamw, betas, weight_decay, maximize
+@pytest.mark.parametrize("moments", [torch.float32, torch.bfloat16])
+def test_remainder_adam_step_is_torch_fused_adam_on_the_joined_master(
+    ops, grad_dtype, adamw, betas, weight_decay, maximize, moments
 ):
-    """BF16 weight + 16-bit extension: the kernel updates the FP32 master they form exactly
-    as torch's fused Adam does, and writes back its two halves (the weight: the master
-    truncated)."""
-    from amp_plugin.master_weights._split import join
+    """BF16 weight + 16-bit remainder: the kernel updates the FP32 master they form exactly as
+    torch's fused Adam does (BF16 moments: as the oracle that rounds them after each step), and
+    writes back the weight rounded to nearest and the remainder."""
+    from amp_plugin.master_weights._split import join, split_into
 
     for numel in [*range(1, 41), 4099, (1 << 20) + 13]:
         g = torch.Generator().manual_seed(numel)
         master = torch.randn(numel, generator=g) * 0.02  # full FP32 masters: both halves matter
         grads = [(torch.randn(numel, generator=g) * 1e-2).to(grad_dtype) for _ in range(4)]
-        ref, ref_state = reference_adam(
-            master,
-            [x.float() for x in grads],
-            adamw,
-            steps=4,
-            betas=betas,
-            weight_decay=weight_decay,
-            maximize=maximize,
-        )
-        bits = master.view(torch.int32)
-        weight = (bits >> 16).to(torch.int16).view(torch.bfloat16)
-        low = bits.to(torch.int16)
-        assert torch.equal(join(weight, low), master)
-        m, v, step = torch.zeros(numel), torch.zeros(numel), torch.zeros(())
+        if moments is torch.float32:
+            ref, ref_state = reference_adam(
+                master, [x.float() for x in grads], adamw, steps=4, betas=betas, weight_decay=weight_decay,
+                maximize=maximize,
+            )  # fmt: skip
+            ref_m, ref_v = ref_state["exp_avg"], ref_state["exp_avg_sq"]
+        else:
+            ref, ref_m, ref_v = reference_bf16_moments(master, grads, adamw, betas, weight_decay, maximize)
+        weight, rem = torch.empty(numel, dtype=torch.bfloat16), torch.empty(numel, dtype=torch.int16)
+        split_into(master, weight, rem)
+        assert torch.equal(join(weight, rem), master)
+        m, v, step = torch.zeros(numel, dtype=moments), torch.zeros(numel, dtype=moments), torch.zeros(())
         for grad in grads:
-            ops.adam_step_split_(
-                [weight], [low], [grad], [m], [v], [step], 1e-3, *betas, weight_decay, 1e-8, adamw, maximize
+            ops.adam_step_bf16_(
+                [weight], [rem], [grad], [m], [v], [step], [0], 1e-3, *betas, weight_decay, 1e-8, adamw, maximize
             )
-        joined = join(weight, low)
-        for name, ours, theirs in (
-            ("master", joined, ref),
-            ("exp_avg", m, ref_state["exp_avg"]),
-            ("exp_avg_sq", v, ref_state["exp_avg_sq"]),
-        ):
+        for name, ours, theirs in (("master", join(weight, rem), ref), ("exp_avg", m, ref_m), ("exp_avg_sq", v, ref_v)):
             differ = (ours != theirs).nonzero().flatten().tolist()
             assert not differ, f"numel={numel}: {name} differs from torch at {differ[:10]}"
-        truncated = (ref.view(torch.int32) & -65536).view(torch.float32)
-        assert torch.equal(weight.float(), truncated)
+        expected_weight = torch.empty_like(weight)
+        split_into(ref, expected_weight, torch.empty_like(rem))
+        assert torch.equal(weight, expected_weight)
+        ties = (ref.view(torch.int32) & 0x1FFFF) == 0x8000  # halfway, the lower neighbour even: rounded up
+        assert torch.equal(weight[~ties], ref[~ties].to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_adam_step_with_bf16_moments_is_the_rounded_moment_oracle(ops, grad_dtype):
+    for numel in [*range(1, 20), 4099, (1 << 20) + 13]:
+        g = torch.Generator().manual_seed(numel)
+        master = torch.randn(numel, generator=g) * 0.02
+        grads = [(torch.randn(numel, generator=g) * 1e-2).to(grad_dtype) for _ in range(3)]
+        ref, ref_m, ref_v = reference_bf16_moments(master, grads, adamw=True)
+        p, model = master.clone(), torch.empty(numel, dtype=torch.bfloat16)
+        m, v, step = torch.zeros(numel, dtype=torch.bfloat16), torch.zeros(numel, dtype=torch.bfloat16), torch.zeros(())
+        for grad in grads:
+            ops.adam_step_([p], [grad], [m], [v], [step], [model], 1e-3, 0.9, 0.999, 0.01, 1e-8, True, False, 1.0)
+        assert torch.equal(p, ref) and torch.equal(m, ref_m) and torch.equal(v, ref_v), numel
+        assert torch.equal(model, ref.to(torch.bfloat16))
+
+
+def test_stochastic_adam_step_equals_the_torch_ops_rounding(ops):
+    """No master: the kernel's update, rounded stochastically, is the FP32 update of the BF16
+    weight rounded by _stochastic.round_stochastic with the same key (the torch-ops path), at
+    every vector width and tail."""
+    from amp_plugin.master_weights._stochastic import round_stochastic
+
+    for numel in [*range(1, 41), 4099, (1 << 20) + 13]:
+        g = torch.Generator().manual_seed(numel)
+        weight = (torch.randn(numel, generator=g) * 0.02).to(torch.bfloat16)
+        grad = (torch.randn(numel, generator=g) * 1e-2).to(torch.bfloat16)
+        ref, _ = reference_adam(weight.float(), [grad.float()], adamw=True, steps=1)
+        expected = torch.empty_like(weight)
+        round_stochastic(ref, expected, key=12345 + numel)
+        m, v, step = torch.zeros(numel), torch.zeros(numel), torch.zeros(())
+        ops.adam_step_bf16_(
+            [weight], [None], [grad], [m], [v], [step], [12345 + numel], 1e-3, 0.9, 0.999, 0.01, 1e-8, True, False
+        )
+        differ = (weight != expected).nonzero().flatten().tolist()
+        assert not differ, f"numel={numel}: differs at {differ[:10]}"
+        toward_zero = (ref.view(torch.int32) & -65536).view(torch.float32)  # the two BF16 neighbours
+        away = (toward_zero.view(torch.int32) + 65536).view(torch.float32)
+        assert bool(((weight.float() == toward_zero) | (weight.float() == away)).all()), numel
 
 
 def test_adam_step_without_a_model_tensor_updates_the_master_only(ops):

@@ -1,6 +1,7 @@
-"""BF16 masters as the BF16 weight plus a 16-bit extension (``master="bf16_split"``): the
-masters are FP32 masters bit for bit, the weight is the master truncated, 14 bytes of
-training state per parameter with AdamW, checkpoints move between the two kinds."""
+"""BF16 masters as the BF16 weight plus a 16-bit remainder (``master="bf16_split"``): the
+masters are FP32 masters bit for bit, the weight is the master rounded to nearest, clipping
+sees FP32 gradients, 14 bytes of training state per parameter with AdamW, checkpoints move
+between the two kinds."""
 
 from __future__ import annotations
 
@@ -24,8 +25,15 @@ def model(seed=0):
     return net
 
 
-def truncate(x: torch.Tensor) -> torch.Tensor:
-    return (x.view(torch.int32) & -65536).view(torch.float32)
+def rounded(x: torch.Tensor) -> torch.Tensor:
+    """The BF16 weight of the FP32 master ``x``: rounded to nearest, ties away from zero (as
+    ``x.to(torch.bfloat16)`` except at a tie whose lower neighbour is even), upcast."""
+    bits = x.view(torch.int32)
+    up = ((bits & 0xFFFF) >= 0x8000).to(torch.int32) << 16
+    ours = ((bits & -65536) + up).view(torch.float32)
+    ties = (bits & 0x1FFFF) == 0x8000
+    assert torch.equal(ours[~ties], x[~ties].bfloat16().float())
+    return ours
 
 
 def grads_for(net, step, scale=1.0):
@@ -36,7 +44,7 @@ def grads_for(net, step, scale=1.0):
 
 @pytest.mark.parametrize("fused", [None, False])
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
-def test_split_masters_are_fp32_masters_and_the_weight_is_the_master_truncated(name, fused):
+def test_split_masters_are_fp32_masters_and_the_weight_is_the_master_rounded(name, fused):
     """Fed the same gradients, the split masters follow the FP32 masters bit for bit, on the
     kernel (fused=None) and on the torch-ops path (fused=False)."""
     fp32_net, split_net = model(), model()
@@ -55,10 +63,9 @@ def test_split_masters_are_fp32_masters_and_the_weight_is_the_master_truncated(n
             assert torch.equal(a, b), step
     masters = split_opt.fp32_masters()
     halves = [p for p in split_net.parameters() if p.dtype == torch.bfloat16]
-    for master, weight, rounded in zip(masters, halves, [p for p in fp32_net.parameters() if p.dtype != torch.float32]):
-        assert torch.equal(weight.float(), truncate(master))  # split: truncated
-        assert torch.equal(rounded, master.bfloat16())  # FP32 masters: rounded to nearest
-    assert not torch.equal(halves[0], fp32_net[0].weight)  # the two differ somewhere
+    for master, weight, ref in zip(masters, halves, [p for p in fp32_net.parameters() if p.dtype != torch.float32]):
+        assert torch.equal(weight.float(), rounded(master))
+        assert torch.equal(weight, ref)  # the FP32-master model's weight, bit for bit (no tie here)
     for a, b in zip(split_net[1].parameters(), fp32_net[1].parameters()):  # FP32 LayerNorm: its own master
         assert torch.equal(a, b)
 
@@ -73,9 +80,10 @@ def test_the_kernel_and_the_torch_ops_path_agree_with_a_scaler():
             grads_for(net, step, scaler.get_scale())
             if step == 2:
                 net[0].weight.grad[0, 0] = float("inf")
-            scaler.unscale_(opt)  # in place, exact: BF16 has FP32's exponent range
-            if step != 2:
-                assert net[2].bias.grad.abs().max() < 1  # unscaled
+            scaler.unscale_(opt)
+            if step != 2:  # the master gradients are FP32 and unscaled; the model's stay as backward left them
+                assert opt.master_params()[3].grad.dtype == torch.float32
+                assert opt.master_params()[3].grad.abs().max() < 1 < net[2].bias.grad.abs().max()
             torch.nn.utils.clip_grad_norm_(opt.master_params(), 0.05)
             scaler.step(opt)
             scaler.update()
@@ -88,7 +96,7 @@ def test_the_kernel_and_the_torch_ops_path_agree_with_a_scaler():
 def state_bytes(net, opt):
     seen, total = set(), 0
     tensors = [*net.parameters(), *(p.grad for p in net.parameters())]
-    tensors += [p for g in opt.param_groups for p in g["params"]] + [r.low_bits for r in opt._records]
+    tensors += [p for g in opt.param_groups for p in g["params"]] + opt.master_tensors()
     tensors += [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
     for t in tensors:
         if t is not None and t.untyped_storage().data_ptr() not in seen:
@@ -120,23 +128,23 @@ def test_state_dicts_move_between_fp32_and_split_masters():
     fp32_net.load_state_dict(net.state_dict())
     fp32_opt.load_state_dict(saved)
     assert all(torch.equal(a, b) for a, b in zip(fp32_opt.fp32_masters(), saved_masters))
-    # and back into split masters: the weights truncated from them
+    # and back into split masters: the weights rounded from them
     split_net = model(seed=2)
     split_opt = MasterWeightOptimizer(OPTIMIZERS["adamw"](split_net.parameters()), master="bf16_split")
     split_opt.load_state_dict(fp32_opt.state_dict())
     assert all(torch.equal(a, b) for a, b in zip(split_opt.fp32_masters(), saved_masters))
-    assert torch.equal(split_net[0].weight.float(), truncate(saved_masters[0]))
+    assert torch.equal(split_net[0].weight.float(), rounded(saved_masters[0]))
     # a plain optimizer state dict: the masters are the model's weights, exactly
     split_opt.load_state_dict(OPTIMIZERS["adamw"](model().parameters()).state_dict())
     assert torch.equal(split_opt.fp32_masters()[0], split_net[0].weight.float())
 
 
-def test_a_write_to_the_model_clears_the_extension():
+def test_a_write_to_the_model_clears_the_remainder():
     net = model()
     opt = MasterWeightOptimizer(OPTIMIZERS["adamw"](net.parameters()), master="bf16_split")
     grads_for(net, 0)
     opt.step()
-    assert opt._records[0].low_bits.any()
+    assert opt.master_tensors()[0].any()
     with torch.no_grad():
         net[0].weight.fill_(0.5)
     assert torch.equal(opt.fp32_masters()[0], torch.full_like(net[0].weight, 0.5, dtype=torch.float32))
@@ -147,7 +155,7 @@ def test_refusals_name_the_reason():
         MasterWeightOptimizer(torch.optim.AdamW(torch.nn.Linear(2, 2).half().parameters()), master="bf16_split")
     with pytest.raises(ValueError, match="master='bf16_split' is not possible here: .*Adam and AdamW only, not SGD"):
         MasterWeightOptimizer(torch.optim.SGD(model().parameters(), lr=0.1), master="bf16_split")
-    with pytest.raises(ValueError, match="master='bf16' is not allowed: master must be 'fp32' or 'bf16_split'"):
+    with pytest.raises(ValueError, match="master='bf16' is not allowed: master must be one of 'fp32', 'bf16_split'"):
         MasterWeightOptimizer(torch.optim.AdamW(model().parameters()), master="bf16")
     net = model()
     MasterWeightOptimizer(torch.optim.AdamW(net.parameters()), master="bf16_split")
@@ -174,7 +182,7 @@ def test_a_lightning_module_can_return_a_split_master_optimizer(pl):
     opt = trainer.optimizers[0]
     assert opt.master == "bf16_split"
     for weight, master in zip([p for p in module.parameters() if p.dtype == torch.bfloat16], opt.fp32_masters()):
-        assert torch.equal(weight.float(), truncate(master))
+        assert torch.equal(weight.float(), rounded(master))
 
 
 def test_a_state_dict_reloaded_keeps_the_fp32_moments_exactly():
@@ -194,3 +202,26 @@ def test_a_state_dict_reloaded_keeps_the_fp32_moments_exactly():
         for key in ("exp_avg", "exp_avg_sq"):
             assert b[key].dtype == torch.float32 and torch.equal(a[key], b[key])
     assert all(torch.equal(x, y) for x, y in zip(opt.fp32_masters(), twin_opt.fp32_masters()))
+
+
+@pytest.mark.parametrize("fused", [None, False])
+def test_clipping_sees_fp32_gradients_and_keeps_the_fp32_trajectory(fused):
+    """With a scaler and clip_grad_norm_ on master_params(), split masters equal FP32 masters
+    bit for bit: the clip is computed and applied to the FP32 master gradients (it used to act
+    on the BF16 gradients, in BF16, and the masters left the FP32 trajectory)."""
+    runs = []
+    for master in ("fp32", "bf16_split"):
+        net = model()
+        opt = MasterWeightOptimizer(OPTIMIZERS["adamw"](net.parameters()), fused=fused, master=master)
+        scaler = DynamicLossScaler(init_scale=2.0**8)
+        norms = []
+        for step in range(6):
+            grads_for(net, step, scaler.get_scale())
+            scaler.unscale_(opt)
+            assert all(p.grad is None or p.grad.dtype == torch.float32 for p in opt.master_params())
+            norms.append(torch.nn.utils.clip_grad_norm_(opt.master_params(), 0.02))
+            scaler.step(opt)
+            scaler.update()
+        runs.append((norms, opt.fp32_masters()))
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][0], runs[1][0]))
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))

@@ -6,10 +6,12 @@ gradients to FP32, unscale them, ``Adam(fused=True).step()``, copy the masters b
 model" with one pass per tensor: it reads the half gradient and multiplies it by the unscale
 factor as it goes (or reads an FP32 gradient where one was materialized), updates the
 master and its moments, and writes the rounded weight into the model.
-:func:`split_adam_step` is the same update for BF16 masters kept as the BF16 weight plus a
-16-bit extension. :func:`unscale_into` writes ``half * inv_scale`` into FP32 buffers (for
-gradients that must be materialized). :func:`adam_ineligible` says why an optimizer cannot
-take the fused step (``None`` when it can).
+:func:`bf16_adam_step` is the same update for a BF16 model without FP32 master tensors: the
+weight plus a 16-bit remainder (``master="bf16_split"``), or the weight alone, written back
+with stochastic rounding (``master="stochastic"``). Adam's moments may be stored in BF16
+(computed in FP32, rounded to nearest once when stored) on every path. :func:`unscale_into`
+writes ``half * inv_scale`` into FP32 buffers (for gradients that must be materialized).
+:func:`adam_ineligible` says why an optimizer cannot take the fused step (``None`` when it can).
 
 Exactness. ``adam_step`` computes torch's fused CPU Adam/AdamW update bit for bit on every
 element: torch runs that kernel 8 floats at a time (``Vectorized<float>`` of its AVX2 build,
@@ -35,9 +37,9 @@ from torch.optim import Optimizer
 __all__ = [
     "adam_ineligible",
     "adam_step",
+    "bf16_adam_step",
     "has_step_hooks",
     "nonfinite_check",
-    "split_adam_step",
     "unscale_fits",
     "unscale_into",
 ]
@@ -99,8 +101,8 @@ def adam_ineligible(optimizer: Optimizer, masters_to_come: bool = False, device_
         for p in group["params"]:
             if device_type is not None and p.device.type != device_type:
                 return f"the fused step needs its parameters on the {device_type.upper()}"
-            if masters_to_come and p.dtype in _HALF:
-                continue
+            if (masters_to_come and p.dtype in _HALF) or hasattr(p, "_amp_model"):
+                continue  # a master to come, or one made by MasterWeightOptimizer (its kind's layout)
             if p.dtype != torch.float32 or not p.is_contiguous():
                 return "the fused step needs FP32 parameters (kept as their own master) to be contiguous"
     return None
@@ -119,16 +121,15 @@ def _hyper(group: dict[str, Any], adamw_default: bool) -> tuple:
     )
 
 
-def _state(optimizer: Optimizer, p: torch.Tensor, like: torch.Tensor | None = None) -> dict[str, Any]:
-    """``optimizer.state[p]``, initialised as ``torch.optim.Adam(fused=True)`` does (FP32
-    moments shaped like ``like``, default ``p``), so state dicts move freely between the
-    fused steps and torch's."""
+def _state(optimizer: Optimizer, p: torch.Tensor, moments_dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    """``optimizer.state[p]``, initialised as ``torch.optim.Adam(fused=True)`` does (zero
+    moments shaped like ``p``, contiguous, FP32 unless ``moments_dtype`` says otherwise), so
+    state dicts move freely between the fused steps and torch's."""
     state = optimizer.state[p]
     if len(state) == 0:
-        like = p if like is None else like
         state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-        state["exp_avg"] = torch.zeros_like(like, dtype=torch.float32, memory_format=torch.preserve_format)
-        state["exp_avg_sq"] = torch.zeros_like(like, dtype=torch.float32, memory_format=torch.preserve_format)
+        state["exp_avg"] = torch.zeros(p.shape, dtype=moments_dtype, device=p.device)
+        state["exp_avg_sq"] = torch.zeros(p.shape, dtype=moments_dtype, device=p.device)
     return state
 
 
@@ -140,6 +141,7 @@ def adam_step(
     index_of: dict[int, int],
     models: list[torch.Tensor],
     inv_scale: float = 1.0,
+    moments_dtype: torch.dtype = torch.float32,
 ) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
     """One Adam/AdamW step of ``optimizer`` (over FP32 masters) that also writes each updated
     master, rounded, into its model parameter.
@@ -170,7 +172,7 @@ def adam_step(
                 return None
             state = state_of[p]
             if not state:
-                state = _state(optimizer, p)
+                state = _state(optimizer, p, moments_dtype if i is not None else torch.float32)
             params.append(p)
             group_grads.append(g)
             exp_avgs.append(state["exp_avg"])
@@ -191,52 +193,69 @@ def adam_step(
 
 
 @torch.no_grad()
-def split_adam_step(
-    ops: Any, optimizer: Optimizer, low_bits_of: dict[int, torch.Tensor], inv_scale: float = 1.0
+def bf16_adam_step(
+    ops: Any,
+    optimizer: Optimizer,
+    grads: list[torch.Tensor | None],
+    index_of: dict[int, int],
+    models: list[torch.Tensor],
+    remainders: list[torch.Tensor | None],
+    keys: list[int],
+    inv_scale: float = 1.0,
+    moments_dtype: torch.dtype = torch.float32,
 ) -> bool:
-    """One Adam/AdamW step of ``optimizer`` whose BF16 parameters are masters split in two:
-    the parameter (the high 16 bits of the FP32 master) and ``low_bits_of[id(param)]`` (an
-    int16 tensor, the low 16 bits). Gradients are the parameters' ``.grad`` (BF16 or FP32,
-    multiplied by ``inv_scale`` as they are read, FP32 ones as they are). FP32 parameters
-    (their own master) take the plain fused step.
+    """One Adam/AdamW step of ``optimizer`` whose half-precision parameters have no FP32 master
+    tensor: ``models[i]`` (BF16) with ``remainders[i]`` (int16: ``master="bf16_split"``) or
+    without (``None``: stochastic rounding keyed by ``keys[i]``). ``index_of``, ``grads`` and
+    ``inv_scale`` as for :func:`adam_step`; FP32 parameters (their own master) take the plain
+    fused step with FP32 moments.
 
     Returns ``False``, having changed nothing, when a parameter or gradient does not suit the
     kernel (not contiguous, not on the CPU, sparse); the caller then takes the torch-ops step.
     """
     grouped = []
     for group in optimizer.param_groups:
-        split: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
-        plain: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
+        lean: list[tuple[torch.Tensor, torch.Tensor, int]] = []
+        plain: list[tuple[torch.Tensor, torch.Tensor]] = []
         for p in group["params"]:
-            g = p.grad
+            i = index_of.get(id(p))
+            g = p.grad if i is None else grads[i]
             if g is None:
                 continue
-            low = low_bits_of.get(id(p))
-            if not kernel_grad(g) or not p.is_contiguous() or p.device.type != "cpu":
+            if not kernel_grad(g):
                 return False
-            (split if low is not None else plain).append((p, g, low))
-        if split or plain:
-            grouped.append((group, split, plain))
+            if i is None:
+                if g.dtype is not torch.float32 or not p.is_contiguous() or not p.is_cpu:
+                    return False
+                plain.append((p, g))
+            else:
+                model = models[i]
+                if not model.is_contiguous() or not model.is_cpu:
+                    return False
+                lean.append((p, g, i))
+        if lean or plain:
+            grouped.append((group, lean, plain))
     adamw_default = isinstance(optimizer, torch.optim.AdamW)
-    for group, split, plain in grouped:
+    for group, lean, plain in grouped:
         hyper = _hyper(group, adamw_default)
-        if split:
-            states = [_state(optimizer, p) for p, _, _ in split]
-            ops.adam_step_split_(
-                [p for p, _, _ in split],
-                [low for _, _, low in split],
-                [g for _, g, _ in split],
+        if lean:
+            states = [_state(optimizer, p, moments_dtype) for p, _, _ in lean]
+            ops.adam_step_bf16_(
+                [models[i] for _, _, i in lean],
+                [remainders[i] for _, _, i in lean],
+                [g for _, g, _ in lean],
                 [s["exp_avg"] for s in states],
                 [s["exp_avg_sq"] for s in states],
                 [s["step"] for s in states],
+                [keys[i] for _, _, i in lean],
                 *hyper,
                 float(inv_scale),
             )
         if plain:
-            states = [_state(optimizer, p) for p, _, _ in plain]
+            states = [_state(optimizer, p) for p, _ in plain]
             ops.adam_step_(
-                [p for p, _, _ in plain],
-                [g for _, g, _ in plain],
+                [p for p, _ in plain],
+                [g for _, g in plain],
                 [s["exp_avg"] for s in states],
                 [s["exp_avg_sq"] for s in states],
                 [s["step"] for s in states],

@@ -7,8 +7,11 @@
 //   the unscale factor), the master and its moments, writes them back and writes the updated
 //   weight, rounded to the model's dtype, into the model. Stock torch needs four passes
 //   (copy the half gradients to FP32, unscale, Adam, copy back).
-// adam_step_split_: the same update for BF16 masters kept as the model's BF16 weight (the high
-//   16 bits of the FP32 master) plus a 16-bit extension (the low 16 bits).
+// adam_step_bf16_: the same update for a BF16 model without an FP32 master tensor: either the
+//   model's BF16 weight is the FP32 master rounded to nearest and a signed 16-bit remainder
+//   makes the FP32 value exact (master="bf16_split"), or there is no master and the updated
+//   FP32 value is written back with stochastic rounding (master="stochastic").
+// Adam's moments may be FP32 or BF16 (computed in FP32, rounded to nearest once when stored).
 // unscale_into_, unscale_copy: FP32 master gradients materialized from half gradients (copy,
 //   unscale and inf check in one pass), for when something reads them or the step needs them.
 //
@@ -65,6 +68,35 @@ inline BF16Bits float_to_bf16(float f) {
     return 0x7fc0;
   }
   return static_cast<BF16Bits>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+// A BF16 number with stochastic rounding: rounds up (in magnitude) with probability
+// low16(f) / 2**16, given 16 uniform random bits r; NaN stays NaN.
+inline BF16Bits bf16_stochastic(float f, uint32_t r) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  if ((u & 0x7fffffffu) > 0x7f800000u) {
+    return 0x7fc0;
+  }
+  return static_cast<BF16Bits>((u + r) >> 16);
+}
+
+// The random bits of stochastic rounding: a counter-based hash (MurmurHash3's finaliser) of the
+// element's index and a per-tensor, per-step key, so the bits do not depend on threads or vector
+// width, and amp_plugin/master_weights/_stochastic.py computes the same with torch ops.
+constexpr uint32_t kIndexMultiplier = 0x9e3779b1u;
+constexpr uint32_t kMix1 = 0x85ebca6bu;
+constexpr uint32_t kMix2 = 0xc2b2ae35u;
+inline uint32_t fmix32(uint32_t h) {
+  h ^= h >> 16;
+  h *= kMix1;
+  h ^= h >> 13;
+  h *= kMix2;
+  h ^= h >> 16;
+  return h;
+}
+inline uint32_t sr_bits(uint32_t key, int64_t i) {
+  return fmix32(static_cast<uint32_t>(i) * kIndexMultiplier + key) >> 16;
 }
 
 inline uint32_t nonfinite(float f) {
@@ -407,18 +439,22 @@ struct V1 {
     static_cast<H*>(p)[0] = x;
     static_cast<H*>(p)[1] = y;
   }
-  static F load_split(const uint16_t* hi, const uint16_t* lo) {
-    const uint32_t u = (static_cast<uint32_t>(*hi) << 16) | *lo;
+  // The remainder scheme: the weight is the FP32 value rounded to nearest (half away from zero
+  // in magnitude), the signed remainder the difference of the bit patterns.
+  static F load_rem(const uint16_t* hi, const uint16_t* lo) {
+    const uint32_t u = (static_cast<uint32_t>(*hi) << 16) + static_cast<uint32_t>(static_cast<int16_t>(*lo));
     float f;
     std::memcpy(&f, &u, sizeof f);
     return f;
   }
-  static void store_split(uint16_t* hi, uint16_t* lo, F x) {
+  static void store_rem(uint16_t* hi, uint16_t* lo, F x) {
     uint32_t u;
     std::memcpy(&u, &x, sizeof u);
-    *hi = static_cast<uint16_t>(u >> 16);
-    *lo = static_cast<uint16_t>(u);
+    const uint32_t low = u & 0xffffu;
+    *hi = static_cast<uint16_t>((u >> 16) + (low >> 15));
+    *lo = static_cast<uint16_t>(low);
   }
+  static H to_bf16_sr(F x, uint32_t key, int64_t i) { return bf16_stochastic(x, sr_bits(key, i)); }
 };
 
 #if defined(AMP_PLUGIN_SIMD)
@@ -467,14 +503,35 @@ struct V8 {
       _mm256_storeu_si256(static_cast<__m256i*>(p), xy);
     }
   }
-  static F load_split(const uint16_t* hi, const uint16_t* lo) {
+  static F load_rem(const uint16_t* hi, const uint16_t* lo) {
     const __m256i h = _mm256_slli_epi32(_mm256_cvtepu16_epi32(load_h(hi)), 16);
-    return _mm256_castsi256_ps(_mm256_or_si256(h, _mm256_cvtepu16_epi32(load_h(lo))));
+    return _mm256_castsi256_ps(_mm256_add_epi32(h, _mm256_cvtepi16_epi32(load_h(lo))));
   }
-  static void store_split(uint16_t* hi, uint16_t* lo, F x) {
+  static void store_rem(uint16_t* hi, uint16_t* lo, F x) {
     const __m256i u = _mm256_castps_si256(x);
-    store_h(hi, narrow(_mm256_srli_epi32(u, 16)), false);
-    store_h(lo, narrow(_mm256_and_si256(u, _mm256_set1_epi32(0xffff))), false);
+    const __m256i mask = _mm256_set1_epi32(0xffff);
+    const __m256i low = _mm256_and_si256(u, mask);
+    const __m256i h = _mm256_and_si256(_mm256_add_epi32(_mm256_srli_epi32(u, 16), _mm256_srli_epi32(low, 15)), mask);
+    store_h(hi, narrow(h), false);
+    store_h(lo, narrow(low), false);
+  }
+  static __m256i mix(__m256i h) {  // fmix32, eight at a time
+    h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
+    h = _mm256_mullo_epi32(h, _mm256_set1_epi32(static_cast<int>(kMix1)));
+    h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 13));
+    h = _mm256_mullo_epi32(h, _mm256_set1_epi32(static_cast<int>(kMix2)));
+    return _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
+  }
+  static H to_bf16_sr(F x, uint32_t key, int64_t i) {  // bf16_stochastic with sr_bits, eight at a time
+    const __m256i index = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(i))),
+                                           _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    const __m256i hashed = _mm256_add_epi32(_mm256_mullo_epi32(index, _mm256_set1_epi32(static_cast<int>(kIndexMultiplier))),
+                                            _mm256_set1_epi32(static_cast<int>(key)));
+    const __m256i r = _mm256_srli_epi32(mix(hashed), 16);
+    __m256i out = _mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(x), r), 16);
+    const __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
+    out = _mm256_blendv_epi8(out, _mm256_set1_epi32(0x7fc0), _mm256_castps_si256(nan));
+    return narrow(out);
   }
 };
 #endif
@@ -522,14 +579,35 @@ struct V16 {
       _mm512_storeu_si512(p, xy);
     }
   }
-  static F load_split(const uint16_t* hi, const uint16_t* lo) {
+  static F load_rem(const uint16_t* hi, const uint16_t* lo) {
     const __m512i h = _mm512_slli_epi32(_mm512_cvtepu16_epi32(load_h(hi)), 16);
-    return _mm512_castsi512_ps(_mm512_or_si512(h, _mm512_cvtepu16_epi32(load_h(lo))));
+    return _mm512_castsi512_ps(_mm512_add_epi32(h, _mm512_cvtepi16_epi32(load_h(lo))));
   }
-  static void store_split(uint16_t* hi, uint16_t* lo, F x) {
+  static void store_rem(uint16_t* hi, uint16_t* lo, F x) {
     const __m512i u = _mm512_castps_si512(x);
-    store_h(hi, _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)), false);
-    store_h(lo, _mm512_cvtepi32_epi16(_mm512_and_si512(u, _mm512_set1_epi32(0xffff))), false);
+    const __m512i mask = _mm512_set1_epi32(0xffff);
+    const __m512i low = _mm512_and_si512(u, mask);
+    const __m512i h = _mm512_and_si512(_mm512_add_epi32(_mm512_srli_epi32(u, 16), _mm512_srli_epi32(low, 15)), mask);
+    store_h(hi, _mm512_cvtepi32_epi16(h), false);
+    store_h(lo, _mm512_cvtepi32_epi16(low), false);
+  }
+  static __m512i mix(__m512i h) {  // fmix32, sixteen at a time
+    h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 16));
+    h = _mm512_mullo_epi32(h, _mm512_set1_epi32(static_cast<int>(kMix1)));
+    h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 13));
+    h = _mm512_mullo_epi32(h, _mm512_set1_epi32(static_cast<int>(kMix2)));
+    return _mm512_xor_si512(h, _mm512_srli_epi32(h, 16));
+  }
+  static H to_bf16_sr(F x, uint32_t key, int64_t i) {  // bf16_stochastic with sr_bits, sixteen at a time
+    const __m512i index = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(i))),
+                                           _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0));
+    const __m512i hashed = _mm512_add_epi32(_mm512_mullo_epi32(index, _mm512_set1_epi32(static_cast<int>(kIndexMultiplier))),
+                                            _mm512_set1_epi32(static_cast<int>(key)));
+    const __m512i r = _mm512_srli_epi32(mix(hashed), 16);
+    __m512i out = _mm512_srli_epi32(_mm512_add_epi32(_mm512_castps_si512(x), r), 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    out = _mm512_mask_blend_epi32(nan, out, _mm512_set1_epi32(0x7fc0));
+    return _mm512_cvtepi32_epi16(out);
   }
 };
 #endif
@@ -587,26 +665,66 @@ struct MasterF32 {
     }
   }
 };
-struct MasterSplit {
+struct MasterRemainder {  // the BF16 weight (the master rounded) and the signed remainder
   uint16_t* hi;
   uint16_t* lo;
   template <class V>
-  typename V::F load(int64_t i) const { return V::load_split(hi + i, lo + i); }
+  typename V::F load(int64_t i) const { return V::load_rem(hi + i, lo + i); }
   template <class V>
-  void store(int64_t i, typename V::F x) const { V::store_split(hi + i, lo + i, x); }
+  void store(int64_t i, typename V::F x) const { V::store_rem(hi + i, lo + i, x); }
   template <class V>
   void store2(int64_t i, typename V::F x, typename V::F y) const {
-    V::store_split(hi + i, lo + i, x);
-    V::store_split(hi + i + V::kWidth, lo + i + V::kWidth, y);
+    V::store_rem(hi + i, lo + i, x);
+    V::store_rem(hi + i + V::kWidth, lo + i + V::kWidth, y);
+  }
+};
+struct MasterStochastic {  // no master: the BF16 weight, written back with stochastic rounding
+  uint16_t* w;
+  uint32_t key;
+  template <class V>
+  typename V::F load(int64_t i) const { return V::load_bf16(w + i); }
+  template <class V>
+  void store(int64_t i, typename V::F x) const { V::store_h(w + i, V::to_bf16_sr(x, key, i), false); }
+  template <class V>
+  void store2(int64_t i, typename V::F x, typename V::F y) const {
+    V::store_h2(w + i, V::to_bf16_sr(x, key, i), V::to_bf16_sr(y, key, i + V::kWidth), false);
+  }
+};
+
+// Moment stores: FP32, or BF16 (read into FP32, rounded to nearest once when stored).
+struct MomentsF32 {
+  float* m;
+  float* v;
+  template <class V>
+  typename V::F load_m(int64_t i) const { return V::load(m + i); }
+  template <class V>
+  typename V::F load_v(int64_t i) const { return V::load(v + i); }
+  template <class V>
+  void store(int64_t i, typename V::F mi, typename V::F vi) const {
+    V::store(m + i, mi);
+    V::store(v + i, vi);
+  }
+};
+struct MomentsBF16 {
+  uint16_t* m;
+  uint16_t* v;
+  template <class V>
+  typename V::F load_m(int64_t i) const { return V::load_bf16(m + i); }
+  template <class V>
+  typename V::F load_v(int64_t i) const { return V::load_bf16(v + i); }
+  template <class V>
+  void store(int64_t i, typename V::F mi, typename V::F vi) const {
+    V::store_h(m + i, V::to_bf16(mi), false);
+    V::store_h(v + i, V::to_bf16(vi), false);
   }
 };
 
 // The vectorised update over [i, limit), two vectors at a time (the model's 16-bit weights of
 // both go out in one store), then one; returns where it stopped. The policies come by value:
 // their pointers then live in registers, where no store can alias them.
-template <class V, bool kL2, class Grad, class Master>
-int64_t adam_vectors(int64_t i, int64_t limit, const Grad grad, const Master master, float* __restrict__ m,
-                     float* __restrict__ v, const AdamConstants& c) {
+template <class V, bool kL2, class Grad, class Master, class Moments>
+int64_t adam_vectors(int64_t i, int64_t limit, const Grad grad, const Master master, const Moments mom,
+                     const AdamConstants& c) {
   using F = typename V::F;
   const F sign = V::set1(c.sign), decay = V::set1(c.decay), weight_decay = V::set1(c.weight_decay);
   const F lerp = V::set1(c.lerp_coefficient), beta2 = V::set1(c.beta2), sq = V::set1(c.sq_coefficient);
@@ -620,12 +738,11 @@ int64_t adam_vectors(int64_t i, int64_t limit, const Grad grad, const Master mas
     } else {
       p = V::mul(p, decay);
     }
-    const F mo = V::load(m + j);
+    const F mo = mom.template load_m<V>(j);
     const F mi = V::fma(lerp, V::sub(g, mo), from_avg ? mo : g);
-    const F vi = V::fma(V::mul(sq, g), g, V::mul(V::load(v + j), beta2));
+    const F vi = V::fma(V::mul(sq, g), g, V::mul(mom.template load_v<V>(j), beta2));
     const F denom = V::add(V::div(V::sqrt(vi), bc2), eps);
-    V::store(m + j, mi);
-    V::store(v + j, vi);
+    mom.template store<V>(j, mi, vi);
     return V::sub(p, V::div(V::mul(step_size, mi), denom));
   };
   for (; i + 2 * V::kWidth <= limit; i += 2 * V::kWidth) {
@@ -639,12 +756,15 @@ int64_t adam_vectors(int64_t i, int64_t limit, const Grad grad, const Master mas
   return i;
 }
 
-template <bool kL2, bool kTail, class Grad, class Master>
-void adam_scalars(int64_t i, int64_t limit, const Grad grad, const Master master, float* __restrict__ m,
-                  float* __restrict__ v, const AdamConstants& c) {
+template <bool kL2, bool kTail, class Grad, class Master, class Moments>
+void adam_scalars(int64_t i, int64_t limit, const Grad grad, const Master master, const Moments mom,
+                  const AdamConstants& c) {
   for (; i < limit; ++i) {
     float p = master.template load<V1>(i);
-    adam_scalar<kL2, kTail>(p, grad.template load<V1>(i), m[i], v[i], c);
+    float m = mom.template load_m<V1>(i);
+    float v = mom.template load_v<V1>(i);
+    adam_scalar<kL2, kTail>(p, grad.template load<V1>(i), m, v, c);
+    mom.template store<V1>(i, m, v);
     master.template store<V1>(i, p);
   }
 }
@@ -660,20 +780,20 @@ constexpr int64_t kUnit = 64;
 
 // One span of a tensor: the widest vectors first, then narrower ones, then single elements
 // with the vector roundings, and torch's tail roundings on the tensor's last numel % 8.
-template <bool kL2, class Grad, class Master>
-void adam_span(int64_t begin, int64_t end, int64_t numel, const Grad& grad, const Master& master, float* m, float* v,
+template <bool kL2, class Grad, class Master, class Moments>
+void adam_span(int64_t begin, int64_t end, int64_t numel, const Grad& grad, const Master& master, const Moments& mom,
                const AdamConstants& c) {
   const int64_t vector_end = numel - numel % kTorchVectorWidth;
   const int64_t limit = std::min(end, vector_end);
   int64_t i = begin;
 #if defined(AMP_PLUGIN_AVX512)
-  i = adam_vectors<V16, kL2>(i, limit, grad, master, m, v, c);
+  i = adam_vectors<V16, kL2>(i, limit, grad, master, mom, c);
 #endif
 #if defined(AMP_PLUGIN_SIMD)
-  i = adam_vectors<V8, kL2>(i, limit, grad, master, m, v, c);
+  i = adam_vectors<V8, kL2>(i, limit, grad, master, mom, c);
 #endif
-  adam_scalars<kL2, false>(i, limit, grad, master, m, v, c);
-  adam_scalars<kL2, true>(std::max(begin, limit), end, grad, master, m, v, c);
+  adam_scalars<kL2, false>(i, limit, grad, master, mom, c);
+  adam_scalars<kL2, true>(std::max(begin, limit), end, grad, master, mom, c);
 }
 
 // One tensor's update: what it reads and writes, and its constants.
@@ -682,49 +802,61 @@ struct AdamJob {
   const void* grad;
   at::ScalarType grad_dtype;  // kFloat: used as it is; kHalf/kBFloat16: times inv_scale
   float inv_scale;
-  float* p;  // the FP32 master, or nullptr for a split master (hi, lo)
+  float* p;  // the FP32 master, or nullptr for a BF16 weight (hi) with a remainder (lo) or none
   void* model;
   at::ScalarType model_dtype;  // kHalf/kBFloat16: write the rounded master there; kFloat: no model
   bool stream;                 // non-temporal stores into the model
   uint16_t* hi;
-  uint16_t* lo;
-  float* m;
-  float* v;
+  uint16_t* lo;  // p == nullptr: the remainder, or nullptr for stochastic rounding with `key`
+  uint32_t key;
+  void* m;
+  void* v;
+  bool bf16_moments;
   AdamConstants c;
   bool l2;
 };
 
-template <bool kL2, class Master>
-void adam_job_grad(const AdamJob& job, int64_t begin, int64_t end, const Master& master) {
+template <bool kL2, class Master, class Moments>
+void adam_job_grad(const AdamJob& job, int64_t begin, int64_t end, const Master& master, const Moments& mom) {
   switch (job.grad_dtype) {
     case at::kFloat:
-      adam_span<kL2>(begin, end, job.numel, GradF32{static_cast<const float*>(job.grad)}, master, job.m, job.v, job.c);
+      adam_span<kL2>(begin, end, job.numel, GradF32{static_cast<const float*>(job.grad)}, master, mom, job.c);
       break;
     case at::kHalf:
       adam_span<kL2>(begin, end, job.numel, GradHalf<_Float16>{static_cast<const _Float16*>(job.grad), job.inv_scale},
-                     master, job.m, job.v, job.c);
+                     master, mom, job.c);
       break;
     default:
       adam_span<kL2>(begin, end, job.numel, GradHalf<BF16Bits>{static_cast<const BF16Bits*>(job.grad), job.inv_scale},
-                     master, job.m, job.v, job.c);
+                     master, mom, job.c);
       break;
   }
 }
 
-template <bool kL2>
-void adam_job_master(const AdamJob& job, int64_t begin, int64_t end) {
+template <bool kL2, class Moments>
+void adam_job_master(const AdamJob& job, int64_t begin, int64_t end, const Moments& mom) {
   if (job.p == nullptr) {
-    adam_job_grad<kL2>(job, begin, end, MasterSplit{job.hi, job.lo});
+    job.lo != nullptr ? adam_job_grad<kL2>(job, begin, end, MasterRemainder{job.hi, job.lo}, mom)
+                      : adam_job_grad<kL2>(job, begin, end, MasterStochastic{job.hi, job.key}, mom);
   } else if (job.model_dtype == at::kHalf) {
     auto* model = static_cast<_Float16*>(job.model);
-    job.stream ? adam_job_grad<kL2>(job, begin, end, MasterF32<_Float16, true>{job.p, model})
-               : adam_job_grad<kL2>(job, begin, end, MasterF32<_Float16>{job.p, model});
+    job.stream ? adam_job_grad<kL2>(job, begin, end, MasterF32<_Float16, true>{job.p, model}, mom)
+               : adam_job_grad<kL2>(job, begin, end, MasterF32<_Float16>{job.p, model}, mom);
   } else if (job.model_dtype == at::kBFloat16) {
     auto* model = static_cast<BF16Bits*>(job.model);
-    job.stream ? adam_job_grad<kL2>(job, begin, end, MasterF32<BF16Bits, true>{job.p, model})
-               : adam_job_grad<kL2>(job, begin, end, MasterF32<BF16Bits>{job.p, model});
+    job.stream ? adam_job_grad<kL2>(job, begin, end, MasterF32<BF16Bits, true>{job.p, model}, mom)
+               : adam_job_grad<kL2>(job, begin, end, MasterF32<BF16Bits>{job.p, model}, mom);
   } else {
-    adam_job_grad<kL2>(job, begin, end, MasterF32<void>{job.p, nullptr});
+    adam_job_grad<kL2>(job, begin, end, MasterF32<void>{job.p, nullptr}, mom);
+  }
+}
+
+template <bool kL2>
+void adam_job(const AdamJob& job, int64_t begin, int64_t end) {
+  if (job.bf16_moments) {
+    adam_job_master<kL2>(job, begin, end, MomentsBF16{static_cast<uint16_t*>(job.m), static_cast<uint16_t*>(job.v)});
+  } else {
+    adam_job_master<kL2>(job, begin, end, MomentsF32{static_cast<float*>(job.m), static_cast<float*>(job.v)});
   }
 }
 
@@ -741,9 +873,9 @@ void run_adam_jobs(const std::vector<AdamJob>& jobs) {
   for_spans(spans_of(numels, kAdamChunk), total, [&](const Span& span) {
     const AdamJob& job = jobs[span.tensor];
     if (job.l2) {
-      adam_job_master<true>(job, span.begin, span.end);
+      adam_job<true>(job, span.begin, span.end);
     } else {
-      adam_job_master<false>(job, span.begin, span.end);
+      adam_job<false>(job, span.begin, span.end);
     }
   });
 }
@@ -791,9 +923,9 @@ void check_grad(const at::Tensor& grad, int64_t numel, const char* what) {
 void check_moments(const at::Tensor& p, const at::Tensor& m, const at::Tensor& v, const at::Tensor& step,
                    const char* what) {
   for (const at::Tensor* t : {&m, &v}) {
-    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->is_contiguous() &&
-                    t->numel() == p.numel(),
-                what, ": moments must be contiguous float32 CPU tensors shaped like the masters");
+    TORCH_CHECK(t->device().is_cpu() && (t->scalar_type() == at::kFloat || t->scalar_type() == at::kBFloat16) &&
+                    t->scalar_type() == m.scalar_type() && t->is_contiguous() && t->numel() == p.numel(),
+                what, ": moments must be contiguous CPU tensors shaped like the masters, both float32 or both bfloat16");
   }
   TORCH_CHECK(step.device().is_cpu() && step.numel() == 1, what, ": step must be a one-element CPU tensor");
 }
@@ -839,8 +971,9 @@ void adam_step_(at::TensorList params, at::TensorList grads, at::TensorList exp_
     job.model_dtype = has_model ? model->scalar_type() : at::kFloat;
     // Non-temporal stores need aligned addresses: every span starts kUnit elements apart.
     job.stream = stream_big && has_model && reinterpret_cast<uintptr_t>(job.model) % 64 == 0;
-    job.m = exp_avgs[t].data_ptr<float>();
-    job.v = exp_avg_sqs[t].data_ptr<float>();
+    job.m = exp_avgs[t].data_ptr();
+    job.v = exp_avg_sqs[t].data_ptr();
+    job.bf16_moments = exp_avgs[t].scalar_type() == at::kBFloat16;
     job.c = adam_constants(state_steps[t], lr, beta1, beta2, weight_decay, eps, adamw, maximize);
     job.l2 = !adamw && weight_decay != 0;
     jobs.push_back(job);
@@ -848,39 +981,47 @@ void adam_step_(at::TensorList params, at::TensorList grads, at::TensorList exp_
   run_adam_jobs(jobs);
 }
 
-// The same step for BF16 masters stored as two 16-bit halves: the model's BF16 weight (the
-// high half of the FP32 master's bits, i.e. the master truncated) and a 16-bit extension
-// (the low half). Both are read, updated as one FP32 value and written back.
-void adam_step_split_(at::TensorList weights, at::TensorList low_bits, at::TensorList grads, at::TensorList exp_avgs,
-                      at::TensorList exp_avg_sqs, at::TensorList state_steps, double lr, double beta1, double beta2,
-                      double weight_decay, double eps, bool adamw, bool maximize, double grad_inv_scale) {
+// The same step for a BF16 model without FP32 master tensors. Per tensor: with a remainder
+// (int16, shaped like the weight), the weight and the remainder together are the FP32 master
+// (weight = master rounded to nearest, ties away from zero); without one (None), the weight is
+// read as the FP32 value and the update written back with stochastic rounding, its random bits
+// hashed from sr_keys[t] and the element's index.
+void adam_step_bf16_(at::TensorList weights, const c10::List<std::optional<at::Tensor>>& remainders,
+                     at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
+                     at::TensorList state_steps, at::IntArrayRef sr_keys, double lr, double beta1, double beta2,
+                     double weight_decay, double eps, bool adamw, bool maximize, double grad_inv_scale) {
   const size_t n = weights.size();
-  TORCH_CHECK(low_bits.size() == n && grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n &&
-                  state_steps.size() == n,
-              "adam_step_split_: list lengths differ");
+  TORCH_CHECK(remainders.size() == n && grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n &&
+                  state_steps.size() == n && sr_keys.size() == n,
+              "adam_step_bf16_: list lengths differ");
   for (size_t t = 0; t < n; ++t) {
     const at::Tensor& w = weights[t];
-    const at::Tensor& lo = low_bits[t];
     TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kBFloat16 && w.is_contiguous(),
-                "adam_step_split_: weights must be contiguous bfloat16 CPU tensors");
-    TORCH_CHECK(lo.device().is_cpu() && lo.scalar_type() == at::kShort && lo.is_contiguous() &&
-                    lo.numel() == w.numel(),
-                "adam_step_split_: low_bits must be contiguous int16 CPU tensors shaped like the weights");
-    check_grad(grads[t], w.numel(), "adam_step_split_");
-    check_moments(w, exp_avgs[t], exp_avg_sqs[t], state_steps[t], "adam_step_split_");
+                "adam_step_bf16_: weights must be contiguous bfloat16 CPU tensors");
+    const std::optional<at::Tensor> rem = remainders.get(t);
+    if (rem.has_value() && rem->defined()) {
+      TORCH_CHECK(rem->device().is_cpu() && rem->scalar_type() == at::kShort && rem->is_contiguous() &&
+                      rem->numel() == w.numel(),
+                  "adam_step_bf16_: remainders must be contiguous int16 CPU tensors shaped like the weights");
+    }
+    check_grad(grads[t], w.numel(), "adam_step_bf16_");
+    check_moments(w, exp_avgs[t], exp_avg_sqs[t], state_steps[t], "adam_step_bf16_");
   }
   std::vector<AdamJob> jobs;
   for (size_t t = 0; t < n; ++t) {
+    const std::optional<at::Tensor> rem = remainders.get(t);
     AdamJob job{};
     job.numel = weights[t].numel();
     job.grad = grads[t].const_data_ptr();
     job.grad_dtype = grads[t].scalar_type();
     job.inv_scale = static_cast<float>(grad_inv_scale);
     job.hi = static_cast<uint16_t*>(weights[t].data_ptr());
-    job.lo = static_cast<uint16_t*>(low_bits[t].data_ptr());
+    job.lo = rem.has_value() && rem->defined() ? static_cast<uint16_t*>(rem->data_ptr()) : nullptr;
+    job.key = static_cast<uint32_t>(sr_keys[t]);
     job.model_dtype = at::kFloat;
-    job.m = exp_avgs[t].data_ptr<float>();
-    job.v = exp_avg_sqs[t].data_ptr<float>();
+    job.m = exp_avgs[t].data_ptr();
+    job.v = exp_avg_sqs[t].data_ptr();
+    job.bf16_moments = exp_avgs[t].scalar_type() == at::kBFloat16;
     job.c = adam_constants(state_steps[t], lr, beta1, beta2, weight_decay, eps, adamw, maximize);
     job.l2 = !adamw && weight_decay != 0;
     jobs.push_back(job);
@@ -899,8 +1040,8 @@ TORCH_LIBRARY(amp_plugin, m) {
       "Tensor(d!)[] state_steps, Tensor(e!)?[] model_params, float lr, float beta1, float beta2, "
       "float weight_decay, float eps, bool adamw, bool maximize, float grad_inv_scale=1.0) -> ()");
   m.def(
-      "adam_step_split_(Tensor(a!)[] weights, Tensor(b!)[] low_bits, Tensor[] grads, Tensor(c!)[] exp_avgs, "
-      "Tensor(d!)[] exp_avg_sqs, Tensor(e!)[] state_steps, float lr, float beta1, float beta2, "
+      "adam_step_bf16_(Tensor(a!)[] weights, Tensor(b!)?[] remainders, Tensor[] grads, Tensor(c!)[] exp_avgs, "
+      "Tensor(d!)[] exp_avg_sqs, Tensor(e!)[] state_steps, int[] sr_keys, float lr, float beta1, float beta2, "
       "float weight_decay, float eps, bool adamw, bool maximize, float grad_inv_scale=1.0) -> ()");
 }
 
@@ -909,5 +1050,5 @@ TORCH_LIBRARY_IMPL(amp_plugin, CPU, m) {
   m.impl("nonfinite_check_", &nonfinite_check_);
   m.impl("unscale_copy", &unscale_copy);
   m.impl("adam_step_", &adam_step_);
-  m.impl("adam_step_split_", &adam_step_split_);
+  m.impl("adam_step_bf16_", &adam_step_bf16_);
 }

@@ -182,10 +182,11 @@ class MixedPrecisionPlugin(Precision):
         self.sharded = bool(units)
         if self.sharded:
             fsdp.check_or_set_policies(units, self.settings)
-            if self.settings.master == "bf16_split":
+            if self.settings.master != "fp32":
                 rank_zero_warn(
-                    "precision='bf16_split' under FSDP2 trains as precision='bf16': the sharded FP32 parameters "
-                    "are the master weights (16/N bytes per parameter per rank), so there is no BF16 master to split."
+                    f"precision={self.settings.preset!r} under FSDP2 keeps FP32 masters: the sharded FP32 parameters "
+                    f"are the master weights, so there is no BF16 master to split or round (moments: "
+                    f"{self.settings.moments.upper()})."
                 )
             if self.amp_precision != "fp32" and not self.master_weights and not self.autocast:
                 module.to(self.compute_dtype)  # pure half: the shards themselves become half
@@ -209,9 +210,11 @@ class MixedPrecisionPlugin(Precision):
                 "master weights. Return an optimizer over the module's parameters from configure_optimizers."
             )
         if self.master_weights and not self.sharded:
-            master = self.settings.master
+            master, moments = self.settings.master, self.settings.moments_dtype
             optimizers = [
-                o if isinstance(o, MasterWeightOptimizer) else MasterWeightOptimizer(o, master=master)
+                o
+                if isinstance(o, MasterWeightOptimizer)
+                else MasterWeightOptimizer(o, master=master, moments_dtype=moments)
                 for o in optimizers
             ]
         param = next(model.parameters(), None)

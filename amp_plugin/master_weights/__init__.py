@@ -26,8 +26,9 @@ Modules: ``_parameter`` (the master and its record), ``_grads`` (one step's grad
 ``_optimizer`` (the wrapper).
 """
 
+from amp_plugin.master_weights._checkpoint import MasterRoundingWarning
 from amp_plugin.master_weights._grads import MasterGradWarning
 from amp_plugin.master_weights._optimizer import MasterWeightOptimizer
 from amp_plugin.master_weights._parameter import MasterParameter
 
-__all__ = ["MasterGradWarning", "MasterParameter", "MasterWeightOptimizer"]
+__all__ = ["MasterGradWarning", "MasterParameter", "MasterRoundingWarning", "MasterWeightOptimizer"]

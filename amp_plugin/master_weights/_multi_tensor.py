@@ -14,6 +14,12 @@ on the CPU. Per device, whatever the number of parameters:
    on its device);
 4. ``torch._foreach_copy_`` of the masters into the half-precision model parameters.
 
+The kinds without an FP32 master tensor (``master="bf16_split"``, ``"stochastic"``) run the
+same kernel on FP32 values rebuilt for the step (the weight joined with its remainder, or the
+weight upcast), then store the results their way (split, or rounded stochastically); BF16
+moments are upcast for the kernel and rounded to nearest back into their BF16 tensors. These
+FP32 copies live for one group's step.
+
 The FP32 gradients are dropped when the step ends. Python only gathers references (the
 gradients, the state tensors) into lists: no per-parameter tensor op, no host sync. (The
 upcast's outputs have the gradients' shapes, so it takes ``_foreach_mul``'s general path:
@@ -33,39 +39,65 @@ import torch
 from torch.optim import Optimizer
 
 from amp_plugin.fused.adam import _state
+from amp_plugin.master_weights._parameter import Record
 
 __all__ = ["torch_adam_step"]
 
 
 @torch.no_grad()
-def torch_adam_step(optimizer: Optimizer, grads: list[torch.Tensor | None], index_of: dict[int, int]) -> None:
+def torch_adam_step(
+    optimizer: Optimizer,
+    grads: list[torch.Tensor | None],
+    index_of: dict[int, int],
+    models: list[torch.Tensor] | None = None,
+    records: list[Record] | None = None,
+    kind: Any = None,
+    keys: list[int] | None = None,
+    moments_dtype: torch.dtype = torch.float32,
+) -> None:
     """One Adam/AdamW step of ``optimizer`` over FP32 masters with torch's fused kernel.
 
     ``grads[index_of[id(master)]]``: the FP32 gradient of each half-precision parameter's
     master (``None``: not stepped); parameters that are their own master (absent from
     ``index_of``) use their ``.grad``. State is initialised as ``torch.optim.Adam(fused=True)``
-    does. The caller copies the stepped masters into the model.
+    does. With ``kind`` (a master kind without an FP32 tensor, from ``_kinds.py``) the values
+    are rebuilt from ``models``/``records`` and stored back by it (``keys``: the stochastic
+    rounding keys by index); otherwise the caller copies the stepped masters into the model.
     """
+    lean = kind is not None and not kind.has_fp32_tensor
     adamw_default = isinstance(optimizer, torch.optim.AdamW)
     for group in optimizer.param_groups:
-        params, group_grads = [], []
+        params, group_grads, values, indices = [], [], [], []
         for p in group["params"]:
             i = index_of.get(id(p))
             g = p.grad if i is None else grads[i]
             if g is not None:
                 params.append(p)
                 group_grads.append(g)
+                indices.append(i)
+                if lean and i is not None:
+                    values.append(kind.step_value(cast("list", models)[i], cast("list", records)[i]))
+                else:
+                    values.append(p)
         if not params:
             continue
-        states = [_state(optimizer, p) for p in params]
+        states = [
+            _state(optimizer, p, moments_dtype if i is not None else torch.float32) for p, i in zip(params, indices)
+        ]
+        exp_avgs = [s["exp_avg"] for s in states]
+        exp_avg_sqs = [s["exp_avg_sq"] for s in states]
+        low = [j for j, m in enumerate(exp_avgs) if m.dtype is not torch.float32]
+        for j in low:  # BF16 moments: computed in FP32, rounded once when stored
+            exp_avgs[j] = exp_avgs[j].float()
+            exp_avg_sqs[j] = exp_avg_sqs[j].float()
         grouped = cast(  # its lists hold no None: every list given has a tensor at every index
             "dict[tuple[torch.device, torch.dtype], tuple[list[list[torch.Tensor]], list[int]]]",
             Optimizer._group_tensors_by_device_and_dtype(
                 [  # one C++ call, as torch's fused Adam
-                    params,
+                    values,
                     group_grads,
-                    [s["exp_avg"] for s in states],
-                    [s["exp_avg_sq"] for s in states],
+                    exp_avgs,
+                    exp_avg_sqs,
                     [s["step"] for s in states],
                 ]
             ),
@@ -99,6 +131,13 @@ def torch_adam_step(optimizer: Optimizer, grads: list[torch.Tensor | None], inde
                 grad_scale=None,
                 found_inf=None,
             )
+        for j in low:
+            states[j]["exp_avg"].copy_(exp_avgs[j])
+            states[j]["exp_avg_sq"].copy_(exp_avg_sqs[j])
+        if lean:
+            for value, i in zip(values, indices):
+                if i is not None:
+                    kind.store(cast("list", models)[i], cast("list", records)[i], value, cast("list", keys)[i])
 
 
 def _scalar(value: Any) -> float:

@@ -12,19 +12,19 @@ from torch.optim import Optimizer
 
 from amp_plugin import fused as _fused
 from amp_plugin.fused import adam as _adam
-from amp_plugin.master_weights import _split
+from amp_plugin.master_weights import _checkpoint
 from amp_plugin.master_weights._grads import (
     GradSession,
     eager_unscale,
     unscaled_copy,
     warn_grads_changed,
 )
-from amp_plugin.master_weights._multi_tensor import torch_adam_step
+from amp_plugin.master_weights._kernels import StepCall, StepKernel, choose
+from amp_plugin.master_weights._kinds import KINDS
 from amp_plugin.master_weights._parameter import (
     MASTER_TENSORS,
     MASTERS,
     WRAPPED,
-    MasterParameter,
     Record,
     refresh,
     resync,
@@ -34,18 +34,19 @@ from amp_plugin.master_weights._refusals import (
     already_wrapped,
     by_device_dtype,
     check_fused_possible,
-    check_split_possible,
+    check_kind_possible,
+    check_moments_dtype,
     flag,
     refuse_dtensors,
-    unscale_in_place,
     upcast_state,
 )
+from amp_plugin.master_weights._stochastic import SRGenerator
 from amp_plugin.scaler import unscale_grouped
 
 __all__ = ["FUSED_MODES", "MASTER_KINDS", "MasterWeightOptimizer"]
 
 _HALF = (torch.float16, torch.bfloat16)
-MASTER_KINDS = ("fp32", "bf16_split")
+MASTER_KINDS = ("fp32", "bf16_split", "stochastic")  # the built-in kinds (_kinds.KINDS may hold more)
 FUSED_MODES = (None, True, False, "torch")
 InvScaleOn = Callable[[torch.device], torch.Tensor]
 
@@ -150,11 +151,20 @@ class MasterWeightOptimizer(Optimizer):
     ``lr`` stays on the device).
     """
 
-    def __init__(self, optimizer: Optimizer, fused: bool | str | None = None, master: str = "fp32") -> None:
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        fused: bool | str | None = None,
+        master: str = "fp32",
+        moments_dtype: torch.dtype | None = None,
+        sr_seed: int | None = None,
+    ) -> None:
         if not any(fused is mode or (isinstance(mode, str) and fused == mode) for mode in FUSED_MODES):
             raise TypeError(f"fused={fused!r} is not allowed: fused must be None (automatic), True, False or 'torch'.")
-        if master not in MASTER_KINDS:
-            raise ValueError(f"master={master!r} is not allowed: master must be 'fp32' or 'bf16_split'.")
+        if not isinstance(master, str) or master not in KINDS:
+            allowed = ", ".join(repr(k) for k in KINDS)
+            raise ValueError(f"master={master!r} is not allowed: master must be one of {allowed}.")
+        moments = check_moments_dtype(moments_dtype)
         if not isinstance(optimizer, Optimizer):
             raise TypeError(
                 f"optimizer={type(optimizer).__name__} is not allowed: MasterWeightOptimizer wraps a "
@@ -173,27 +183,38 @@ class MasterWeightOptimizer(Optimizer):
         refuse_dtensors(optimizer)
         if optimizer in WRAPPED or any(p in MASTER_TENSORS for g in optimizer.param_groups for p in g["params"]):
             raise ValueError(already_wrapped(type(optimizer).__name__))
+        kind = KINDS[master]
         if fused is True or fused == "torch":  # checked before the optimizer's parameters are swapped for masters
             check_fused_possible(optimizer, fused)
-        if master == "bf16_split":
-            check_split_possible(optimizer)
+        check_kind_possible(optimizer, kind, moments, fused)
         # torch.optim.Optimizer.__init__ would rebuild param_groups; share the inner ones instead.
         self.optimizer = optimizer
         self.defaults = optimizer.defaults
         self.fused = fused
         self.master = master
+        self.moments_dtype = moments
+        self._kind = kind
+        # master="stochastic": the rounding's seed and step counter (default seed: from torch's generator)
+        self._sr: SRGenerator | None = None
+        if master == "stochastic":  # the rounding's seed (default: from torch's generator) and step counter
+            self._sr = SRGenerator(int(torch.randint(0, 2**62, (1,)).item()) if sr_seed is None else sr_seed)
+        elif sr_seed is not None:
+            raise ValueError(
+                f"sr_seed={sr_seed!r} is not allowed with master={master!r}: only master='stochastic' rounds randomly."
+            )
         self._model_params: list[torch.Tensor] = []
         self._master_params: list[torch.Tensor] = []
         self._half_models: list[torch.Tensor] = []  # the half-precision parameters, in order...
-        self._half_masters: list[Any] = []  # ...their MasterParameters (master="fp32")...
+        self._half_masters: list[
+            Any
+        ] = []  # ...their MasterParameters (placeholders for kinds without an FP32 tensor)...
         self._records: list[Record] = []  # ...and their records
         self._own: list[torch.Tensor] = []  # FP32 parameters: their own master
         self._index_of: dict[int, int] = {}  # id(master) -> its position among the half-precision params
-        self._low_bits_of: dict[int, torch.Tensor] = {}  # master="bf16_split": id(param) -> its low 16 bits
         self._session: GradSession | None = None
         self._warned_grads = False
-        # adam_ineligible's verdicts (amp_plugin's kernels, torch's), worked out at the first step
-        self._reasons: dict[str, str | None] = {}
+        # the step kernels that fit (worked out at the first step; the optimizer's type and parameters do not change)
+        self._chosen: list[StepKernel] | None = None
         for name in (
             "_optimizer_step_pre_hooks",
             "_optimizer_step_post_hooks",
@@ -228,8 +249,10 @@ class MasterWeightOptimizer(Optimizer):
     def master_params(self) -> list[torch.Tensor]:
         """The masters, in the order the model parameters were given to the optimizer (up to
         date with the model: see the class docstring): FP32 :class:`MasterParameter`s, and the
-        FP32 parameters themselves. With ``master="bf16_split"``: the model's parameters
-        (the BF16 ones hold the masters' high halves; :meth:`fp32_masters` joins them)."""
+        FP32 parameters themselves. For the kinds without an FP32 tensor (``"bf16_split"``,
+        ``"stochastic"``) the half-precision parameters' masters are placeholders: their
+        ``grad`` is the FP32 master gradient (clip it, read it), their values are NaN
+        (:meth:`fp32_masters` gives the values)."""
         self._refresh_masters()
         return list(self._master_params)
 
@@ -239,21 +262,17 @@ class MasterWeightOptimizer(Optimizer):
 
     def master_tensors(self) -> list[torch.Tensor]:
         """The tensors that store the half-precision parameters' masters, beyond the model's
-        own weights: their FP32 :class:`MasterParameter`s, or, with ``master="bf16_split"``,
-        the int16 extensions (the masters' low 16 bits). What memory accounting should count."""
-        if self.master == "bf16_split":
-            return cast("list[torch.Tensor]", [r.low_bits for r in self._records])  # set for split masters
-        return list(self._half_masters)
+        own weights: their FP32 :class:`MasterParameter`s, the int16 remainders with
+        ``master="bf16_split"``, none with ``"stochastic"``. What memory accounting should count."""
+        return [t for r in self._records for t in self._kind.storage(r)]
 
     @torch.no_grad()
     def fp32_masters(self) -> list[torch.Tensor]:
-        """The FP32 master values of the half-precision parameters, in model order: copies,
-        joined from the two halves with ``master="bf16_split"``, detached clones otherwise."""
+        """The FP32 master values of the half-precision parameters, in model order (new tensors):
+        the masters, joined from weight and remainder with ``master="bf16_split"``, the weights
+        upcast with ``"stochastic"``."""
         self._refresh_masters()
-        if self.master == "bf16_split":
-            # low_bits is set for split masters
-            return [_split.join(p, cast(torch.Tensor, r.low_bits)) for p, r in zip(self._half_models, self._records)]
-        return [m.detach().clone() for m in self._half_masters]
+        return [self._kind.fp32(p, r) for p, r in zip(self._half_models, self._records)]
 
     # ------------------------------------------------------------------ optimizer API
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -278,13 +297,12 @@ class MasterWeightOptimizer(Optimizer):
             raise ValueError(already_wrapped("the new group"))
         try:
             refuse_dtensors(self.optimizer)
-            if self.master == "bf16_split":
-                check_split_possible(self.optimizer)
+            check_kind_possible(self.optimizer, self._kind, self.moments_dtype, self.fused)
         except (TypeError, ValueError):
             self.optimizer.param_groups.pop()
             raise
         self._adopt_group(group)
-        self._reasons.clear()
+        self._chosen = None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the model's gradients (set to ``None``, or zeroed in place) and drop the
@@ -319,8 +337,6 @@ class MasterWeightOptimizer(Optimizer):
         unscaled with torch's multi-tensor ops (two per device), freed after the step; sparse
         or strided ones one by one (sparse ones upcast and coalesced first). No host sync.
         """
-        if self.master == "bf16_split":  # the BF16 gradients are unscaled in place, exactly
-            return unscale_in_place(self.optimizer, inv_scale_on)
         session = self._begin_session(inv_scale_on)
         found = unscale_grouped(by_device_dtype(self._own_grads()), inv_scale_on)
         ops = self._kernel_ops()
@@ -356,8 +372,7 @@ class MasterWeightOptimizer(Optimizer):
         ``master.grad`` for FP32 copies. ``step()`` does this itself when needed; call it to
         inspect or clip the master gradients before stepping without a loss scaler (a
         disabled scaler's ``unscale_`` calls it)."""
-        if self.master != "bf16_split":
-            self._begin_session(None)
+        self._begin_session(None)
 
     @torch.no_grad()
     def sync_masters(self, params: Iterable[torch.Tensor] | None = None) -> None:
@@ -391,28 +406,34 @@ class MasterWeightOptimizer(Optimizer):
             self._end_session()  # the closure's backward wrote new gradients
         self._refresh_masters()
         try:
-            if self.master == "bf16_split":
-                self._step_split(kwargs)
-                result = None
-            else:
-                result = self._step(self._session or self._begin_session(None), kwargs)
+            result = self._step(self._session or self._begin_session(None), kwargs)
         finally:
             self._end_session()
         return loss if closure is not None else result
 
     def state_dict(self) -> dict[str, Any]:
-        """The wrapped optimizer's state dict plus ``"master_params"`` (FP32 copies of the
-        half-precision parameters' masters, in model order)."""
+        """The wrapped optimizer's state dict (moments in their dtype) plus ``"master_params"``
+        (the FP32 values of the half-precision parameters' masters, in model order, whatever
+        the kind), ``"master_kind"``, and with ``master="stochastic"`` ``"sr_generator"`` (the
+        rounding's seed and step counter)."""
         self._refresh_masters()
         state = self.optimizer.state_dict()
         state["master_params"] = self.fp32_masters()
+        state["master_kind"] = self.master
+        if self._sr is not None:
+            state["sr_generator"] = self._sr.state_dict()
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state dict from :meth:`state_dict` (of either ``master`` kind), or a plain one
-        of the wrapped optimizer type (then the masters are re-cast from the model's weights)."""
+        """Load a state dict from :meth:`state_dict` (of any ``master`` kind and moments dtype),
+        or a plain one of the wrapped optimizer type (then the masters are re-cast from the
+        model's weights). FP32 values this optimizer cannot hold exactly (FP32 moments into BF16
+        ones, FP32 masters into ``master="stochastic"``) are rounded to nearest, with a
+        :class:`~amp_plugin.master_weights.MasterRoundingWarning` that names them."""
         state_dict = dict(state_dict)
         masters = state_dict.pop("master_params", None)
+        state_dict.pop("master_kind", None)
+        generator = state_dict.pop("sr_generator", None)
         if masters is not None and len(masters) != len(self._half_models):
             raise ValueError(
                 f"master_params has {len(masters)} tensors but this optimizer has "
@@ -420,33 +441,18 @@ class MasterWeightOptimizer(Optimizer):
             )
         self._end_session()
         self.optimizer.load_state_dict(state_dict)
-        if self.master == "bf16_split":
-            self._restore_fp32_moments(state_dict)
+        rounded = _checkpoint.restore_moments(self.optimizer, state_dict, set(self._index_of), self.moments_dtype)
         if masters is None:
             self.sync_masters()
-            return
-        with torch.no_grad():
-            for model_p, record, saved in zip(self._half_models, self._records, masters):
-                if record.master is not None:
-                    record.master.copy_(saved)
-                    model_p.copy_(record.master)
-                else:
-                    low_bits = cast(torch.Tensor, record.low_bits)  # a split master's
-                    _split.split_into(saved.to(model_p.device, torch.float32), model_p, low_bits)
-                record.version, record.ptr = model_p._version, model_p.data_ptr()
-
-    def _restore_fp32_moments(self, state_dict: dict[str, Any]) -> None:
-        """torch's ``load_state_dict`` casts floating state to each parameter's dtype: BF16 for
-        split masters, whose moments are FP32. Take them again from ``state_dict``, exactly."""
-        saved_state = state_dict.get("state", {})
-        for group, saved_group in zip(self.optimizer.param_groups, state_dict.get("param_groups", [])):
-            for p, index in zip(group["params"], saved_group["params"]):
-                if p.dtype is not torch.bfloat16 or index not in saved_state:
-                    continue
-                state = self.optimizer.state[p]
-                for key, value in saved_state[index].items():
-                    if key != "step" and torch.is_tensor(value) and value.is_floating_point():
-                        state[key] = value.to(device=p.device, dtype=torch.float32, copy=True)
+        else:
+            with torch.no_grad():
+                for model_p, record, saved in zip(self._half_models, self._records, masters):
+                    if self._kind.load(model_p, record, saved):
+                        rounded.add("master values")
+                    record.version, record.ptr = model_p._version, model_p.data_ptr()
+        if generator is not None and self._sr is not None:
+            self._sr.load_state_dict(generator)
+        _checkpoint.warn_rounded(rounded, self.master, self.moments_dtype)
 
     def __repr__(self) -> str:
         return f"MasterWeightOptimizer({self.optimizer!r})"
@@ -457,40 +463,32 @@ class MasterWeightOptimizer(Optimizer):
     # ------------------------------------------------------------------ internals: setup
     def _adopt_group(self, group: dict[str, Any]) -> None:
         params = group["params"]
-        split = self.master == "bf16_split"
+        kind = self._kind
         for i, p in enumerate(params):
             if p.dtype in _HALF:
                 record = MASTERS.get(p)
                 if record is None:
-                    master = None if split else MasterParameter.of(p)
-                    low = (
-                        torch.zeros_like(p, dtype=torch.int16, memory_format=torch.contiguous_format) if split else None
-                    )
-                    record = MASTERS[p] = Record(master, low, p._version, p.data_ptr())
-                    if master is not None:
-                        MASTER_TENSORS[master] = True
+                    record = MASTERS[p] = kind.new_record(p)
+                    MASTER_TENSORS[record.master] = True
                 else:  # another wrapper holds this parameter: share its master
-                    if (record.master is None) != split:
+                    if record.kind != kind.name:
                         raise ValueError(
                             f"master={self.master!r} is not possible for a parameter another MasterWeightOptimizer "
-                            f"holds with master={'bf16_split' if record.master is None else 'fp32'!r}: one master "
-                            "per parameter. Give every optimizer over it the same master kind."
+                            f"holds with master={record.kind!r}: one master per parameter. Give every optimizer "
+                            "over it the same master kind."
                         )
                     refresh(p, record)
-                master = p if split else record.master
-                if not split and p in self.optimizer.state:  # move existing state over, upcast
+                master = record.master
+                if p in self.optimizer.state:  # move existing state over, upcast (moments: to their dtype)
                     self.optimizer.state[master] = self.optimizer.state.pop(p)
                 if master in self.optimizer.state:
                     old = self.optimizer.state[master]
-                    self.optimizer.state[master] = {k: upcast_state(v, p) for k, v in old.items()}
+                    self.optimizer.state[master] = {k: upcast_state(v, p, self.moments_dtype) for k, v in old.items()}
                 params[i] = master
                 self._half_models.append(p)
                 self._half_masters.append(master)
                 self._records.append(record)
-                if split:
-                    self._low_bits_of[id(p)] = record.low_bits
-                else:
-                    self._index_of[id(master)] = len(self._half_models) - 1
+                self._index_of[id(master)] = len(self._half_models) - 1
             else:
                 master = p
                 self._own.append(p)
@@ -583,58 +581,73 @@ class MasterWeightOptimizer(Optimizer):
     # ------------------------------------------------------------------ internals: the step
     def _step(self, session: GradSession, kwargs: dict[str, Any]) -> Any:
         grads, pending = self._step_grads(session)
-        path = self._path(kwargs)
         masters, models = self._half_masters, self._half_models
-        if path == "kernels":
-            self._to_fp32(session, grads, pending, only_unreadable=True)
-            inv = session.inv_on(torch.device("cpu"))
-            unwritten = _adam.adam_step(
-                self._kernel_ops(), self.optimizer, grads, self._index_of, models, 1.0 if inv is None else float(inv)
+        kernels = self._kernels(kwargs)
+        if kernels:
+            keys = self._sr.keys(list(range(len(models)))) if self._sr is not None else [0] * len(models)
+        for kernel in kernels:
+            self._to_fp32(session, grads, pending, only_unreadable=not kernel.needs_half_grads_in_fp32)
+            inv = session.inv_on(torch.device("cpu")) if not kernel.needs_half_grads_in_fp32 else None
+            call = StepCall(
+                self.optimizer,
+                grads,
+                self._index_of,
+                models,
+                self._records,
+                self._kind,
+                keys,
+                None if inv is None else float(inv),
+                self.moments_dtype,
+                self._kernel_ops(),
             )
-            if unwritten is not None:
+            if kernel.run(call):
                 # what an LR scheduler's step tracking records (torch's private flag, not in the stubs)
                 self.optimizer._opt_called = True  # type: ignore[attr-defined]
-                self._copy_into_model(unwritten)
                 self._record_versions(grads)
                 return None
             pending = [i for i in pending if (g := grads[i]) is not None and g.dtype in _HALF]
         self._to_fp32(session, grads, pending)
-        result = None
-        if path == "torch":
-            torch_adam_step(self.optimizer, grads, self._index_of)
-            self.optimizer._opt_called = True  # type: ignore[attr-defined]  # torch's private flag (see above)
-        else:  # the wrapped optimizer's own step reads the masters' .grad
-            touched = session.touched
-            for i, (master, grad) in enumerate(zip(masters, grads)):
-                if grad is not None and master._amp_grad is not grad:
-                    set_grad(master, grad)
-                    touched.add(i)
-            result = self.optimizer.step(**kwargs)
+        touched = session.touched  # the wrapped optimizer's own step reads the masters' .grad
+        for i, (master, grad) in enumerate(zip(masters, grads)):
+            if grad is not None and master._amp_grad is not grad:
+                set_grad(master, grad)
+                touched.add(i)
+        result = self.optimizer.step(**kwargs)
         self._copy_into_model([(models[i], masters[i]) for i, grad in enumerate(grads) if grad is not None])
         self._record_versions(grads)
         return result
 
-    def _step_split(self, kwargs: dict[str, Any]) -> None:
-        if kwargs:
-            raise TypeError(
-                f"step() got keyword arguments {sorted(kwargs)}, but with master='bf16_split' the wrapped "
-                "optimizer's step() is not called (the split masters are stepped by amp_plugin's Adam kernel), "
-                "so there is nothing to pass them to."
-            )
-        if _adam.has_step_hooks(self.optimizer):
+    def _kernels(self, kwargs: dict[str, Any]) -> list[StepKernel]:
+        """The step kernels that may run this step, in order; empty: the wrapped optimizer's own step."""
+        stock = self._kind.has_fp32_tensor and self.moments_dtype is torch.float32
+        if kwargs or _adam.has_step_hooks(self.optimizer):
+            if stock:
+                return []
+            what = f"master={self.master!r}" if not self._kind.has_fp32_tensor else "moments_dtype=torch.bfloat16"
+            if kwargs:
+                raise TypeError(
+                    f"step() got keyword arguments {sorted(kwargs)}, but with {what} the wrapped optimizer's "
+                    "step() is not called (amp_plugin's Adam step runs instead), so there is nothing to pass them to."
+                )
             raise RuntimeError(
-                "The wrapped optimizer has step hooks, but with master='bf16_split' its step() is not called, "
-                "so they would not run: register them on the MasterWeightOptimizer instead "
-                "(opt.register_step_pre_hook / register_step_post_hook)."
+                f"The wrapped optimizer has step hooks, but with {what} its step() is not called, so they would "
+                "not run: register them on the MasterWeightOptimizer instead (opt.register_step_pre_hook / "
+                "register_step_post_hook)."
             )
-        ops = self._kernel_ops()
-        done = ops is not None and _adam.split_adam_step(ops, self.optimizer, self._low_bits_of)
-        if not done:
-            _split.step_with_torch_ops(self.optimizer, self._low_bits_of)
-        self.optimizer._opt_called = True  # type: ignore[attr-defined]  # torch's private flag (see _step)
-        for model_p, record in zip(self._half_models, self._records):
-            if model_p.grad is not None:
-                record.version, record.ptr = model_p._version, model_p.data_ptr()
+        if self._chosen is None:
+            all_cpu = self._all_cpu()
+            if stock and self.fused is None and not all(g.get("fused") for g in self.param_groups):
+                self._chosen = []  # the user chose torch's for-loop/foreach Adam (or another optimizer)
+            else:
+                self._chosen = choose(self.optimizer, self.master, self.fused, all_cpu, stock, _fused.kernels())
+        if not self._chosen and not stock:
+            raise RuntimeError(
+                f"No step kernel can run master={self.master!r} with moments_dtype={self.moments_dtype} for "
+                f"{type(self.optimizer).__name__} here (fused={self.fused!r})."
+            )
+        if self._kernel_ops() is None:
+            return [k for k in self._chosen if k.name != "amp_plugin"]
+        return self._chosen
 
     def _copy_into_model(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         if pairs:
@@ -645,36 +658,14 @@ class MasterWeightOptimizer(Optimizer):
     def _record_versions(self, grads: list[torch.Tensor | None]) -> None:
         for model_p, grad, record in zip(self._half_models, grads, self._records):
             if grad is not None:
-                record.version = model_p._version
+                record.version, record.ptr = model_p._version, model_p.data_ptr()
+
+    def _all_cpu(self) -> bool:
+        return all(p.device.type == "cpu" for p in self._model_params)
 
     def _kernel_ops(self) -> Any | None:
         """amp_plugin's CPU kernels, when this wrapper may use them."""
         return _fused.kernels() if self.fused is None or self.fused is True else None
-
-    def _path(self, kwargs: dict[str, Any]) -> str:
-        """The step: ``"kernels"`` (amp_plugin's one-pass Adam), ``"torch"`` (torch's
-        multi-tensor kernels) or ``"stock"`` (the wrapped optimizer's own step)."""
-        if kwargs or self.fused is False or _adam.has_step_hooks(self.optimizer):
-            return "stock"
-        if not (self.fused is True or self.fused == "torch" or all(g.get("fused") for g in self.param_groups)):
-            return "stock"  # the user chose torch's for-loop/foreach Adam (or another optimizer)
-        if self.fused != "torch" and self._reason("kernels") is None and self._kernel_ops() is not None:
-            return "kernels"
-        if (self.fused == "torch" or (self.fused is None and not self._all_cpu())) and self._reason("torch") is None:
-            return "torch"
-        return "stock"
-
-    def _reason(self, kind: str) -> str | None:
-        if kind not in self._reasons:  # the optimizer's type and parameters do not change
-            self._reasons[kind] = _adam.adam_ineligible(
-                self.optimizer, device_type="cpu" if kind == "kernels" else None
-            )
-        return self._reasons[kind]
-
-    def _all_cpu(self) -> bool:
-        if "all_cpu" not in self._reasons:
-            self._reasons["all_cpu"] = None if all(p.device.type == "cpu" for p in self._model_params) else "no"
-        return self._reasons["all_cpu"] is None
 
     def _refresh_masters(self) -> None:
         """Re-copy the master of every half-precision parameter written since the last sync."""

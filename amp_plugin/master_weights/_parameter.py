@@ -83,6 +83,19 @@ class MasterParameter(torch.nn.Parameter):
         master._amp_grad = None
         return master
 
+    @staticmethod
+    def placeholder(model_param: torch.Tensor) -> MasterParameter:
+        """A master without values, for kinds that keep the FP32 value elsewhere: FP32, shaped
+        like ``model_param``, one NaN element broadcast (4 bytes). It is the optimizer state's
+        key and carries the FP32 master gradient."""
+        data = torch.full((1,), float("nan"), dtype=torch.float32, device=model_param.device)
+        view = data.as_strided(tuple(model_param.shape), (0,) * model_param.dim())
+        master = torch.Tensor._make_subclass(MasterParameter, view, model_param.requires_grad)
+        master._amp_model = weakref.ref(model_param)
+        master._amp_pending = None
+        master._amp_grad = None
+        return master
+
     def model_param(self) -> torch.Tensor | None:
         """The model parameter this is the master of (``None`` once it is gone)."""
         return self._amp_model()
@@ -155,16 +168,19 @@ class Record:
     parameter since then (``zero_()``, ``copy_()``, ``load_state_dict``, an init function)
     changes ``_version``, and ``param.data = other`` changes ``data_ptr()``.
 
-    ``master`` is the :class:`MasterParameter`, or, for a BF16 master split in two
-    (``master="bf16_split"``), ``None``; then ``low_bits`` holds the low 16 bits of the FP32
-    master (int16, shaped like the parameter) and the parameter itself the high 16.
+    ``master`` is the :class:`MasterParameter` (for the kinds without an FP32 tensor, a
+    placeholder: see ``_kinds.py``); ``remainder`` the int16 remainder of ``master="bf16_split"``
+    (shaped like the parameter), else ``None``; ``kind`` the master kind's name.
     """
 
-    __slots__ = ("low_bits", "master", "ptr", "version")
+    __slots__ = ("kind", "master", "ptr", "remainder", "version")
 
-    def __init__(self, master: MasterParameter | None, low_bits: torch.Tensor | None, version: int, ptr: int) -> None:
+    def __init__(
+        self, master: MasterParameter, remainder: torch.Tensor | None, version: int, ptr: int, kind: str = "fp32"
+    ) -> None:
         self.master = master
-        self.low_bits = low_bits
+        self.remainder = remainder
+        self.kind = kind
         self.version = version
         self.ptr = ptr
 
@@ -185,14 +201,17 @@ def refresh(model_p: torch.Tensor, record: Record) -> None:
 
 @torch.no_grad()
 def resync(model_p: torch.Tensor, record: Record) -> None:
-    """Copy the model parameter into its master (after a write the wrapper did not make). A
-    split master's low bits are cleared: the master is then the weight, exactly."""
-    like = cast(torch.Tensor, record.master if record.master is not None else record.low_bits)  # one is set
+    """Copy the model parameter into its master (after a write the wrapper did not make), as
+    the record's kind does it (a split master's remainder is cleared: the master is then the
+    weight, exactly)."""
+    from amp_plugin.master_weights._kinds import KINDS
+
+    like = record.master
     if (
         model_p.dtype not in _HALF
         or model_p.shape != like.shape
         or model_p.device != like.device
-        or (record.master is None and model_p.dtype is not torch.bfloat16)
+        or (record.kind != "fp32" and model_p.dtype is not torch.bfloat16)
     ):
         raise RuntimeError(
             f"A model parameter wrapped by MasterWeightOptimizer changed from {tuple(like.shape)} "
@@ -201,8 +220,5 @@ def resync(model_p: torch.Tensor, record: Record) -> None:
             "and optimizer state no longer fit. Convert or resize the model first, then build the "
             "optimizer and the MasterWeightOptimizer."
         )
-    if record.master is not None:
-        record.master.copy_(model_p)
-    else:
-        cast(torch.Tensor, record.low_bits).zero_()  # a split master's
+    KINDS[record.kind].resync(model_p, record)
     record.version, record.ptr = model_p._version, model_p.data_ptr()

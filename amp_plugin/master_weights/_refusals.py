@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -16,10 +15,10 @@ __all__ = [
     "already_wrapped",
     "by_device_dtype",
     "check_fused_possible",
-    "check_split_possible",
+    "check_kind_possible",
+    "check_moments_dtype",
     "flag",
     "refuse_dtensors",
-    "unscale_in_place",
     "upcast_state",
 ]
 
@@ -31,6 +30,8 @@ def check_fused_possible(optimizer: Optimizer, fused: bool | str) -> None:
         reason = _adam.adam_ineligible(optimizer, masters_to_come=True, device_type=None)
     else:
         reason = _adam.adam_ineligible(optimizer, masters_to_come=True)
+        if reason is None:
+            reason = foreach_refusal(optimizer)
         if reason is None and _adam.has_step_hooks(optimizer):
             reason = "the wrapped optimizer has step hooks, which the fused step would bypass"
         if reason is None and _fused.kernels() is None:
@@ -39,19 +40,52 @@ def check_fused_possible(optimizer: Optimizer, fused: bool | str) -> None:
         raise ValueError(f"fused={fused!r} is not possible here: {reason}. Use fused=None or False.")
 
 
-def check_split_possible(optimizer: Optimizer) -> None:
-    reason = _adam.adam_ineligible(optimizer, masters_to_come=True, device_type=None)
-    if reason is None:
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                if p.dtype is torch.float16:
-                    reason = (
-                        "it needs a BF16 model (the high half of an FP32 number is a BF16 number, not an "
-                        f"FP16 one), but a parameter of shape {tuple(p.shape)} is float16"
-                    )
-                    break
+def foreach_refusal(optimizer: Optimizer) -> str | None:
+    """Why the fused update rule would silently replace the one the optimizer was built for."""
+    for group in optimizer.param_groups:
+        if group.get("foreach") and not group.get("fused"):
+            return (
+                f"{type(optimizer).__name__} was built with foreach=True, but this step runs torch's fused "
+                "Adam update, whose roundings differ from the foreach one (the masters would differ in some "
+                "elements every step). Build it with fused=True (the same update everywhere), or leave "
+                "foreach unset"
+            )
+    return None
+
+
+def check_kind_possible(optimizer: Optimizer, kind: Any, moments_dtype: torch.dtype, fused: bool | str | None) -> None:
+    """``master=kind.name`` with ``moments_dtype``: a kind without an FP32 tensor, or BF16
+    moments, needs a step kernel for this optimizer (there is no stock step for them)."""
+    from amp_plugin.master_weights._kernels import KERNELS
+
+    what = f"master={kind.name!r}" if moments_dtype is torch.float32 else f"master={kind.name!r} with BF16 moments"
+    reason = kind.refusal(optimizer)
+    needs_kernel = not kind.has_fp32_tensor or moments_dtype is not torch.float32
+    if reason is None and needs_kernel:
+        fitting = [k for k in KERNELS if type(optimizer) in k.optimizers and kind.name in k.kinds]
+        if not fitting:
+            names = sorted({t.__name__ for k in KERNELS if kind.name in k.kinds for t in k.optimizers})
+            listed = " and ".join([", ".join(names[:-1]), names[-1]] if len(names) > 1 else names)
+            reason = f"its step kernels implement {listed} only, not {type(optimizer).__name__}"
+        else:
+            reasons = [k.ineligible(optimizer, True) for k in fitting]
+            reason = None if any(r is None for r in reasons) else reasons[0]
+        if reason is None:
+            reason = foreach_refusal(optimizer)
     if reason is not None:
-        raise ValueError(f"master='bf16_split' is not possible here: {reason}. Use master='fp32'.")
+        raise ValueError(f"{what} is not possible here: {reason}. Use master='fp32' (with FP32 moments).")
+
+
+def check_moments_dtype(moments_dtype: Any) -> torch.dtype:
+    """``None`` or FP32 -> ``torch.float32``; BF16 -> ``torch.bfloat16``; anything else: an error."""
+    if moments_dtype is None or moments_dtype is torch.float32:
+        return torch.float32
+    if moments_dtype is torch.bfloat16:
+        return torch.bfloat16
+    raise ValueError(
+        f"moments_dtype={moments_dtype!r} is not allowed: moments_dtype must be None (FP32, the default), "
+        "torch.float32 or torch.bfloat16."
+    )
 
 
 def refuse_dtensors(optimizer: Optimizer) -> None:
@@ -78,11 +112,14 @@ def already_wrapped(what: str) -> str:
     )
 
 
-def upcast_state(value: Any, param: torch.Tensor) -> Any:
+def upcast_state(value: Any, param: torch.Tensor, moments_dtype: torch.dtype = torch.float32) -> Any:
+    """Existing optimizer state moved onto a master: per-element floating state in
+    ``moments_dtype`` (contiguous), other half-precision state in FP32."""
     if not torch.is_tensor(value):
         return value
     if value.shape == param.shape and value.dim() > 0:  # per-element state: laid out like the master
-        return value.to(torch.float32 if value.dtype in _HALF else value.dtype, memory_format=torch.contiguous_format)
+        dtype = moments_dtype if value.is_floating_point() else value.dtype
+        return value.to(dtype, memory_format=torch.contiguous_format)
     return value.float() if value.dtype in _HALF else value
 
 
@@ -98,11 +135,3 @@ def by_device_dtype(grads: list[torch.Tensor]) -> dict[tuple[torch.device, torch
     for grad in grads:
         groups.setdefault((grad.device, grad.dtype), []).append(grad)
     return groups
-
-
-def unscale_in_place(
-    optimizer: Optimizer, inv_scale_on: Callable[[torch.device], torch.Tensor]
-) -> dict[torch.device, torch.Tensor]:
-    from amp_plugin.scaler import _unscale_in_place as unscale
-
-    return unscale(optimizer, inv_scale_on)

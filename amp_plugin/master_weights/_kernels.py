@@ -1,0 +1,173 @@
+"""The step kernels of :class:`~amp_plugin.MasterWeightOptimizer`, by registration.
+
+A :class:`StepKernel` says which optimizer classes it implements, for which master kinds
+(``_kinds.py``), on which device, and whether ``fused=None`` picks it; :data:`KERNELS` lists
+them in order of preference and :func:`register_kernel` adds one. The wrapper takes the first
+that fits (:func:`choose`); a kernel may still decline one step (a gradient it cannot read:
+``run`` returns ``False`` having changed nothing), and the next one that fits runs it. The
+kinds that keep an FP32 tensor (``master="fp32"`` with FP32 moments) fall back to the wrapped
+optimizer's own ``step()`` ("stock") when no kernel fits.
+
+Registered here: amp_plugin's one-pass CPU Adam/AdamW (``amp_plugin.fused``) and torch's
+multi-tensor Adam/AdamW (any device), both for every kind and both moment dtypes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.optim import Optimizer
+
+from amp_plugin.fused import adam as _adam
+from amp_plugin.master_weights import _multi_tensor
+from amp_plugin.master_weights._parameter import Record
+
+__all__ = ["KERNELS", "StepCall", "StepKernel", "choose", "register_kernel"]
+
+
+@dataclass
+class StepCall:
+    """What one step hands a kernel. Indices are positions among the half-precision parameters."""
+
+    optimizer: Optimizer
+    grads: list[torch.Tensor | None]  # FP32 master gradients, or the model's half ones (times inv_scale)
+    index_of: dict[int, int]  # id(master) -> index
+    models: list[torch.Tensor]
+    records: list[Record]
+    kind: Any  # the MasterKind
+    keys: list[int]  # stochastic rounding keys by index (zeros for the other kinds)
+    inv_scale: float | None  # the unscale factor of the half gradients (None: not scaled)
+    moments_dtype: torch.dtype
+    ops: Any  # amp_plugin's kernels, or None
+
+
+@dataclass(frozen=True)
+class StepKernel:
+    """A step kernel's registration.
+
+    Attributes:
+        name: what ``fused=`` calls it: ``"amp_plugin"`` (``fused=True``) or ``"torch"``.
+        optimizers: the optimizer classes whose update rule it computes (exact type).
+        kinds: the ``master=`` kinds it can store into.
+        device_type: where the parameters must be (``None``: any device).
+        automatic_on_cpu: whether ``fused=None`` picks it when every parameter is on the CPU.
+        ineligible: why an optimizer (options, parameters) cannot take it, or ``None``; the
+            flag: its half-precision parameters are not yet replaced by masters.
+        run: the step; ``False`` means it declined and changed nothing.
+        needs_half_grads_in_fp32: the half gradients must be FP32 master gradients first.
+    """
+
+    name: str
+    optimizers: tuple[type[Optimizer], ...]
+    kinds: frozenset[str]
+    device_type: str | None
+    automatic_on_cpu: bool
+    ineligible: Callable[[Optimizer, bool], str | None]
+    run: Callable[[StepCall], bool]
+    needs_half_grads_in_fp32: bool
+
+
+KERNELS: list[StepKernel] = []
+"""Every registered kernel, most preferred first."""
+
+
+def register_kernel(kernel: StepKernel) -> StepKernel:
+    """Add ``kernel`` to :data:`KERNELS` (after the ones there)."""
+    KERNELS.append(kernel)
+    return kernel
+
+
+def choose(
+    optimizer: Optimizer, kind: str, fused: bool | str | None, all_cpu: bool, stock: bool, ops: Any
+) -> list[StepKernel]:
+    """The kernels that may run a step of ``optimizer`` under ``fused=``, in order. ``stock``:
+    the wrapped optimizer's own step can run instead (then ``fused=False`` takes no kernel and
+    ``fused=None`` no torch kernel on the CPU; otherwise ``fused=False`` takes torch's)."""
+    if fused is False and stock:
+        return []
+    chosen = []
+    for kernel in KERNELS:
+        if type(optimizer) not in kernel.optimizers or kind not in kernel.kinds:
+            continue
+        if (fused == "torch" or fused is False) and kernel.name != "torch":
+            continue
+        if kernel.name == "amp_plugin" and ops is None:
+            continue
+        if fused is None and all_cpu and stock and not kernel.automatic_on_cpu:
+            continue
+        if kernel.ineligible(optimizer, False) is None:
+            chosen.append(kernel)
+    return chosen
+
+
+_ALL_KINDS = frozenset({"fp32", "bf16_split", "stochastic"})
+_ADAM = (torch.optim.Adam, torch.optim.AdamW)
+
+
+@torch.no_grad()
+def _run_amp_plugin(call: StepCall) -> bool:
+    inv = 1.0 if call.inv_scale is None else call.inv_scale
+    if call.kind.has_fp32_tensor:
+        unwritten = _adam.adam_step(
+            call.ops, call.optimizer, call.grads, call.index_of, call.models, inv, call.moments_dtype
+        )
+        if unwritten is None:
+            return False
+        if unwritten:
+            models, masters = zip(*unwritten)
+            torch._foreach_copy_(list(models), list(masters))
+        return True
+    remainders = [r.remainder for r in call.records]
+    return _adam.bf16_adam_step(
+        call.ops,
+        call.optimizer,
+        call.grads,
+        call.index_of,
+        call.models,
+        remainders,
+        call.keys,
+        inv,
+        call.moments_dtype,
+    )
+
+
+@torch.no_grad()
+def _run_torch(call: StepCall) -> bool:
+    _multi_tensor.torch_adam_step(
+        call.optimizer, call.grads, call.index_of, call.models, call.records, call.kind, call.keys, call.moments_dtype
+    )
+    if call.kind.has_fp32_tensor:
+        pairs = [(call.models[i], r.master) for i, r in enumerate(call.records) if call.grads[i] is not None]
+        if pairs:
+            models, masters = zip(*pairs)
+            torch._foreach_copy_(list(models), list(masters))
+    return True
+
+
+register_kernel(
+    StepKernel(
+        name="amp_plugin",
+        optimizers=_ADAM,
+        kinds=_ALL_KINDS,
+        device_type="cpu",
+        automatic_on_cpu=True,
+        ineligible=lambda opt, to_come: _adam.adam_ineligible(opt, to_come, device_type="cpu"),
+        run=_run_amp_plugin,
+        needs_half_grads_in_fp32=False,
+    )
+)
+register_kernel(
+    StepKernel(
+        name="torch",
+        optimizers=_ADAM,
+        kinds=_ALL_KINDS,
+        device_type=None,
+        automatic_on_cpu=False,
+        ineligible=lambda opt, to_come: _adam.adam_ineligible(opt, to_come, device_type=None),
+        run=_run_torch,
+        needs_half_grads_in_fp32=True,
+    )
+)

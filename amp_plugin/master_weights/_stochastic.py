@@ -1,0 +1,87 @@
+"""Stochastic rounding to BF16 from a seeded, counter-based generator (``master="stochastic"``).
+
+Without a master, an update smaller than half a BF16 ulp would always be rounded away. Rounded
+stochastically (up, in magnitude, with probability equal to the fraction of an ulp the FP32
+value lies above the lower BF16 number) it lands on average: ``E[round(x)] == x``.
+
+The random bits are a hash (MurmurHash3's 32-bit finaliser) of the element's index and a key per
+tensor and step, derived from the generator's seed, its step counter and the tensor's position.
+So the bits depend on nothing else (threads, vector width, device), a resumed run draws what the
+uninterrupted one would have (the state dict holds the seed and the counter), and the CPU kernel
+(``adam_step_bf16_``) and these torch ops give the same weights.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["SRGenerator", "round_stochastic"]
+
+_MASK32 = 0xFFFFFFFF
+_INDEX_MULTIPLIER = 0x9E3779B1
+_MIX1 = 0x85EBCA6B
+_MIX2 = 0xC2B2AE35
+
+
+def _fmix32(h: int) -> int:
+    h ^= h >> 16
+    h = (h * _MIX1) & _MASK32
+    h ^= h >> 13
+    h = (h * _MIX2) & _MASK32
+    return h ^ (h >> 16)
+
+
+class SRGenerator:
+    """The seed and step counter of stochastic rounding.
+
+    Args:
+        seed: any int (its low 64 bits are used).
+    """
+
+    def __init__(self, seed: int) -> None:
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise TypeError(f"sr_seed={seed!r} is not allowed: sr_seed must be an int or None.")
+        self.seed = seed & 0xFFFFFFFFFFFFFFFF
+        self.counter = 0
+
+    def keys(self, positions: list[int]) -> list[int]:
+        """Advance the counter (one step) and return the 32-bit key of each tensor position."""
+        self.counter += 1
+        base = _fmix32(_fmix32((self.seed & _MASK32) ^ _fmix32(self.counter & _MASK32)) ^ (self.seed >> 32))
+        return [_fmix32((base + (pos * _INDEX_MULTIPLIER)) & _MASK32) for pos in positions]
+
+    def state_dict(self) -> dict[str, int]:
+        return {"seed": self.seed, "counter": self.counter}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.seed = int(state["seed"]) & 0xFFFFFFFFFFFFFFFF
+        self.counter = int(state["counter"])
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """``(x * c) mod 2**32`` for int64 ``x`` in [0, 2**32): in 16-bit halves, so no product overflows."""
+    lo, hi = x & 0xFFFF, x >> 16
+    return ((lo * c) + (((hi * c) & 0xFFFF) << 16)) & _MASK32
+
+
+def _random_bits(key: int, numel: int, device: torch.device) -> torch.Tensor:
+    """The 16 random bits of each element (int64), as the kernel's ``sr_bits``."""
+    h = (_mul32(torch.arange(numel, dtype=torch.int64, device=device) & _MASK32, _INDEX_MULTIPLIER) + key) & _MASK32
+    h = h ^ (h >> 16)
+    h = _mul32(h, _MIX1)
+    h = h ^ (h >> 13)
+    h = _mul32(h, _MIX2)
+    h = h ^ (h >> 16)
+    return h >> 16
+
+
+@torch.no_grad()
+def round_stochastic(value: torch.Tensor, out: torch.Tensor, key: int) -> None:
+    """Write FP32 ``value`` into BF16 ``out`` with stochastic rounding keyed by ``key`` (NaN -> NaN)."""
+    bits = value.detach().contiguous().view(torch.int32).reshape(-1).to(torch.int64) & _MASK32
+    rounded = ((bits + _random_bits(key, bits.numel(), bits.device)) & _MASK32) >> 16
+    nan = torch.isnan(value.reshape(-1))
+    rounded = torch.where(nan, torch.full_like(rounded, 0x7FC0), rounded)
+    out.view(torch.int16).copy_(rounded.to(torch.int16).view(out.shape))
