@@ -4,7 +4,7 @@
     python benchmarks/bench_memory.py --devices 2             # FSDP2, ModelParallelStrategy, per rank
     python benchmarks/bench_memory.py --quick                 # tiny model (the smoke test)
     python benchmarks/bench_memory.py --params 64 --configs "ours fp16" "Lightning bf16-mixed" --out mem.json
-    python benchmarks/bench_memory.py --fused-adamw --configs "ours fp16" "ours bf16" "ours bf16_split"
+    python benchmarks/bench_memory.py --fused-adamw --configs "ours bf16_split" "ours bf16_lean" "ours bf16_sr"
 
 The model is a stack of blocks ``Linear(d, d) -> LayerNorm(d) -> GELU`` (``d = 1024``;
 ``--params`` millions of parameters set the depth), trained ``--steps`` AdamW steps on
@@ -13,9 +13,10 @@ random regression data (batch 64, MSE loss in FP32; ``--fused-adamw``: ``AdamW(f
 ``amp_plugin.lightning.pl``). Configurations:
 
 - ours, every preset (``amp_plugin.settings.PRESETS``), built as ``MixedPrecisionPlugin(preset)``
-  with the default scaler and emulation a user gets; and ``ours bf16_split``: the ``bf16`` preset
-  with the module's own ``MasterWeightOptimizer(AdamW(...), master="bf16_split")`` (BF16 masters
-  kept as the BF16 weight plus a 16-bit extension), which the plugin keeps as it is;
+  with the default scaler and emulation a user gets: among them ``bf16_split`` (the FP32 master
+  kept as the BF16 weight plus a 16-bit remainder), ``bf16_lean`` (that, with BF16 Adam moments)
+  and ``bf16_sr`` (no master: stochastic rounding of the BF16 weight, BF16 moments). A preset
+  this build does not have is listed as ``absent``, with no numbers;
 - Lightning's own ``32-true``, ``16-mixed`` (with an explicit ``torch.amp.GradScaler("cpu")``:
   on CPU Lightning silently swaps ``16-mixed`` for ``bf16-mixed`` otherwise), ``bf16-mixed``
   and ``bf16-true``.
@@ -29,7 +30,8 @@ layers their own FP32 units); Lightning's own use plain ``fully_shard`` (``16-mi
 offered: ``ModelParallelStrategy`` rejects it).
 
 Training state, counted from the tensors' untyped storages (each storage once, by its data
-pointer; DTensors by their local shard), divided by the model's (global) parameter count:
+pointer; DTensors by their local shard; ``amp_plugin.app.state_bytes.tally``, the accounting
+``amp-gate`` reports), divided by the model's (global) parameter count:
 
 - ``weights``: the module's parameters and buffers (under FSDP2: this rank's shards);
 - ``grads``: their ``.grad``;
@@ -83,12 +85,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from amp_plugin.app.state_bytes import COMPONENTS, tally
 from amp_plugin.lightning import pl
 
 MMAP_THRESHOLD = 128 * 1024  # glibc's initial threshold, kept fixed (MALLOC_MMAP_THRESHOLD_)
-COMPONENTS = ("weights", "grads", "master", "master_grads", "moments")
-OURS = ("fp32", "fp16", "bf16", "fp16_autocast", "bf16_autocast", "fp16_pure", "bf16_pure", "bf16_split")
-SPLIT = "bf16_split"  # not a preset: the bf16 preset with master="bf16_split" (see the module docstring)
+OURS = (
+    "fp32",
+    "fp16",
+    "bf16",
+    "fp16_autocast",
+    "bf16_autocast",
+    "fp16_pure",
+    "bf16_pure",
+    "bf16_split",
+    "bf16_lean",
+    "bf16_sr",
+)
+SPLIT = "bf16_split"  # under FSDP2 it trains as bf16 (the sharded FP32 parameters are the masters)
 LIGHTNING_1 = ("32-true", "16-mixed", "bf16-mixed", "bf16-true")
 LIGHTNING_FSDP = ("32-true", "bf16-mixed", "bf16-true")
 
@@ -134,12 +147,11 @@ class Stack(pl.LightningModule):
         batch: int = 64,
         fsdp: str | None = None,
         fused_adamw: bool = False,
-        master: str | None = None,
     ) -> None:
         super().__init__()
         self.net = nn.Sequential(*[Block(d) for _ in range(depth)])
         self.d, self.steps, self.batch, self.fsdp = d, steps, batch, fsdp
-        self.fused_adamw, self.master = fused_adamw, master
+        self.fused_adamw = fused_adamw
 
     def configure_model(self) -> None:
         if self.fsdp is None:
@@ -164,12 +176,7 @@ class Stack(pl.LightningModule):
         return F.mse_loss(self(x).float(), y)
 
     def configure_optimizers(self):
-        optimizer = torch.optim.AdamW(self.parameters(), lr=1e-3, fused=self.fused_adamw or None)
-        if self.master is None:
-            return optimizer
-        from amp_plugin import MasterWeightOptimizer
-
-        return MasterWeightOptimizer(optimizer, master=self.master)
+        return torch.optim.AdamW(self.parameters(), lr=1e-3, fused=self.fused_adamw or None)
 
     def train_dataloader(self):
         g = torch.Generator().manual_seed(0)
@@ -186,45 +193,6 @@ def shape_for(params_m: float, d: int) -> tuple[int, int]:
 
 
 # ---------------------------------------------------------------------------------- counting
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-def tally(module: nn.Module, optimizers: list[torch.optim.Optimizer]) -> dict[str, int]:
-    """Bytes of the distinct storages of each component (see the module docstring)."""
-    seen: set[int] = set()
-    out = dict.fromkeys(COMPONENTS, 0)
-
-    def add(component: str, t: torch.Tensor | None) -> None:
-        if t is None:
-            return
-        storage = _local(t).untyped_storage()
-        if storage.nbytes() == 0 or storage.data_ptr() in seen:
-            return
-        seen.add(storage.data_ptr())
-        out[component] += storage.nbytes()
-
-    params = list(module.parameters())
-    ids = {id(p) for p in params}
-    for t in [*params, *module.buffers()]:
-        add("weights", t)
-    for p in params:
-        add("grads", p.grad)
-    for opt in optimizers:
-        masters = [p for group in opt.param_groups for p in group["params"] if id(p) not in ids]
-        for p in masters:
-            add("master", p)
-        for t in getattr(opt, "master_tensors", list)():  # MasterWeightOptimizer: e.g. bf16_split's extensions
-            add("master", t)
-        for p in masters:
-            add("master_grads", p.grad)
-        for state in opt.state.values():
-            for value in state.values():
-                if torch.is_tensor(value):
-                    add("moments", value)
-    return out
-
-
 class StateProbe(pl.Callback):
     """Count the state after the last step (gradients present), then after
     ``zero_grad(set_to_none=True)``; under FSDP2 also what the last block's forward holds."""
@@ -269,7 +237,7 @@ def _plugin(name: str, devices: int) -> dict[str, Any]:
     if kind == "ours":
         from amp_plugin.lightning import MixedPrecisionPlugin
 
-        return {"plugins": [MixedPrecisionPlugin("bf16" if preset == SPLIT else preset)]}
+        return {"plugins": [MixedPrecisionPlugin(preset)]}
     if preset.startswith("16-mixed"):
         MixedPrecision = pl.plugins.precision.MixedPrecision
 
@@ -315,9 +283,7 @@ def run_child(
     # shards (Lightning calls reset_parameters after fully_shard), as a model too big for one
     # device must be; one process builds it in full.
     with trainer.init_module(empty_init=devices > 1):
-        module = Stack(
-            d, depth, steps, fsdp=fsdp, fused_adamw=fused_adamw, master=SPLIT if name == f"ours {SPLIT}" else None
-        )
+        module = Stack(d, depth, steps, fsdp=fsdp, fused_adamw=fused_adamw)
     n_params = sum(p.numel() for p in module.parameters())
     start = time.perf_counter()
     with warnings.catch_warnings():
@@ -351,8 +317,24 @@ def _rss_mib() -> float:
     return float("nan")
 
 
+def absent(name: str) -> str | None:
+    """Why this build cannot run the configuration (a preset it does not have), or None."""
+    kind, _, preset = name.partition(" ")
+    if kind != "ours":
+        return None
+    from amp_plugin.settings import PRESETS
+
+    return (
+        None if preset in PRESETS else f"absent: {preset} is not a preset of this build (amp_plugin.settings.PRESETS)"
+    )
+
+
 def run_config(name: str, args: argparse.Namespace) -> list[dict[str, Any]]:
-    """One fresh process per configuration (it launches the second rank itself)."""
+    """One fresh process per configuration (it launches the second rank itself); a configuration
+    this build does not have is one row saying so (:func:`absent`)."""
+    reason = absent(name)
+    if reason is not None:
+        return [{"config": name, "rank": rank, "absent": reason} for rank in range(args.devices)]
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [
             sys.executable,
@@ -398,8 +380,11 @@ def table(rows: list[dict[str, Any]], devices: int) -> str:
     )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for row in rows:
-        during, between = per_param(row, "during"), per_param(row, "between")
         label = row["config"] + (f" (rank {row['rank']})" if devices > 1 else "")
+        if "absent" in row:
+            lines.append(f"| {label} | {row['absent']} |")
+            continue
+        during, between = per_param(row, "during"), per_param(row, "between")
         cells = [
             label,
             *(f"{during[c]:.2f}" for c in COMPONENTS),
@@ -476,7 +461,8 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     for name in names:
         rows += run_config(name, args)
-    print(f"parameters: {rows[0]['params']:,}\n")
+    measured = [row for row in rows if "absent" not in row]
+    print(f"parameters: {measured[0]['params']:,}\n" if measured else "parameters: - (no configuration measured)\n")
     print(table(rows, args.devices))
     if args.out:
         meta = {
@@ -488,7 +474,7 @@ def main() -> None:
             "threads": args.threads,
             "devices": args.devices,
             "steps": args.steps,
-            "params": rows[0]["params"],
+            "params": measured[0]["params"] if measured else None,
             "d": d,
             "depth": depth,
         }

@@ -1,0 +1,167 @@
+"""``amp-gate`` (amp_plugin.app.gate): bad input exits 2 before training, the verdict sets the exit
+status, a failed run fails the gate, and one small end-to-end gate (slow)."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+
+import pytest
+
+from amp_plugin.app import gate
+from amp_plugin.app.gate import main
+
+TINY = ["recipe=digits", "recipe.hidden_sizes=[16]", "trainer.max_steps=4", "trainer.limit_val_batches=1"]
+
+
+def _error(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err  # one line
+    return err[0]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--against", "bf16", "recipe=digits"], "precision=PRESET must be given once (got 0: [])"),
+        (
+            ["precision=bf16_nope", "--against", "bf16"],
+            "precision='bf16_nope' is not a preset; allowed: bf16, bf16_autocast,",
+        ),
+        (["precision=fp16", "--against", "fp8"], "--against='fp8' is not a preset; allowed: bf16,"),
+        (["precision=fp16", "precision=bf16", "--against", "bf16"], "precision=PRESET must be given once (got 2"),
+        (["precision=bf16", "--against", "bf16"], "precision=bf16 and --against=bf16 are the same preset"),
+        (["precision=fp16", "--against", "bf16", "--seeds", "1"], "--seeds=1: a standard error needs at least 2"),
+        (["precision=fp16", "--against", "bf16", "--tolerance", "-0.1"], "--tolerance=-0.1: allowed values are >= 0"),
+        (["precision=fp16", "--against", "bf16", "--sigmas", "nan"], "--sigmas=nan: allowed values are >= 0"),
+        (["precision=fp16", "--against", "bf16", "--first-seed", "-1"], "--first-seed=-1: seeds are >= 0"),
+        (["precision=fp16", "--against", "bf16", "seed=3"], "'seed=3': the gate sets seed itself"),
+        (["precision=fp16", "--against", "bf16", "hydra.run.dir=x"], "the gate sets hydra.run.dir itself"),
+        (["precision=fp16", "--against", "bf16", "recipe"], "'recipe' is not a Hydra override (KEY=VALUE)"),
+    ],
+)
+def test_bad_arguments_exit_2_with_one_line_naming_them(tmp_path, capsys, argv, message):
+    assert main([*argv, "--dir", str(tmp_path / "g")]) == 2
+    line = _error(capsys)
+    assert line.startswith("amp-gate: error: ") and message in line
+    assert not (tmp_path / "g").exists()  # nothing trained or written
+
+
+def test_overrides_that_do_not_compose_or_are_rejected_exit_2_before_training(tmp_path, capsys):
+    assert main(["precision=fp16", "--against", "bf16", "recipe=nope", "--dir", str(tmp_path)]) == 2
+    line = _error(capsys)
+    assert "the overrides do not compose for precision=bf16" in line and "recipe" in line and "nope" in line
+    assert main(["precision=fp16", "--against", "bf16", "trainer.max_steps=-5", "--dir", str(tmp_path)]) == 2
+    line = _error(capsys)
+    assert line.startswith("amp-gate: error: precision=bf16: ") and "trainer.max_steps" in line
+    assert list(tmp_path.iterdir()) == []
+
+
+def _fake_runs(monkeypatch, losses: dict[str, list[float]], fail: str | None = None) -> list[tuple[str, int]]:
+    """Replace training with summaries holding ``losses[preset][seed]``; record what was asked for."""
+    asked: list[tuple[str, int]] = []
+
+    def run_one(cfg, out, fresh):
+        preset, seed = cfg.precision.precision, cfg.seed
+        asked.append((preset, seed))
+        if preset == fail:
+            raise FloatingPointError("the weights became non-finite at step 3")
+        bpp = {"params": 10, "weights": 2.0, "grads": 2.0, "master": 4.0, "master_grads": 0.0, "moments": 8.0}
+        return {
+            "status": "ok",
+            "steps": 4,
+            "skipped_steps": seed % 2,
+            "wall_time_s": 1.0,
+            "final_metrics": {"train/loss": 9.0, "val/loss": losses[preset][seed], "val/acc": 0.5},
+            "bytes_per_param": {**bpp, "total": 16.0},
+            "reused": False,
+        }
+
+    monkeypatch.setattr(gate, "_run_one", run_one)
+    return asked
+
+
+def test_within_noise_exits_0_and_writes_the_report(tmp_path, monkeypatch, capsys):
+    asked = _fake_runs(monkeypatch, {"bf16": [1.0, 2.0, 3.0, 4.0], "bf16_split": [1.1, 1.9, 3.2, 4.1]})
+    status = main(["precision=bf16_split", "--against", "bf16", "--seeds", "4", *TINY, "--dir", str(tmp_path)])
+    assert status == 0
+    assert asked == [(p, s) for s in range(4) for p in ("bf16", "bf16_split")]  # paired, reference first
+    report = json.loads((tmp_path / "gate-bf16_split-vs-bf16.json").read_text())
+    assert report["verdict"] == "within noise" and report["exit_status"] == 0 and report["seeds"] == [0, 1, 2, 3]
+    loss = report["metrics"][0]
+    assert loss["metric"] == "val/loss" and loss["diff"] == pytest.approx(0.075)  # d = [.1, -.1, .2, .1]
+    assert loss["se"] == pytest.approx(math.sqrt(0.0475 / 3) / 2)
+    assert [m["metric"] for m in report["metrics"]] == ["val/loss", "val/acc"]
+    assert report["sides"]["bf16_split"]["skipped_steps"] == [0, 1, 0, 1]
+    assert report["sides"]["bf16"]["bytes_per_param"]["total"] == 16.0
+    out = capsys.readouterr().out
+    assert "verdict: within noise (exit 0)" in out and "16.00 bytes/param" in out
+    assert re.search(r"val/loss +2\.575 +2\.5 +\+0\.075 +0\.06292 +0\.1258 +within noise", out)
+
+
+def test_worse_exits_1_and_says_by_how_much(tmp_path, monkeypatch, capsys):
+    _fake_runs(monkeypatch, {"bf16": [1.0, 1.0], "bf16_autocast": [1.1, 1.1]})
+    assert main(["precision=bf16_autocast", "--against", "bf16", "--seeds", "2", *TINY, "--dir", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert "worse by 0.1 (+10.00%)" in out and "verdict: worse (exit 1)" in out
+    # a tolerance wider than the difference accepts it
+    json_path = tmp_path / "tolerant.json"
+    argv = ["precision=bf16_autocast", "--against", "bf16", "--seeds", "2", "--tolerance", "0.15", *TINY]
+    assert main([*argv, "--dir", str(tmp_path), "--json", str(json_path)]) == 0
+    assert json.loads(json_path.read_text())["metrics"][0]["band"] == pytest.approx(0.15)
+
+
+def test_a_failed_run_fails_the_gate(tmp_path, monkeypatch, capsys):
+    asked = _fake_runs(monkeypatch, {"bf16": [1.0, 1.0, 1.0]}, fail="fp16")
+    assert main(["precision=fp16", "--against", "bf16", "--seeds", "3", *TINY, "--dir", str(tmp_path)]) == 1
+    assert asked == [("bf16", 0), ("fp16", 0)]  # stops at the first failure
+    report = json.loads((tmp_path / "gate-fp16-vs-bf16.json").read_text())
+    assert report["verdict"] == "failed" and report["exit_status"] == 1
+    assert "precision=fp16 seed=0" in report["error"] and "FloatingPointError" in report["error"]
+    assert "verdict: failed (exit 1)" in capsys.readouterr().out
+
+
+def test_no_judged_metric_fails_the_gate(tmp_path, monkeypatch):
+    _fake_runs(monkeypatch, {"bf16": [1.0, 1.0], "fp16": [1.0, 1.0]})
+    monkeypatch.setattr(gate, "DIRECTIONS", {"val/ppl": "lower"})
+    assert main(["precision=fp16", "--against", "bf16", "--seeds", "2", *TINY, "--dir", str(tmp_path)]) == 1
+    report = json.loads((tmp_path / "gate-fp16-vs-bf16.json").read_text())
+    assert report["verdict"] == "failed" and "none of the judged metrics (val/ppl)" in report["error"]
+
+
+@pytest.mark.slow
+def test_a_small_gate_end_to_end_trains_paired_seeds_and_reuses_finished_runs(tmp_path, capsys):
+    argv = ["precision=bf16_split", "--against", "bf16", "--seeds", "2", *TINY, "--dir", str(tmp_path)]
+    status = main(argv)
+    report = json.loads((tmp_path / "gate-bf16_split-vs-bf16.json").read_text())
+    assert status == (1 if report["verdict"] == "worse" else 0) and report["verdict"] != "failed"
+    runs = report["runs"]
+    assert [(r["preset"], r["seed"], r["status"], r["reused"]) for r in runs] == [
+        ("bf16", 0, "ok", False),
+        ("bf16_split", 0, "ok", False),
+        ("bf16", 1, "ok", False),
+        ("bf16_split", 1, "ok", False),
+    ]
+    for r in runs:
+        assert r["steps"] == 4 and r["skipped_steps"] == 0
+        summary = json.loads((tmp_path / r["preset"] / f"seed{r['seed']}" / "summary.json").read_text())
+        assert summary["seed"] == r["seed"] and summary["precision"] == r["preset"]
+        assert summary["final_metrics"]["val/loss"] == r["final_metrics"]["val/loss"]
+    # the BF16 weights and gradients, the masters (FP32, or the 16-bit remainders), AdamW's state
+    split, ref = report["sides"]["bf16_split"]["bytes_per_param"], report["sides"]["bf16"]["bytes_per_param"]
+    assert 8.0 < ref["moments"] < 8.1 and split["moments"] == ref["moments"]  # two FP32 moments + step counters
+    assert ref["master"] > 3.0 and split["master"] == pytest.approx(ref["master"] / 2)
+    assert ref["total"] - split["total"] == pytest.approx(ref["master"] / 2)
+    assert [m["metric"] for m in report["metrics"]] == ["val/loss", "val/acc"]
+    first = capsys.readouterr().out
+    assert "verdict: " in first and "bytes/param" in first
+    # the same gate again: every run is reused, and the report is the same
+    assert main(argv) == status
+    again = json.loads((tmp_path / "gate-bf16_split-vs-bf16.json").read_text())
+    assert all(r["reused"] for r in again["runs"]) and again["metrics"] == report["metrics"]
+    # a changed override trains again
+    longer = [o.replace("max_steps=4", "max_steps=5") for o in argv]
+    assert main(longer) in (0, 1)
+    third = json.loads((tmp_path / "gate-bf16_split-vs-bf16.json").read_text())
+    assert not any(r["reused"] for r in third["runs"]) and {r["steps"] for r in third["runs"]} == {5}
