@@ -11,6 +11,7 @@ import torch
 from torch.optim import Optimizer
 
 from amp_plugin import fused as _fused
+from amp_plugin.dtypes import HALF_DTYPES
 from amp_plugin.fused import adam as _adam
 from amp_plugin.master_weights import _split
 from amp_plugin.master_weights._grads import (
@@ -44,7 +45,6 @@ from amp_plugin.scaler import unscale_grouped
 
 __all__ = ["FUSED_MODES", "MASTER_KINDS", "MasterWeightOptimizer"]
 
-_HALF = (torch.float16, torch.bfloat16)
 MASTER_KINDS = ("fp32", "bf16_split")
 FUSED_MODES = (None, True, False, "torch")
 InvScaleOn = Callable[[torch.device], torch.Tensor]
@@ -330,7 +330,7 @@ class MasterWeightOptimizer(Optimizer):
                 continue
             if grad.is_sparse or not grad.is_contiguous():
                 single.append(i)  # one by one: a coalesced sparse copy, or a contiguous one
-            elif ops is not None and grad.is_cpu and grad.dtype in _HALF:
+            elif ops is not None and grad.is_cpu and grad.dtype in HALF_DTYPES:
                 checked.append(grad)  # stays pending: the step reads it
             else:
                 eager.append(i)
@@ -459,7 +459,7 @@ class MasterWeightOptimizer(Optimizer):
         params = group["params"]
         split = self.master == "bf16_split"
         for i, p in enumerate(params):
-            if p.dtype in _HALF:
+            if p.dtype in HALF_DTYPES:
                 record = MASTERS.get(p)
                 if record is None:
                     master = None if split else MasterParameter.of(p)
@@ -568,7 +568,7 @@ class MasterWeightOptimizer(Optimizer):
             if (
                 grad.is_sparse
                 or not grad.is_contiguous()
-                or grad.dtype not in _HALF
+                or grad.dtype not in HALF_DTYPES
                 or (only_unreadable and not grad.is_cpu)
             ):
                 grads[i] = unscaled_copy(grad, session.inv_on(grad.device), session.ops)
@@ -597,7 +597,7 @@ class MasterWeightOptimizer(Optimizer):
                 self._copy_into_model(unwritten)
                 self._record_versions(grads)
                 return None
-            pending = [i for i in pending if (g := grads[i]) is not None and g.dtype in _HALF]
+            pending = [i for i in pending if (g := grads[i]) is not None and g.dtype in HALF_DTYPES]
         self._to_fp32(session, grads, pending)
         result = None
         if path == "torch":

@@ -19,9 +19,10 @@ from typing import Any, Protocol, SupportsIndex, TypeVar, cast
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from amp_plugin.dtypes import HALF_DTYPES
+
 __all__ = ["MasterParameter"]
 
-_HALF = (torch.float16, torch.bfloat16)
 _T = TypeVar("_T")
 
 
@@ -189,7 +190,7 @@ def resync(model_p: torch.Tensor, record: Record) -> None:
     split master's low bits are cleared: the master is then the weight, exactly."""
     like = cast(torch.Tensor, record.master if record.master is not None else record.low_bits)  # one is set
     if (
-        model_p.dtype not in _HALF
+        model_p.dtype not in HALF_DTYPES
         or model_p.shape != like.shape
         or model_p.device != like.device
         or (record.master is None and model_p.dtype is not torch.bfloat16)

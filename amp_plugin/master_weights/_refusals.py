@@ -10,6 +10,7 @@ import torch
 from torch.optim import Optimizer
 
 from amp_plugin import fused as _fused
+from amp_plugin.dtypes import HALF_DTYPES
 from amp_plugin.fused import adam as _adam
 
 __all__ = [
@@ -22,8 +23,6 @@ __all__ = [
     "unscale_in_place",
     "upcast_state",
 ]
-
-_HALF = (torch.float16, torch.bfloat16)
 
 
 def check_fused_possible(optimizer: Optimizer, fused: bool | str) -> None:
@@ -82,8 +81,10 @@ def upcast_state(value: Any, param: torch.Tensor) -> Any:
     if not torch.is_tensor(value):
         return value
     if value.shape == param.shape and value.dim() > 0:  # per-element state: laid out like the master
-        return value.to(torch.float32 if value.dtype in _HALF else value.dtype, memory_format=torch.contiguous_format)
-    return value.float() if value.dtype in _HALF else value
+        return value.to(
+            torch.float32 if value.dtype in HALF_DTYPES else value.dtype, memory_format=torch.contiguous_format
+        )
+    return value.float() if value.dtype in HALF_DTYPES else value
 
 
 def flag(found: dict[torch.device, torch.Tensor], device: torch.device) -> torch.Tensor:
