@@ -94,8 +94,7 @@ def test_autocast_on_cpu_really_is_fp16(pl):
     [
         (
             dict(precision="fp17"),
-            "precision='fp17' is not allowed: precision must be one of 'fp32', 'fp16', 'bf16', "
-            "'fp16_autocast', 'bf16_autocast', 'fp16_pure', 'bf16_pure'",
+            "precision='fp17' is not allowed: precision must be one of " + ", ".join(map(repr, PRESETS)),
         ),
         (dict(emulate="maybe"), "emulate='maybe'"),
         (dict(master_weights=True, autocast=True), "cannot be combined"),
