@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from amp_plugin._checks import check_choice, check_int, check_number, check_scale
+from amp_plugin.checks import check_choice, check_int, check_number, check_scale
 from amp_plugin.scaler import LossScaler, ScaleUpdate, _state_int, to_float32
 from amp_plugin.scaler_settings import Setting, check_settings
 

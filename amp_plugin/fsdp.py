@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from amp_plugin._dtensor import is_dtensor
+from amp_plugin.dtypes import HALF_DTYPES
 from amp_plugin.half_module import NORM_TYPES
 from amp_plugin.settings import PrecisionSettings
 
@@ -125,7 +126,7 @@ def fully_shard_mixed(
             f"precision={precision!r} is not allowed: pass the MixedPrecisionPlugin, its PrecisionSettings "
             "or a MixedPrecisionPolicy."
         )
-    half = policy.param_dtype if policy.param_dtype in (torch.float16, torch.bfloat16) else None
+    half = policy.param_dtype if policy.param_dtype in HALF_DTYPES else None
     keep_norm_fp32 = bool(keep_norm_fp32) and half is not None
     if isinstance(units, tuple) and all(isinstance(u, type) for u in units):
         chosen = [m for m in module.modules() if m is not module and isinstance(m, units)]

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from amp_plugin.dtypes import FP16_MIN_NORMAL, HALF_DTYPES
+
 __all__ = [
     "CHECKS",
     "PreflightError",
@@ -37,10 +39,6 @@ CHECKS = (
     "anomaly_detection",
 )
 """The check names, as used in :class:`PreflightProblem` and ``PreflightChecks(skip=...)``."""
-
-_FP16_MAX = 65504.0
-_FP16_MIN_NORMAL = 2.0**-14
-_HALF = (torch.float16, torch.bfloat16)
 
 
 class PreflightWarning(UserWarning):
@@ -95,7 +93,7 @@ def check_weight_range(
             torch.stack(
                 [
                     (torch.isinf(h) & torch.isfinite(w)).sum(),
-                    ((h < _FP16_MIN_NORMAL) & nonzero).sum(),
+                    ((h < FP16_MIN_NORMAL) & nonzero).sum(),
                     ((h == 0) & nonzero).sum(),
                     nonzero.sum(),
                 ]
@@ -152,7 +150,7 @@ def check_optimizer_eps(optimizer: torch.optim.Optimizer, name: str | None = Non
     for i, group in enumerate(optimizer.param_groups):
         eps = group.get("eps")
         values = eps if isinstance(eps, (tuple, list)) else (eps,)
-        dtypes = sorted({p.dtype for p in group["params"] if p.dtype in _HALF}, key=str)
+        dtypes = sorted({p.dtype for p in group["params"] if p.dtype in HALF_DTYPES}, key=str)
         for dtype in dtypes:
             for e in values:
                 if isinstance(e, (int, float)) and e > 0 and float(torch.tensor(e, dtype=dtype)) == 0:
@@ -178,7 +176,7 @@ def check_half_params_under_autocast(named_params: Iterable[tuple[str, torch.Ten
     Args:
         named_params: ``(name, param)`` pairs of the model that runs under autocast.
     """
-    half = [(n, p.dtype) for n, p in named_params if p.dtype in _HALF]
+    half = [(n, p.dtype) for n, p in named_params if p.dtype in HALF_DTYPES]
     if not half:
         return []
     dtypes = ", ".join(sorted({str(d) for _, d in half}))
@@ -243,7 +241,7 @@ def check_loss_dtype(loss: torch.Tensor, scale: float | None = None) -> list[Pre
         loss: the loss as the training step returned it.
         scale: the loss scale in use, if any (sharpens the message).
     """
-    if not isinstance(loss, torch.Tensor) or loss.dtype not in _HALF:
+    if not isinstance(loss, torch.Tensor) or loss.dtype not in HALF_DTYPES:
         return []
     why = "a mean over many terms in half precision loses accuracy"
     if loss.dtype == torch.float16:

@@ -30,8 +30,8 @@ from typing import Any, ClassVar, Protocol, cast
 
 import torch
 
-from amp_plugin._checks import check_int, check_scale
 from amp_plugin._dtensor import is_dtensor
+from amp_plugin.checks import check_int, check_scale
 from amp_plugin.rng_state import RngState
 from amp_plugin.scaler_settings import Setting, check_bool, check_settings
 
@@ -258,7 +258,7 @@ class LossScaler:
 
         Args:
             new_scale: set this scale instead of applying the policy (``reason="manual"``). It
-                must be a scale float32 holds (see :func:`~amp_plugin._checks.check_scale`;
+                must be a scale float32 holds (see :func:`~amp_plugin.checks.check_scale`;
                 :class:`DynamicLossScaler` also requires ``[min_scale, max_scale]``). A tensor
                 is read with ``.item()`` (a host sync).
 

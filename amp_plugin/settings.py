@@ -41,18 +41,20 @@ default), with per-tensor or row-wise scaling; its settings are an :class:`~amp_
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Any, Literal
 
 import torch
 
-from amp_plugin._checks import check_choice
+from amp_plugin.checks import check_choice
 from amp_plugin.dynamic_scaler import DynamicLossScaler
 from amp_plugin.fp8.recipe import Fp8Recipe
 from amp_plugin.scaler import LossScaler, StaticLossScaler
 
-__all__ = ["PRESETS", "Emulate", "PrecisionSettings", "Preset", "no_loss_scaling", "preset_name"]
+__all__ = ["PRESETS", "SCALER_TYPES", "Emulate", "PrecisionSettings", "Preset", "no_loss_scaling", "preset_name"]
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -118,6 +120,18 @@ PRESETS: dict[str, Preset] = {
 """Every preset by name (the ``precision=`` values of the app and of the plugin)."""
 
 
+SCALER_TYPES: dict[str, type[LossScaler] | None] = {
+    "dynamic": DynamicLossScaler,
+    "static": StaticLossScaler,
+    "none": None,
+}
+"""The scaler types a settings mapping may name with ``"type"`` (``scaler={"type": "dynamic", ...}``)."""
+
+ScalerArg = LossScaler | Mapping[str, Any] | Literal["auto"] | None
+"""What ``scaler=`` takes: ``"auto"``, ``None``, a scaler, or a mapping of its settings
+(see :meth:`PrecisionSettings.build`)."""
+
+
 def no_loss_scaling() -> LossScaler:
     """The scaler of a run without loss scaling: a pass-through with the scaler interface
     (``scale`` returns its input, ``step`` steps, the scale reads 1.0, nothing is skipped)."""
@@ -167,7 +181,7 @@ class PrecisionSettings:
         precision: str = "fp16",
         master_weights: bool | None = None,
         autocast: bool | None = None,
-        scaler: LossScaler | Literal["auto"] | None = "auto",
+        scaler: ScalerArg = "auto",
         emulate: str = "auto",
         skip_lr_on_overflow: bool = True,
         fp8: Fp8Recipe | dict[str, Any] | None = None,
@@ -183,14 +197,19 @@ class PrecisionSettings:
                 that fits.
             autocast: ``None`` takes the preset's value (see ``master_weights``).
             scaler: ``"auto"`` (dynamic for FP16, none for BF16/FP32), ``None`` for no loss
-                scaling, or a :class:`~amp_plugin.LossScaler`.
+                scaling, a :class:`~amp_plugin.LossScaler`, or a mapping of scaler settings
+                without a class (what a YAML file holds): ``{"hysteresis": 2}`` is merged into
+                the preset's own scaler, so one config serves every FP16 preset; ``"type"``
+                names the scaler (``{"type": "dynamic", "hysteresis": 2}``, one of
+                :data:`SCALER_TYPES`), which is required where the preset runs none (BF16, FP32).
             emulate: ``"auto"``, ``"on"`` or ``"off"``.
             skip_lr_on_overflow: whether skipped steps hold step-interval LR schedulers.
             fp8: the FP8 settings of ``precision="fp8"`` (an :class:`~amp_plugin.fp8.Fp8Recipe` or
                 its arguments as a mapping; ``None``: the defaults). Other presets refuse it.
 
         Raises:
-            ValueError: an unknown preset, a contradiction, a scaler with FP32.
+            ValueError: an unknown preset, a contradiction, a scaler with FP32, scaler settings
+                for a preset that runs no scaler and name none, a setting the scaler does not take.
             TypeError: a value of the wrong type.
         """
         name = check_choice("precision", _value(precision), PRESETS)
@@ -244,7 +263,7 @@ class PrecisionSettings:
             autocast=resolved.autocast,
             master=resolved.master,
             moments=resolved.moments,
-            scaler=_resolve_scaler(scaler, resolved.precision),
+            scaler=_resolve_scaler(scaler, resolved.precision, preset_name(resolved)),
             emulate=emulate,
             skip_lr_on_overflow=skip_lr_on_overflow,
             fp8=recipe,
@@ -294,9 +313,9 @@ class PrecisionSettings:
         prefix = "16" if self.precision == "fp16" else "bf16"
         return f"{prefix}-mixed" if self.autocast else f"{prefix}-true"
 
-    def with_scaler(self, scaler: LossScaler | None) -> PrecisionSettings:
+    def with_scaler(self, scaler: ScalerArg) -> PrecisionSettings:
         """The same settings with another scaler (``None``: no loss scaling), checked as in :meth:`build`."""
-        return replace(self, scaler=_resolve_scaler(scaler, self.precision))
+        return replace(self, scaler=_resolve_scaler(scaler, self.precision, self.preset))
 
     def describe(self, emulating: bool = False, sharded: bool = False) -> str:
         """What a run with these settings does, in a few words; ``sharded``: under FSDP2, where the
@@ -319,15 +338,18 @@ def preset_name(preset: Preset) -> str:
     return next(name for name, value in PRESETS.items() if value == preset)
 
 
-def _resolve_scaler(scaler: Any, precision: str) -> LossScaler:
+def _resolve_scaler(scaler: Any, precision: str, preset: str) -> LossScaler:
     if isinstance(scaler, str) and scaler == "auto":
         return DynamicLossScaler() if precision == "fp16" else no_loss_scaling()
     if scaler is None:
         return no_loss_scaling()
+    if isinstance(scaler, Mapping):
+        scaler = _scaler_from_settings(dict(scaler), precision, preset)
     if not isinstance(scaler, LossScaler):
         raise TypeError(
-            f"scaler={scaler!r} is not allowed: scaler must be 'auto', None (no loss scaling) or an amp_plugin "
-            "LossScaler (DynamicLossScaler, StaticLossScaler)."
+            f"scaler={scaler!r} is not allowed: scaler must be 'auto', None (no loss scaling), an amp_plugin "
+            "LossScaler (DynamicLossScaler, StaticLossScaler) or a mapping of scaler settings such as "
+            "{'hysteresis': 2}."
         )
     if precision == "fp32" and scaler.is_enabled():
         raise ValueError(
@@ -335,3 +357,35 @@ def _resolve_scaler(scaler: Any, precision: str) -> LossScaler:
             "is nothing to scale. Use scaler=None."
         )
     return scaler
+
+
+def _scaler_from_settings(settings: dict[Any, Any], precision: str, preset: str) -> LossScaler:
+    """A scaler from a mapping of its settings: ``"type"`` names it, or the preset's own is meant."""
+    shown = dict(settings)
+    kind = settings.pop("type", None)
+    if kind is None:
+        if precision == "fp16":
+            kind = "dynamic"  # the FP16 presets' own scaler
+        elif settings:
+            hint = (
+                "FP32 gradients do not underflow, so there is nothing to scale: drop the settings."
+                if precision == "fp32"
+                else f"Name a scaler type to add one (scaler={{'type': 'dynamic', ...}}; types: "
+                f"{', '.join(SCALER_TYPES)}), or drop the settings."
+            )
+            raise ValueError(
+                f"scaler={shown!r} is not allowed with precision={preset!r}: that preset runs no loss scaler, so "
+                f"there is nothing for {', '.join(map(str, settings))} to set. {hint}"
+            )
+        else:
+            return no_loss_scaling()
+    kind = check_choice("scaler.type", kind, SCALER_TYPES)
+    cls = SCALER_TYPES[kind]
+    allowed = [] if cls is None else [n for n in inspect.signature(cls).parameters if n != "enabled"]
+    unknown = [key for key in settings if key not in allowed]
+    if unknown:
+        raise ValueError(
+            f"scaler.{unknown[0]}={settings[unknown[0]]!r} is not allowed: it is not a setting of a {kind} scaler"
+            + (f" ({cls.__name__}); its settings are {', '.join(allowed)}." if cls else ": type 'none' takes none.")
+        )
+    return no_loss_scaling() if cls is None else cls(**settings)

@@ -42,7 +42,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from typing_extensions import override
 
-from amp_plugin._checks import check_int, check_number
+from amp_plugin.checks import check_int, check_number
 from amp_plugin.fsdp import shard_for_model_parallel
 from amp_plugin.lightning import pl
 from amp_plugin.recipes._sampling import train_loader

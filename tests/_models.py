@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+import tempfile
 from types import ModuleType
 
 import torch
@@ -99,8 +100,14 @@ class TinyClassifier:
         return torch.utils.data.DataLoader(tiny_data(self.n), batch_size=self.batch_size)
 
 
+# Where a quiet trainer's files go when a test names no directory (callbacks without a logger
+# write into default_root_dir, which Lightning otherwise sets to the working directory).
+_RUN_ROOT = tempfile.TemporaryDirectory(prefix="amp_plugin_tests_")
+
+
 def quiet_trainer(pl: ModuleType, **kwargs):
     defaults = dict(
+        default_root_dir=_RUN_ROOT.name,
         accelerator="cpu",
         devices=1,
         logger=False,

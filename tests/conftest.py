@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import ModuleType
 
 import pytest
@@ -11,11 +12,44 @@ from _emulation_helpers import BACKENDS, DTYPES, ids
 from amp_plugin import fused
 from amp_plugin.lightning import NAMESPACES
 
+ROOT = Path(__file__).resolve().parents[1]
+RUN_ARTEFACTS = ("grad_health.csv", "scale_events.csv", "fp8_stats.csv", "lightning_logs", "checkpoints")
+"""What a run writes into the working directory when a test forgets to name one."""
+_artefacts_before: set[str] = set()
+
 
 def pytest_sessionstart(session) -> None:
     """Build (or load) the fused kernels once, up front: the first build takes about 25 s,
     which would otherwise land inside whichever test, or training subprocess, comes first."""
+    _artefacts_before.update(name for name in RUN_ARTEFACTS if (ROOT / name).exists())
     fused.kernels()
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    """Fail the session when a test left run files in the repository: every test writes under a
+    temporary directory (``tmp_path``, or ``default_root_dir`` for a Trainer without a logger)."""
+    left = [name for name in RUN_ARTEFACTS if (ROOT / name).exists() and name not in _artefacts_before]
+    if left:
+        session.config.get_terminal_writer().line(f"Tests left run files in {ROOT}: {', '.join(left)}", red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+@pytest.fixture
+def compose_config():
+    """``configs/train.yaml`` composed as on the command line: ``compose_config(*overrides, output_dir=...)``.
+
+    ``output_dir`` defaults to a path that does not exist, for tests that compose but never run.
+    """
+    from hydra import compose, initialize_config_dir
+
+    from amp_plugin.app.schema import register_configs
+
+    def compose_train(*overrides: str, output_dir: str | Path = "/nonexistent/amp_plugin_test"):
+        register_configs()
+        with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+            return compose("train", overrides=[*overrides, f"output_dir={output_dir}"])
+
+    return compose_train
 
 
 @pytest.fixture(params=DTYPES, ids=lambda d: ids[d])

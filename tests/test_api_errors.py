@@ -73,7 +73,7 @@ CASES = [
         MixedPrecisionPlugin,
         dict(scaler=torch.amp.GradScaler("cpu")),
         TypeError,
-        "scaler must be 'auto', None (no loss scaling) or an amp_plugin LossScaler",
+        "scaler must be 'auto', None (no loss scaling), an amp_plugin LossScaler",
     ),
     (MixedPrecisionPlugin, dict(skip_lr_on_overflow=None), TypeError, "skip_lr_on_overflow=None"),
     (FaultInjector, dict(inject_inf_at=[-2]), ValueError, "inject_inf_at=[-2] is not allowed"),

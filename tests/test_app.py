@@ -14,26 +14,18 @@ import sys
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
 
 from amp_plugin.app.compare import collect_runs, format_table
 from amp_plugin.app.compare import main as compare_main
 from amp_plugin.app.plots import plot_run, read_history, write_history
 from amp_plugin.app.report import format_summary
 from amp_plugin.app.run import train
-from amp_plugin.app.schema import register_configs
 from amp_plugin.lightning import pl
 from amp_plugin.settings import PRESETS
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG_DIR = ROOT / "configs"
 QUICK = ["trainer.max_steps=3", "trainer.limit_val_batches=1", "trainer.enable_progress_bar=false"]
-
-
-def compose_config(*overrides: str, output_dir: Path):
-    register_configs()
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-        return compose("train", overrides=[*overrides, f"output_dir={output_dir}"])
 
 
 def csv_header(path: str | Path) -> list[str]:
@@ -48,7 +40,7 @@ def training_rows(path: str | Path) -> list[dict[str, str]]:
 
 
 @pytest.mark.parametrize("preset", sorted(PRESETS))
-def test_every_preset_trains_and_writes_its_outputs(tmp_path, preset, capsys):
+def test_every_preset_trains_and_writes_its_outputs(tmp_path, preset, capsys, compose_config):
     result = train(compose_config(f"precision={preset}", *QUICK, output_dir=tmp_path))
     expected = PRESETS[preset]
     plugin = result["plugin"]
@@ -85,7 +77,7 @@ def test_every_preset_trains_and_writes_its_outputs(tmp_path, preset, capsys):
 
 
 @pytest.mark.parametrize("recipe", sorted(p.stem for p in (CONFIG_DIR / "recipe").glob("*.yaml")))
-def test_every_recipe_trains_a_few_steps(tmp_path, recipe):
+def test_every_recipe_trains_a_few_steps(tmp_path, recipe, compose_config):
     overrides = [
         f"recipe={recipe}",
         "trainer.max_steps=2",
@@ -106,7 +98,7 @@ def test_every_recipe_trains_a_few_steps(tmp_path, recipe):
     "overrides, scaled",
     [(["precision=fp16_autocast"], True), (["precision=bf16", "scaler=dynamic"], True), (["precision=bf16"], False)],
 )
-def test_a_short_run_shows_its_loss_scale(tmp_path, overrides, scaled):
+def test_a_short_run_shows_its_loss_scale(tmp_path, overrides, scaled, compose_config):
     """A 20-step run logs every step; ``amp/loss_scale`` wherever there is a scaler."""
     result = train(
         compose_config(
@@ -125,7 +117,7 @@ def test_a_short_run_shows_its_loss_scale(tmp_path, overrides, scaled):
     assert ("dynamic loss scaling" in summary) == scaled and ("no loss scaling" in summary) == (not scaled)
 
 
-def test_tensorboard_logger_and_diagnostic_callbacks(tmp_path):
+def test_tensorboard_logger_and_diagnostic_callbacks(tmp_path, compose_config):
     result = train(
         compose_config(
             "logger=tensorboard",
@@ -143,14 +135,14 @@ def test_tensorboard_logger_and_diagnostic_callbacks(tmp_path):
     assert "logs" in format_summary(result)
 
 
-def test_no_callbacks_still_summarizes_and_plots(tmp_path):
+def test_no_callbacks_still_summarizes_and_plots(tmp_path, compose_config):
     result = train(compose_config("callbacks=none", *QUICK, output_dir=tmp_path))
     assert result["paths"]["last_checkpoint"] is None and not (tmp_path / "checkpoints").exists()
     assert result["loss_scale"]["end"] == 2.0**16 and result["skipped_steps"] == 0
     assert (tmp_path / "training_curves.png").is_file()
 
 
-def test_resume_from_checkpoint_continues_step_count_and_loss_scale(tmp_path):
+def test_resume_from_checkpoint_continues_step_count_and_loss_scale(tmp_path, compose_config):
     # growth_interval=2 makes the scale move, so a resume that forgot it would show.
     first = train(
         compose_config(
@@ -181,7 +173,7 @@ def test_resume_from_checkpoint_continues_step_count_and_loss_scale(tmp_path):
     assert "resumed at step 6" in format_summary(second)
 
 
-def test_resume_past_max_steps_is_rejected_before_training(tmp_path):
+def test_resume_past_max_steps_is_rejected_before_training(tmp_path, compose_config):
     from amp_plugin.app.validation import ConfigError
 
     first = train(compose_config(*QUICK, output_dir=tmp_path / "a"))

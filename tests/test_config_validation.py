@@ -15,40 +15,20 @@ from pathlib import Path
 
 import pytest
 from _cli_batch import clean_env, run_batch
-from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, ValidationError
 
 from amp_plugin import DynamicLossScaler, StaticLossScaler
 from amp_plugin.app.build import build, prepare
-from amp_plugin.app.schema import register_configs
 from amp_plugin.app.validation import ConfigError, validate
 from amp_plugin.settings import PRESETS
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG_DIR = ROOT / "configs"
 RECIPES = sorted(p.stem for p in (CONFIG_DIR / "recipe").glob("*.yaml"))
-DEFAULT_SCALER = {
-    "fp16": "dynamic",
-    "fp16_autocast": "dynamic",
-    "fp16_pure": "dynamic",
-    "bf16": "none",
-    "bf16_autocast": "none",
-    "bf16_pure": "none",
-    "bf16_split": "none",
-    "bf16_lean": "none",
-    "bf16_sr": "none",
-    "fp8": "none",
-    "fp32": "none",
-}
-
-
-def compose_config(*overrides: str, output_dir: str | Path = "/nonexistent/amp_plugin_test"):
-    """``configs/train.yaml`` composed with ``overrides`` (as on the command line)."""
-    register_configs()
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-        return compose("train", overrides=[*overrides, f"output_dir={output_dir}"])
+# The documented rule: the FP16 presets scale the loss dynamically, the others do not.
+DEFAULT_SCALER = {name: "dynamic" if preset.precision == "fp16" else "none" for name, preset in PRESETS.items()}
 
 
 def test_config_groups_match_the_design():
@@ -61,7 +41,7 @@ def test_config_groups_match_the_design():
     assert "default" in groups["trainer"]
 
 
-def test_default_config_is_fp16_dynamic_digits():
+def test_default_config_is_fp16_dynamic_digits(compose_config):
     cfg = compose_config()
     settings = prepare(cfg)
     assert (settings.preset, settings.precision, settings.master_weights, settings.scaling) == (
@@ -84,7 +64,7 @@ def test_default_config_is_fp16_dynamic_digits():
         (["precision=fp16", "scaler=none"], "none"),
     ],
 )
-def test_explicit_scaler_on_the_command_line_wins(overrides, expected):
+def test_explicit_scaler_on_the_command_line_wins(overrides, expected, compose_config):
     assert prepare(compose_config(*overrides)).scaling == expected
 
 
@@ -98,14 +78,14 @@ def test_explicit_scaler_on_the_command_line_wins(overrides, expected):
         (["precision=fp16_pure", "precision.master_weights=false"], "fp16_pure"),  # agrees with the preset
     ],
 )
-def test_precision_keys_follow_the_library_rules(overrides, preset):
+def test_precision_keys_follow_the_library_rules(overrides, preset, compose_config):
     """``precision.master_weights``/``autocast`` mean what they mean in ``MixedPrecisionPlugin``."""
     assert prepare(compose_config(*overrides)).preset == preset
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("preset", sorted(PRESETS))
-def test_every_preset_and_recipe_instantiates(preset, recipe):
+def test_every_preset_and_recipe_instantiates(preset, recipe, compose_config):
     from amp_plugin.lightning.plugin import MixedPrecisionPlugin
 
     run = build(compose_config(f"precision={preset}", f"recipe={recipe}"))
@@ -126,7 +106,7 @@ def test_every_preset_and_recipe_instantiates(preset, recipe):
     assert run.trainer.precision_plugin is plugin
 
 
-def test_scaler_settings_reach_the_scaler():
+def test_scaler_settings_reach_the_scaler(compose_config):
     settings = prepare(
         compose_config(
             "scaler.init_scale=1024",
@@ -160,7 +140,7 @@ def test_scaler_settings_reach_the_scaler():
         ("strategy", "fsdp"),
     ],
 )
-def test_every_group_option_composes_and_builds(group, option):
+def test_every_group_option_composes_and_builds(group, option, compose_config):
     run = build(compose_config(f"{group}={option}", "trainer.accelerator=cpu"))
     if group == "strategy":
         expected = {"auto": "SingleDeviceStrategy", "ddp": "DDPStrategy", "fsdp": "ModelParallelStrategy"}[option]
@@ -176,7 +156,7 @@ def test_every_group_option_composes_and_builds(group, option):
 @pytest.mark.parametrize(
     "max_steps, configured, used", [(3, None, 1), (100, None, 1), (101, None, 10), (-1, None, 10), (20, 5, 5)]
 )
-def test_short_runs_log_every_step(max_steps, configured, used):
+def test_short_runs_log_every_step(max_steps, configured, used, compose_config):
     run = build(compose_config(f"trainer.max_steps={max_steps}", f"trainer.log_every_n_steps={configured or 'null'}"))
     assert run.trainer.log_every_n_steps == used
 
@@ -242,7 +222,7 @@ BAD_VALUES = [
 
 
 @pytest.mark.parametrize("overrides, expected", BAD_VALUES, ids=[" ".join(o) for o, _ in BAD_VALUES])
-def test_bad_values_are_rejected_with_the_key_and_what_is_allowed(overrides, expected):
+def test_bad_values_are_rejected_with_the_key_and_what_is_allowed(overrides, expected, compose_config):
     with pytest.raises(ConfigError) as info:
         build(compose_config(*overrides))
     message = str(info.value)
@@ -262,14 +242,14 @@ BAD_CHOICES = [
 
 
 @pytest.mark.parametrize("overrides, key, allowed", BAD_CHOICES, ids=[" ".join(o) for o, _, _ in BAD_CHOICES])
-def test_values_outside_a_choice_fail_while_composing(overrides, key, allowed):
+def test_values_outside_a_choice_fail_while_composing(overrides, key, allowed, compose_config):
     with pytest.raises(ConfigCompositionException) as info:
         compose_config(*overrides)
     text = str(info.value.__cause__)
     assert f"full_key: {key}" in text and f"expected one of {allowed}" in text
 
 
-def test_a_fault_step_past_max_steps_warns():
+def test_a_fault_step_past_max_steps_warns(compose_config):
     with pytest.warns(UserWarning, match=r"fault.inject_inf_at=\[3,30\]: step 30 is at or past trainer.max_steps=20"):
         validate(compose_config("trainer.max_steps=20", "+fault.inject_inf_at=[3,30]"))
 
@@ -288,7 +268,7 @@ BAD_TYPES = [
 
 
 @pytest.mark.parametrize("overrides, key", BAD_TYPES, ids=[" ".join(o) for o, _ in BAD_TYPES])
-def test_wrong_types_and_unknown_keys_fail_while_composing(overrides, key):
+def test_wrong_types_and_unknown_keys_fail_while_composing(overrides, key, compose_config):
     with pytest.raises((ConfigCompositionException, ValidationError, ConfigKeyError)) as info:
         compose_config(*overrides)
     text = str(info.value) + str(info.value.__cause__ or "")
@@ -296,7 +276,7 @@ def test_wrong_types_and_unknown_keys_fail_while_composing(overrides, key):
 
 
 @pytest.mark.parametrize("option", ["fp17", "FP16"])
-def test_unknown_preset_lists_the_choices(option):
+def test_unknown_preset_lists_the_choices(option, compose_config):
     with pytest.raises(ConfigCompositionException) as info:
         compose_config(f"precision={option}")
     message = str(info.value)
@@ -305,7 +285,7 @@ def test_unknown_preset_lists_the_choices(option):
         assert preset in message
 
 
-def test_recipe_arguments_are_checked_by_the_recipe():
+def test_recipe_arguments_are_checked_by_the_recipe(compose_config):
     with pytest.raises(ConfigError, match=r"recipe.lr='abc' is not allowed: lr must be a finite number > 0"):
         build(compose_config("recipe.lr=abc"))
     with pytest.raises(ConfigError, match=r"recipe.hidden_sizes=\['a'\] is not allowed"):
@@ -320,7 +300,7 @@ def test_recipe_arguments_are_checked_by_the_recipe():
         build(compose_config("recipe._target_=collections.OrderedDict", "~recipe.lr"))
 
 
-def test_unreadable_checkpoint_is_a_config_error(tmp_path):
+def test_unreadable_checkpoint_is_a_config_error(tmp_path, compose_config):
     from amp_plugin.app.run import train
 
     bad = tmp_path / "broken.ckpt"
@@ -439,7 +419,7 @@ def test_console_script_finds_the_configs(monkeypatch, tmp_path):
     assert Path(config_dir()) == mine
 
 
-def test_composed_config_round_trips_to_yaml():
+def test_composed_config_round_trips_to_yaml(compose_config):
     cfg = compose_config("precision=bf16", "scaler=static")
     text = OmegaConf.to_yaml(cfg)
     assert "amp_plugin.StaticLossScaler" in text and "precision: bf16" in text
@@ -482,7 +462,7 @@ def test_a_bad_command_line_fails_before_lightning_is_imported(tmp_path):
     assert "Invalid configuration: scaler.growth_factor=0.5 is not allowed" in proc.stderr
 
 
-def test_one_cli_run_validates_once(tmp_path, monkeypatch):
+def test_one_cli_run_validates_once(tmp_path, monkeypatch, compose_config):
     from amp_plugin.app import build as build_module
     from amp_plugin.app.cli import run_job
 

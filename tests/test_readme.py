@@ -36,14 +36,14 @@ def test_the_plain_loop_trains_and_holds_the_schedule_on_skipped_steps():
 
 
 @pytest.mark.parametrize("package", ["lightning", "pytorch_lightning"])
-def test_the_lightning_example_runs(package):
+def test_the_lightning_example_runs(package, tmp_path):
     pl = pytest.importorskip(f"{package}.pytorch" if package == "lightning" else package)
     code = block('MixedPrecisionPlugin("fp16"')
     if package == "pytorch_lightning":  # the comment's alternative
         code = code.replace("import lightning as L", "import pytorch_lightning as L")
     code = code.replace(
         "L.Trainer(",
-        "L.Trainer(max_steps=3, logger=False, enable_checkpointing=False, "
+        f"L.Trainer(max_steps=3, logger=False, enable_checkpointing=False, default_root_dir={str(tmp_path)!r}, "
         "enable_progress_bar=False, enable_model_summary=False, ",
     )
     model = as_lightning(pl, TinyClassifier)()
@@ -56,7 +56,10 @@ def test_the_lightning_example_runs(package):
 def test_the_docs_name_tests_and_files_that_exist():
     """Every ``tests/...py::test_name`` and every tests/ or benchmarks/ file the docs cite is there."""
     root = Path(__file__).resolve().parents[1]
-    docs = "".join((root / name).read_text() for name in ("README.md", "BENCHMARKS.md", "RELIABILITY.md"))
+    pages = [root / name for name in ("README.md", "BENCHMARKS.md", "RELIABILITY.md")] + sorted(
+        (root / "docs").glob("*.md")
+    )
+    docs = "".join(page.read_text() for page in pages)
     cited = re.findall(r"(tests/[\w/]+\.py)::(\w+)", docs)
     assert len(cited) > 20  # the Guarantees table names its tests
     missing = [

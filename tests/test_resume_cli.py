@@ -115,17 +115,7 @@ def test_sigkill_then_resume_is_bit_exact(tmp_path):
         assert (full_dir / name).read_text() == (resumed_dir / name).read_text(), name
 
 
-def compose_config(*overrides: str, output_dir: Path):
-    from hydra import compose, initialize_config_dir
-
-    from amp_plugin.app.schema import register_configs
-
-    register_configs()
-    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
-        return compose(
-            "train",
-            overrides=[*overrides, "trainer.enable_progress_bar=false", "plot=false", f"output_dir={output_dir}"],
-        )
+QUIET = ["trainer.enable_progress_bar=false", "plot=false"]
 
 
 @pytest.mark.slow
@@ -134,12 +124,17 @@ def compose_config(*overrides: str, output_dir: Path):
     reason="Lightning 2.6 counts the epoch twice when resuming from a checkpoint "
     "written in on_train_epoch_end, so set_epoch() replays the order of the wrong epoch",
 )
-def test_resume_from_an_epoch_end_checkpoint_is_bit_exact(tmp_path):
+def test_resume_from_an_epoch_end_checkpoint_is_bit_exact(tmp_path, compose_config):
     """Pins a known limitation: the default callbacks' per-epoch checkpoints do not resume exactly."""
     from amp_plugin.app.run import train
 
     k = epoch_length()
-    common = [f"trainer.max_steps={2 * k}", "callbacks.model_checkpoint.save_top_k=-1", "trainer.limit_val_batches=1"]
+    common = [
+        f"trainer.max_steps={2 * k}",
+        "callbacks.model_checkpoint.save_top_k=-1",
+        "trainer.limit_val_batches=1",
+        *QUIET,
+    ]
     train(compose_config(*common, output_dir=tmp_path / "full"))
     first = tmp_path / "full" / "checkpoints" / f"epoch0-step{k}.ckpt"
     train(compose_config(*common, f"ckpt_path={first}", output_dir=tmp_path / "resumed"))
@@ -162,10 +157,10 @@ def _crashing_save(real_save):
     return save
 
 
-def test_a_checkpoint_write_that_fails_halfway_leaves_the_previous_one(tmp_path, monkeypatch):
+def test_a_checkpoint_write_that_fails_halfway_leaves_the_previous_one(tmp_path, monkeypatch, compose_config):
     from amp_plugin.app.run import train
 
-    result = train(compose_config("trainer.max_steps=3", "trainer.limit_val_batches=1", output_dir=tmp_path))
+    result = train(compose_config("trainer.max_steps=3", "trainer.limit_val_batches=1", *QUIET, output_dir=tmp_path))
     trainer = result["trainer"]
     assert isinstance(trainer.strategy.checkpoint_io, AtomicCheckpointIO)  # what train.py saves with
     folder = tmp_path / "checkpoints"

@@ -173,7 +173,7 @@ more than the conversion. So, inside a context, the FP32 size of the largest
 operands stays allocated (one buffer per operand position).
 """
 
-from amp_plugin.emulation._common import HALF_DTYPES
+from amp_plugin.dtypes import HALF_DTYPES
 from amp_plugin.emulation._context import CpuHalfEmulation, should_emulate
 from amp_plugin.emulation._cpu import CpuFeatures, CpuPath, cpu_features, cpu_half_path
 from amp_plugin.emulation._ops import EMULATED_OPS

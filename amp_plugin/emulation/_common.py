@@ -11,12 +11,9 @@ import torch
 if TYPE_CHECKING:
     from amp_plugin.emulation._backends import _EmulationMode
 
-__all__ = ["HALF_DTYPES", "Handler"]
+__all__ = ["Handler"]
 
-HALF_DTYPES: frozenset = frozenset({torch.float16, torch.bfloat16})
-"""The dtypes :class:`CpuHalfEmulation` emulates."""
 
-_HALF = HALF_DTYPES
 _PASS = object()  # handler result meaning "not emulated, run the native kernel"
 _CPU_KEYSET = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
 # bit of each dtype in the mask the C++ kernels get (emulate.cpp's kHalfBit / kBFloat16Bit)

@@ -7,6 +7,7 @@ from collections.abc import Iterable
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
+from amp_plugin.dtypes import HALF_DTYPES
 from amp_plugin.emulation._backends import (
     _KERNEL_BACKEND_AVAILABLE,
     _active_mode,
@@ -15,7 +16,7 @@ from amp_plugin.emulation._backends import (
     _KernelOverrides,
     native_sync,
 )
-from amp_plugin.emulation._common import _DTYPE_ALIASES, _HALF, _state
+from amp_plugin.emulation._common import _DTYPE_ALIASES, _state
 from amp_plugin.emulation._cpu import _as_half_dtype, cpu_half_path
 
 __all__ = ["CpuHalfEmulation", "should_emulate"]
@@ -218,9 +219,9 @@ class CpuHalfEmulation:
 
 def _parse_dtypes(dtypes) -> frozenset:
     if dtypes is None:
-        return _HALF
+        return HALF_DTYPES
     if isinstance(dtypes, str) and dtypes.strip().lower() == "auto":
-        return frozenset(dt for dt in _HALF if not cpu_half_path(dt).native)
+        return frozenset(dt for dt in HALF_DTYPES if not cpu_half_path(dt).native)
     if isinstance(dtypes, (str, torch.dtype)):
         dtypes = (dtypes,)
     try:
@@ -263,4 +264,4 @@ def should_emulate(device: torch.device | str | int | None, dtype: torch.dtype |
         device = torch.device("cuda", device)
     else:
         device = torch.device(device)
-    return device.type == "cpu" and dtype in _HALF and not cpu_half_path(dtype).native
+    return device.type == "cpu" and dtype in HALF_DTYPES and not cpu_half_path(dtype).native

@@ -9,10 +9,8 @@ import torch
 from amp_plugin.emulation._attention import sdpa_backward, sdpa_forward
 from amp_plugin.emulation._common import (  # noqa: F401  (re-exported for the backends and tests)
     _CPU_KEYSET,
-    _HALF,
     _PASS,
     _SCRATCH_MIN_NUMEL,
-    HALF_DTYPES,
     Handler,
     _count,
     _give_scratch,

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from amp_plugin._checks import check_choice, check_int, check_number
+from amp_plugin.checks import check_choice, check_int, check_number
 from amp_plugin.fp8.formats import FORMATS
 
 __all__ = [

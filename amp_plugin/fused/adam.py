@@ -34,6 +34,8 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
+from amp_plugin.dtypes import HALF_DTYPES
+
 __all__ = [
     "adam_ineligible",
     "adam_step",
@@ -43,8 +45,6 @@ __all__ = [
     "unscale_fits",
     "unscale_into",
 ]
-
-_HALF = (torch.float16, torch.bfloat16)
 
 
 def unscale_fits(half_grads: list[torch.Tensor], out: list[torch.Tensor]) -> bool:
@@ -101,7 +101,7 @@ def adam_ineligible(optimizer: Optimizer, masters_to_come: bool = False, device_
         for p in group["params"]:
             if device_type is not None and p.device.type != device_type:
                 return f"the fused step needs its parameters on the {device_type.upper()}"
-            if (masters_to_come and p.dtype in _HALF) or hasattr(p, "_amp_model"):
+            if (masters_to_come and p.dtype in HALF_DTYPES) or hasattr(p, "_amp_model"):
                 continue  # a master to come, or one made by MasterWeightOptimizer (its kind's layout)
             if p.dtype != torch.float32 or not p.is_contiguous():
                 return "the fused step needs FP32 parameters (kept as their own master) to be contiguous"

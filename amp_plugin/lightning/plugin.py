@@ -30,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections.abc import Callable, Generator
-from typing import TYPE_CHECKING, Any, Literal, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import Tensor
@@ -51,7 +51,7 @@ from amp_plugin.lightning.recovery import save_last_good
 from amp_plugin.master_weights import MasterWeightOptimizer
 from amp_plugin.master_weights._parameter import WRAPPED
 from amp_plugin.scaler import LossScaler
-from amp_plugin.settings import PrecisionSettings
+from amp_plugin.settings import PrecisionSettings, ScalerArg
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -80,7 +80,10 @@ class MixedPrecisionPlugin(Precision):
             ``master_weights=False, autocast=False`` is pure half precision (``16-true``).
             With ``precision="fp32"`` both are ignored.
         scaler: ``"auto"`` (default: ``DynamicLossScaler()`` for FP16, none for BF16/FP32),
-            ``None`` for no loss scaling, or a :class:`~amp_plugin.LossScaler`.
+            ``None`` for no loss scaling, a :class:`~amp_plugin.LossScaler`, or a mapping of
+            scaler settings (a YAML config's ``scaler: {hysteresis: 2}``): merged into the
+            preset's own scaler; ``"type": "dynamic"|"static"`` names one, which a preset
+            without a scaler (BF16, FP32) requires.
         emulate: ``"auto"`` picks, per dtype and CPU, the path that is faithful (products
             summed in FP32, rounded once, as on GPU Tensor Cores) and fastest
             (:func:`~amp_plugin.emulation.cpu_half_path`): native oneDNN BF16 on
@@ -111,7 +114,7 @@ class MixedPrecisionPlugin(Precision):
         precision: str = "fp16",
         master_weights: bool | None = None,
         autocast: bool | None = None,
-        scaler: LossScaler | Literal["auto"] | None = "auto",
+        scaler: ScalerArg = "auto",
         emulate: str = "auto",
         skip_lr_on_overflow: bool = True,
         fp8: Fp8Recipe | dict[str, Any] | None = None,

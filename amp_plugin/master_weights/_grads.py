@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from amp_plugin.dtypes import HALF_DTYPES
 from amp_plugin.master_weights._parameter import set_grad
 
 if TYPE_CHECKING:
@@ -69,7 +70,7 @@ def unscaled_copy(grad: torch.Tensor, inv_scale: torch.Tensor | None, ops: Any |
         and ops is not None
         and grad.device.type == "cpu"
         and grad.is_contiguous()
-        and grad.dtype in (torch.float16, torch.bfloat16)
+        and grad.dtype in HALF_DTYPES
     ):
         ops.unscale_into_([grad], [out], torch.zeros((), dtype=torch.float32), inv_scale.float())
         return out

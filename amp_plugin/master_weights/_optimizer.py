@@ -12,6 +12,7 @@ import torch
 from torch.optim import Optimizer
 
 from amp_plugin import fused as _fused
+from amp_plugin.dtypes import HALF_DTYPES
 from amp_plugin.fused import adam as _adam
 from amp_plugin.master_weights import _accumulate, _checkpoint
 from amp_plugin.master_weights._grads import (
@@ -46,7 +47,6 @@ from amp_plugin.scaler import unscale_grouped
 
 __all__ = ["FUSED_MODES", "MASTER_KINDS", "MasterWeightOptimizer"]
 
-_HALF = (torch.float16, torch.bfloat16)
 MASTER_KINDS = ("fp32", "bf16_split", "stochastic")  # the built-in kinds (_kinds.KINDS may hold more)
 FUSED_MODES = (None, True, False, "torch")
 InvScaleOn = Callable[[torch.device], torch.Tensor]
@@ -374,7 +374,7 @@ class MasterWeightOptimizer(Optimizer):
                 continue
             if grad.is_sparse or not grad.is_contiguous():
                 single.append(i)  # one by one: a coalesced sparse copy, or a contiguous one
-            elif ops is not None and grad.is_cpu and grad.dtype in _HALF:
+            elif ops is not None and grad.is_cpu and grad.dtype in HALF_DTYPES:
                 checked.append(grad)  # stays pending: the step reads it
             else:
                 eager.append(i)
@@ -495,7 +495,7 @@ class MasterWeightOptimizer(Optimizer):
         params = group["params"]
         kind = self._kind
         for i, p in enumerate(params):
-            if p.dtype in _HALF:
+            if p.dtype in HALF_DTYPES:
                 record = MASTERS.get(p)
                 if record is None:
                     record = MASTERS[p] = kind.new_record(p)
@@ -608,7 +608,7 @@ class MasterWeightOptimizer(Optimizer):
             if (
                 grad.is_sparse
                 or not grad.is_contiguous()
-                or grad.dtype not in _HALF
+                or grad.dtype not in HALF_DTYPES
                 or (only_unreadable and not grad.is_cpu)
             ):
                 grads[i] = unscaled_copy(grad, session.inv_on(grad.device), session.ops)
@@ -647,7 +647,7 @@ class MasterWeightOptimizer(Optimizer):
                 self.optimizer._opt_called = True  # type: ignore[attr-defined]
                 self._record_versions(grads)
                 return None
-            pending = [i for i in pending if (g := grads[i]) is not None and g.dtype in _HALF]
+            pending = [i for i in pending if (g := grads[i]) is not None and g.dtype in HALF_DTYPES]
         self._to_fp32(session, grads, pending)
         touched = session.touched  # the wrapped optimizer's own step reads the masters' .grad
         for i, (master, grad) in enumerate(zip(masters, grads)):

@@ -19,9 +19,10 @@ from typing import Any, Protocol, SupportsIndex, TypeVar, cast
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from amp_plugin.dtypes import HALF_DTYPES
+
 __all__ = ["MasterParameter"]
 
-_HALF = (torch.float16, torch.bfloat16)
 _T = TypeVar("_T")
 
 
@@ -242,7 +243,7 @@ def resync(model_p: torch.Tensor, record: Record) -> None:
 
     like = record.master
     if (
-        model_p.dtype not in _HALF
+        model_p.dtype not in HALF_DTYPES
         or model_p.shape != like.shape
         or model_p.device != like.device
         or (record.kind != "fp32" and model_p.dtype is not torch.bfloat16)

@@ -9,6 +9,7 @@ import torch
 from torch.optim import Optimizer
 
 from amp_plugin import fused as _fused
+from amp_plugin.dtypes import HALF_DTYPES
 from amp_plugin.fused import adam as _adam
 
 __all__ = [
@@ -21,8 +22,6 @@ __all__ = [
     "refuse_dtensors",
     "upcast_state",
 ]
-
-_HALF = (torch.float16, torch.bfloat16)
 
 
 def check_fused_possible(optimizer: Optimizer, fused: bool | str) -> None:
@@ -122,7 +121,7 @@ def upcast_state(value: Any, param: torch.Tensor, moments_dtype: torch.dtype = t
     if value.shape == param.shape and value.dim() > 0:  # per-element state: laid out like the master
         dtype = moments_dtype if value.is_floating_point() else value.dtype
         return value.to(dtype, memory_format=torch.contiguous_format)
-    return value.float() if value.dtype in _HALF else value
+    return value.float() if value.dtype in HALF_DTYPES else value
 
 
 def flag(found: dict[torch.device, torch.Tensor], device: torch.device) -> torch.Tensor:

@@ -10,6 +10,7 @@ import torch
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from amp_plugin.dtypes import FP16_MAX, FP16_MIN_NORMAL
 from amp_plugin.fsdp import local_grad, reduce_stats
 from amp_plugin.lightning._namespace import Callback, rank_zero_info
 from amp_plugin.lightning.callbacks._common import CsvLog, find_plugin
@@ -21,10 +22,6 @@ if TYPE_CHECKING:
 
 __all__ = ["FP16_MAX", "FP16_MIN_NORMAL", "GradientHealthMonitor", "ParamGradHealth"]
 
-FP16_MAX = 65504.0
-"""The largest finite FP16 value."""
-FP16_MIN_NORMAL = 2.0**-14
-"""The smallest normal FP16 value (about 6.1e-5); below it FP16 is subnormal, then zero."""
 
 HEADER = (
     "step",

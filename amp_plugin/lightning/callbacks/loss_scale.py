@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from typing_extensions import override
 
-from amp_plugin._checks import check_number
+from amp_plugin.checks import check_number
 from amp_plugin.dynamic_scaler import LossScaleCollapseError
 from amp_plugin.lightning._namespace import Callback, rank_zero_info
 from amp_plugin.lightning.callbacks._common import CsvLog, find_plugin

@@ -1,4 +1,4 @@
-"""Argument checks shared by the public constructors.
+"""Argument checks shared by the public constructors, and public for recipe authors.
 
 Every check raises ``ValueError`` (or ``TypeError`` for a wrong type) whose message names the
 argument, repeats the value it got and says what is allowed, so a typo in a config file is
