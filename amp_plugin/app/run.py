@@ -24,7 +24,6 @@ Files of a run (``cfg.output_dir``, the Hydra run directory; see also
 
 from __future__ import annotations
 
-import math
 import os
 import tempfile
 import time
@@ -120,26 +119,22 @@ def train(cfg: DictConfig, settings: PrecisionSettings | None = None) -> dict[st
 
 
 STALLED_STEPS = 10
-"""A run that ends with this many skipped steps in a row (or more than half of its steps) failed."""
+"""A run that ends with this many skipped steps in a row (or more than half of its steps) at the scaler's
+``min_scale`` failed: the scale cannot back off further, so nothing will train again."""
 
 
 def failed_training(summary: dict[str, Any], scaler: Any) -> str | None:
     """Why a run that reached its last step did not train, or None: it ended on a streak of skipped
-    steps (:data:`STALLED_STEPS` or more, or more than half of the run's steps), or the final
-    weights give a non-finite validation loss."""
+    steps at ``min_scale`` (:data:`STALLED_STEPS` or more, or more than half of the run's steps)."""
     steps, streak = int(summary["steps"]), int(getattr(scaler, "consecutive_skips", 0))
-    if steps > 0 and (streak >= STALLED_STEPS or streak > steps / 2):
+    floor = getattr(scaler, "min_scale", None)
+    stuck = floor is not None and scaler.is_enabled() and scaler.get_scale() <= floor  # it cannot back off further
+    if steps > 0 and stuck and (streak >= STALLED_STEPS or streak > steps / 2):
         first = int(summary["global_step"]) - streak
         return (
             f"the last {streak} of its {steps} steps were all skipped (every step from step {first} on overflowed), "
             f"so nothing has trained since step {first}; the loss scale is {scaler.get_scale():g}. Resume from a "
             "checkpoint before that step with a lower recipe.lr, or look for inf/NaN in the data and the loss."
-        )
-    loss = summary["final_metrics"].get("val/loss")
-    if loss is not None and not math.isfinite(loss):
-        return (
-            f"the final weights give val/loss={loss}: the run ends with weights that compute inf/NaN. Resume from an "
-            "earlier checkpoint with a lower recipe.lr, or look for inf/NaN in the data."
         )
     return None
 

@@ -233,6 +233,7 @@ def check_empty(directory: str, key: str) -> None:
 def write_run_id(directory: str | os.PathLike[str], run: str) -> None:
     """Record ``run`` as the id of the run writing into ``directory`` (:data:`RUN_FILE`)."""
     path = Path(directory) / RUN_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)  # train() outside Hydra: nothing created it yet
     tmp = path.with_name(f"{RUN_FILE}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps({"run_id": run, "started": time.strftime("%Y-%m-%d %H:%M:%S")}) + "\n")
     os.replace(tmp, path)
