@@ -226,6 +226,20 @@ BAD_ARGS = [
         "recipe.optimizer",
     ),
     ("a finished run's directory", ["hydra.run.dir=good", "trainer.max_steps=3"], "hydra.run.dir"),
+    ("val_check_interval 0", ["trainer.val_check_interval=0"], "trainer.val_check_interval"),
+    ("gradient_clip_val nan", ["trainer.gradient_clip_val=nan"], "trainer.gradient_clip_val"),
+    ("limit_train_batches 0", ["trainer.limit_train_batches=0"], "trainer.limit_train_batches"),
+    ("max_epochs 0", ["trainer.max_steps=-1", "trainer.max_epochs=0"], "trainer.max_epochs"),
+    ("num_nodes 2 without a cluster", ["trainer.num_nodes=2", "strategy=ddp"], "trainer.num_nodes"),
+    ("checkpoint with a NaN loss scale", ["ckpt_path=nan_scale.ckpt", "trainer.max_steps=9"], "ckpt_path"),
+    ("checkpoint with 64 flipped bytes", ["ckpt_path=flipped.ckpt", "trainer.max_steps=9"], "ckpt_path"),
+    (
+        "another run's checkpoint, resumed in place",
+        ["ckpt_path=good/checkpoints/other.ckpt", "hydra.run.dir=good", "trainer.max_steps=9"],
+        "ckpt_path",
+    ),
+    ("overwrite=true over a user's files", ["overwrite=true", "hydra.run.dir=userfiles"], "overwrite=true"),
+    ("empty hydra.run.dir", ["hydra.run.dir="], "hydra.run.dir"),
 ]
 
 
@@ -235,11 +249,39 @@ def _prepare_bad_inputs(work: Path) -> None:
     good = run(["trainer.max_steps=4", "trainer.limit_val_batches=1", *QUIET, "hydra.run.dir=good"], work)
     if good.returncode != 0:
         raise RuntimeError(good.stderr[-2000:])
-    data = (work / "good" / "checkpoints" / "last.ckpt").read_bytes()
+    other = run(["trainer.max_steps=4", "seed=1", *QUIET, "hydra.run.dir=other"], work)
+    if other.returncode != 0:
+        raise RuntimeError(other.stderr[-2000:])
+    last = work / "good" / "checkpoints" / "last.ckpt"
+    data = last.read_bytes()
     (work / "truncated.ckpt").write_bytes(data[: len(data) // 2])
     torch.save({"weights": torch.zeros(3)}, work / "plain.ckpt")
+    flip_tensor_bytes(last, work / "flipped.ckpt")
+    checkpoint = load(last)
+    checkpoint["amp_plugin"]["scaler"]["scale"] = float("nan")
+    checkpoint.pop("amp_plugin_checksum")
+    torch.save(checkpoint, work / "nan_scale.ckpt")
+    shutil.copy(work / "other" / "checkpoints" / "last.ckpt", work / "good" / "checkpoints" / "other.ckpt")
+    for name in ("logs/notes.txt", "checkpoints/pretrained.pt"):
+        (work / "userfiles" / name).parent.mkdir(parents=True, exist_ok=True)
+        (work / "userfiles" / name).write_text("the user's\n")
     for name in ("logs_ro", "ckpt_ro"):
         (work / name / ("logs" if name == "logs_ro" else "checkpoints")).mkdir(parents=True)
+
+
+def flip_tensor_bytes(src: Path, dst: Path, count: int = 64) -> None:
+    """Flip ``count`` bytes in the middle of the checkpoint's largest tensor (``torch.load`` checks no tensor data)."""
+    import zipfile
+
+    with zipfile.ZipFile(src) as archive:
+        entry = max((i for i in archive.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
+    data = bytearray(src.read_bytes())
+    header = entry.header_offset  # the local file header: 30 bytes, then the name and the extra field
+    start = header + 30 + int.from_bytes(data[header + 26 : header + 28], "little")
+    start += int.from_bytes(data[header + 28 : header + 30], "little") + max(0, entry.file_size // 2 - count // 2)
+    for i in range(start, start + min(count, entry.file_size)):
+        data[i] ^= 0xFF
+    dst.write_bytes(bytes(data))
 
 
 def _clear(output: str, proc_code: int, named: str, run_dir: Path | None) -> tuple[bool, str]:
@@ -310,15 +352,18 @@ def bad_inputs(work: Path) -> list[dict[str, Any]]:
         "AMP_PLUGIN_CONFIG_DIR",
         None,
     )
+    (work / "run_ro").mkdir()
     for name, sub, key in (
         ("logs_ro", "logs", "logger.save_dir"),
         ("ckpt_ro", "checkpoints", "callbacks.model_checkpoint.dirpath"),
+        ("run_ro", "", "hydra.run.dir"),
     ):
         target = work / name / sub
         if not _read_only(target):
             continue
         try:
-            record(f"read-only {sub}/", run([*TINY, f"hydra.run.dir={work / name}"], work), key, work / name)
+            what = f"read-only {sub}/" if sub else "read-only run directory"
+            record(what, run([*TINY, f"hydra.run.dir={work / name}"], work), key, work / name)
         finally:
             _writable(target)
     # Damaged files for amp-compare.
@@ -623,6 +668,173 @@ def concurrent(work: Path) -> dict[str, Any]:
     }
 
 
+def stalled(work: Path) -> dict[str, Any]:
+    """Every step from step 1 on overflows and ``on_min_scale=skip`` keeps skipping to the last step."""
+    run_dir = work / "stalled"
+    a = run(
+        [
+            "+fault.inject_inf_from=1",
+            "scaler.on_min_scale=skip",
+            "scaler.init_scale=4",
+            "scaler.min_scale=1",
+            "trainer.max_steps=12",
+            "trainer.limit_val_batches=1",
+            *QUIET,
+            f"hydra.run.dir={run_dir}",
+        ],
+        work,
+    )
+    summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").is_file() else {}
+    failed = (
+        a.returncode == 1
+        and "Traceback" not in a.stderr
+        and summary.get("status") == "failed"
+        and "were all skipped" in (run_dir / "FAILED").read_text()
+    )
+    return {
+        "fault": "every step skipped from step 1 on",
+        "lost": not failed,
+        "resume_exact": None,
+        "how": f"exit {a.returncode}, summary.json status {summary.get('status')!r}, FAILED: the last 11 of its 12 "
+        "steps were all skipped (before: exit 0, status ok)",
+    }
+
+
+def _hold(directory: Path) -> subprocess.Popen:
+    code = (
+        "import sys, time; from amp_plugin.app import rundir; rundir.claim(sys.argv[1]); "
+        "print('held', flush=True); time.sleep(300)"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, str(directory)], cwd=ROOT, env=_env(), stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def live_sweep(work: Path) -> dict[str, Any]:
+    """A sweep (with and without overwrite=true) whose job directory ``0`` is a live run's."""
+    sweep = work / "sweep"
+    live = sweep / "0"
+    (live / ".hydra").mkdir(parents=True)
+    (live / ".hydra" / "config.yaml").write_text("precision: fp16\n")
+    for name in ("logs/metrics.csv", "checkpoints/last.ckpt"):
+        (live / name).parent.mkdir(exist_ok=True)
+        (live / name).write_text("live\n")
+    (live / ".amp_run").write_text('{"run_id": "live"}\n')
+    holder = _hold(live)
+    try:
+        results = [
+            run(["-m", *TINY, "seed=1,2", f"hydra.sweep.dir={sweep}", flag], work)
+            for flag in ("overwrite=true", "overwrite=false")
+        ]
+    finally:
+        holder.kill()
+        holder.wait()
+    intact = all((live / n).read_text() == "live\n" for n in ("logs/metrics.csv", "checkpoints/last.ckpt"))
+    intact = intact and (live / ".hydra" / "config.yaml").read_text() == "precision: fp16\n"
+    refused = all(r.returncode == 1 and "still writing to it" in r.stderr for r in results)
+    return {
+        "fault": "sweep into a live run's directory",
+        "lost": not (intact and refused),
+        "resume_exact": None,
+        "how": "refused before Hydra writes a job (with and without overwrite=true), exit 1; the live run's logs/, "
+        "checkpoints/ and .hydra/ untouched",
+    }
+
+
+def deleted(work: Path) -> dict[str, Any]:
+    run_dir, log = work / "doomed", work / "doomed.log"
+    proc = start(
+        [
+            "trainer.max_steps=300",
+            *QUIET,
+            "+callbacks.throttle._target_=reliability.Throttle",
+            "+callbacks.throttle.after_step=0",
+            "+callbacks.throttle.seconds=0.2",
+            f"hydra.run.dir={run_dir}",
+        ],
+        work,
+        log,
+    )
+    wait_for(lambda: training_started(log), proc)
+    time.sleep(1.0)
+    shutil.rmtree(run_dir)
+    proc.wait(timeout=300)
+    output = log.read_text()
+    lines = [line for line in output.splitlines() if "was deleted while the run was writing to it" in line]
+    ok = proc.returncode == 1 and "Traceback" not in output and len(lines) == 1 and not run_dir.exists()
+    return {
+        "fault": "run directory deleted mid-run",
+        "lost": not ok,
+        "resume_exact": None,
+        "how": f"exit {proc.returncode} at the next step with one line naming hydra.run.dir; the directory is not "
+        "created again",
+    }
+
+
+class SlowSetup(pl.Callback):
+    """Hold the run between building the Trainer and its first step (``setup``), after writing ``marker``."""
+
+    def __init__(self, marker: str, seconds: float) -> None:
+        self.marker, self.seconds = marker, seconds
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        Path(self.marker).write_text("setting up\n")
+        time.sleep(self.seconds)
+
+
+def early_sigterm(work: Path) -> dict[str, Any]:
+    run_dir, log, marker = work / "early", work / "early.log", work / "marker"
+    proc = start(
+        [
+            *TINY,
+            "+callbacks.slow._target_=reliability.SlowSetup",
+            f"+callbacks.slow.marker={marker}",
+            "+callbacks.slow.seconds=120",
+            f"hydra.run.dir={run_dir}",
+        ],
+        work,
+        log,
+    )
+    wait_for(marker.is_file, proc)
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=120)
+    note = (run_dir / "FAILED").read_text() if (run_dir / "FAILED").is_file() else ""
+    ok = proc.returncode == 143 and note.startswith("Interrupted by SIGTERM before training started")
+    return {
+        "fault": "SIGTERM before the first step",
+        "lost": not ok,
+        "resume_exact": None,
+        "how": f"exit {proc.returncode}, FAILED: {note.splitlines()[0] if note else '(none)'}",
+    }
+
+
+def stale_build_lock(work: Path) -> dict[str, Any]:
+    """A copy of this machine's fused-kernel build with torch's lock file left in it, as a build killed
+    half-way leaves it: a run must go on (torch itself waits for that file to go away, forever)."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    from amp_plugin import fused
+
+    name = fused._flags()[0]
+    entry = Path(_get_build_directory(name, False))
+    if not (entry / f"{name}.so").is_file():
+        return {"fault": "stale fused-kernel build lock", "lost": None, "resume_exact": None, "how": "not built here"}
+    cache = work / "torch_extensions"
+    shutil.copytree(entry, cache / entry.name, symlinks=True)
+    (cache / entry.name / "lock").write_text("")
+    a = run([*TINY, f"hydra.run.dir={work / 'run'}"], work, timeout=600, env=_env(TORCH_EXTENSIONS_DIR=str(cache)))
+    named = f"removed {cache / entry.name / 'lock'}" in a.stderr
+    return {
+        "fault": "stale fused-kernel build lock",
+        "lost": not (a.returncode == 0 and named),
+        "resume_exact": None,
+        "how": f"exit {a.returncode}; the run names and removes the lock left by the killed build and loads the "
+        "cached kernels (before: every run waited forever)",
+    }
+
+
 FAULTS = {
     "overflow": lambda w: fault_in_run(w, "overflow", [f"+fault.inject_inf_at=[5,{K + 7}]"], 2),
     "nan_loss": lambda w: fault_in_run(w, "NaN loss", [f"+fault.nan_loss_at=[4,{K + 4}]"], 2),
@@ -634,6 +846,11 @@ FAULTS = {
     "sigint": lambda w: interrupt(w, signal.SIGINT),
     "disk_full": disk_full,
     "concurrent": concurrent,
+    "stalled": stalled,
+    "live_sweep": live_sweep,
+    "deleted": deleted,
+    "early_sigterm": early_sigterm,
+    "stale_build_lock": stale_build_lock,
 }
 
 
@@ -656,7 +873,8 @@ def table(inputs: list[dict[str, Any]], faults: list[dict[str, Any]]) -> str:
         lines.append("")
     lines += ["| fault injected | anything lost? | resume exact? | what happened |", "|---|---|---|---|"]
     for f in faults:
-        lines.append(f"| {f['fault']} | {'**yes**' if f['lost'] else 'no'} | {_yes(f['resume_exact'])} | {f['how']} |")
+        lost = "n/a" if f["lost"] is None else "**yes**" if f["lost"] else "no"
+        lines.append(f"| {f['fault']} | {lost} | {_yes(f['resume_exact'])} | {f['how']} |")
     return "\n".join(lines)
 
 
@@ -678,9 +896,15 @@ def main(argv: list[str] | None = None) -> int:
             folder.mkdir()
             faults.append(protocol(folder))
             print(f"{faults[-1]['fault']}: lost={faults[-1]['lost']} exact={faults[-1]['resume_exact']}", flush=True)
+    out = ROOT / "benchmarks" / "results" / "reliability.json"
+    if args.only and out.is_file():  # a partial run: keep the earlier results of the parts not run
+        earlier = json.loads(out.read_text())
+        if "inputs" not in only:
+            inputs = earlier.get("bad_inputs", [])
+        names = {f["fault"] for f in faults}
+        faults = [f for f in earlier.get("faults", []) if f["fault"] not in names] + faults
     text = table(inputs, faults)
     print(text)
-    out = ROOT / "benchmarks" / "results" / "reliability.json"
     out.write_text(
         json.dumps(
             {"bad_inputs": inputs, "faults": faults, "wall_time_s": round(time.perf_counter() - started)}, indent=2

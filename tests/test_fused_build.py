@@ -125,3 +125,125 @@ def test_variant_compiles(tmp_path, variant_name):
     if variant_name == "avx512" and shutil.which("objdump"):
         disassembly = subprocess.run(["objdump", "-d", str(objects[0])], capture_output=True, text=True).stdout
         assert "zmm" in disassembly  # master_step.cpp: 512-bit conversions and Adam loop
+
+
+# ---------------------------------------------------------------------------------- the first build on a machine
+def test_two_environments_get_their_own_entries(monkeypatch):
+    """Their build files hold their own include paths: one shared entry would be rebuilt by each in turn."""
+    texts = [p.read_bytes() for p in SOURCES]
+    here = fused.build_name(texts, ["-O3"], "avx2")
+    monkeypatch.setattr(sys, "prefix", "/somewhere/else/venv")
+    assert fused.build_name(texts, ["-O3"], "avx2") != here
+
+
+_FIRST_BUILD = """
+import sys, time, warnings
+import torch.utils.cpp_extension as cpp
+from amp_plugin import fused
+
+def slow_load(**kwargs):
+    time.sleep(1.0)  # the compiler's time
+
+cpp.load = slow_load
+assert not hasattr(__import__("torch").ops.amp_plugin, "emulation_sync")
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    fused.kernels()
+    fused.kernels()
+print(f"seconds={fused.build_seconds():.2f} warnings={len(caught)}")
+for warning in caught:
+    print("warning:", warning.message)
+"""
+
+
+def _fresh_process(code: str, tmp_path: Path, **extra: str) -> subprocess.CompletedProcess:
+    environment = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path / "cache"), **extra}
+    environment.pop("AMP_PLUGIN_FUSED", None)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=environment, timeout=120)
+
+
+def test_the_first_build_is_announced_once_and_timed(tmp_path):
+    result = _fresh_process(_FIRST_BUILD, tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    notes = [line for line in result.stderr.splitlines() if "building the fused C++ CPU kernels" in line]
+    assert len(notes) == 1, result.stderr
+    assert "this takes 1 to 3 minutes" in notes[0] or "under a minute" in notes[0]
+    assert str(tmp_path / "cache") in notes[0] and "not counted in the run's steps/s" in notes[0]
+    seconds = float(result.stdout.split("seconds=")[1].split()[0])
+    assert 1.0 <= seconds < 30  # what a run leaves out of its wall time
+
+
+def test_without_a_compiler_the_stock_path_runs_with_one_warning(tmp_path):
+    code = _FIRST_BUILD.replace("cpp.load = slow_load", "")
+    result = _fresh_process(code, tmp_path, CXX=str(tmp_path / "no-such-compiler"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "warnings=1" in result.stdout, result.stdout + result.stderr
+    assert "no C++ compiler" in result.stdout and "using stock torch ops" in result.stdout
+    assert "building the fused" not in result.stderr
+
+
+def test_a_stale_torch_build_lock_is_removed_and_named(tmp_path, capsys):
+    from amp_plugin.fused import _first_build
+
+    entry = tmp_path / "entry"
+    entry.mkdir()
+    (entry / "lock").write_text("")  # what a build killed half-way leaves: torch would wait forever
+    with _first_build.build_lock(str(entry), timeout=5):
+        assert not (entry / "lock").exists()
+    err = capsys.readouterr().err
+    assert f"removed {entry / 'lock'}, a build lock left behind by a build that was killed" in err
+
+
+def test_a_live_builder_is_waited_for_with_a_time_limit_naming_the_file(tmp_path, capsys):
+    from amp_plugin.fused import _first_build
+
+    entry = tmp_path / "entry"
+    code = (
+        "import sys, time; from amp_plugin.fused import _first_build\n"
+        "with _first_build.build_lock(sys.argv[1]):\n    print('held', flush=True); time.sleep(60)\n"
+    )
+    holder = subprocess.Popen([sys.executable, "-c", code, str(entry)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        (entry / "lock").write_text("")  # the live builder's own torch lock: not stale, not removed
+        with (
+            pytest.raises(_first_build.BuildLockTimeout, match=str(entry / _first_build.LOCK_NAME)),
+            _first_build.build_lock(str(entry), timeout=0.5, poll=0.05),
+        ):
+            pass
+        assert (entry / "lock").exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    assert f"waiting for pid {holder.pid}" in capsys.readouterr().err
+
+
+def test_the_build_is_not_counted_in_a_runs_wall_time(tmp_path, monkeypatch):
+    """A build (here: 1.5 s) that happens inside ``fit`` is not training time."""
+    import time
+
+    from hydra import compose, initialize_config_dir
+
+    from amp_plugin.app.run import train
+    from amp_plugin.app.schema import register_configs
+    from amp_plugin.fused import _first_build
+
+    ops = fused.kernels()
+
+    def slow_build():
+        with _first_build.timed():
+            time.sleep(1.5)
+        return ops
+
+    monkeypatch.setitem(fused._state, "tried", False)
+    monkeypatch.setattr(fused, "_build", slow_build)
+    register_configs()
+    with initialize_config_dir(config_dir=str(Path(fused.__file__).parents[2] / "configs"), version_base="1.3"):
+        cfg = compose(
+            "train",
+            overrides=["recipe=underflow_demo", "trainer.max_steps=2", "plot=false", f"output_dir={tmp_path}"],
+        )
+    started = time.perf_counter()
+    summary = train(cfg)
+    assert fused._state["tried"] and time.perf_counter() - started > 1.5  # it was built during the run
+    assert summary["wall_time_s"] < 1.5

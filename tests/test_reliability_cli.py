@@ -256,9 +256,14 @@ def test_persistent_overflow_stops_cleanly_with_the_last_good_state_saved(runs):
     assert saved["amp_plugin"]["scaler"]["scale"] == 4.0 and saved["amp_plugin"]["scaler"]["skipped_steps"] == 0
 
 
-def test_on_min_scale_skip_keeps_going(runs):
-    run = ok(runs["collapse_skip"])
+def test_on_min_scale_skip_keeps_going_and_then_fails_the_run(runs):
+    result = runs["collapse_skip"]
+    run = Path(result["dir"])
+    # It goes on to the last step, but a run whose last 6 of 8 steps were skipped did not train.
+    assert result["code"] == 1 and "Training stopped: the last 6 of its 8 steps were all skipped" in result["stderr"]
+    assert "were all skipped" in (run / "FAILED").read_text()
     summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "failed" and "every step from step 2 on overflowed" in summary["failure"]
     assert summary["global_step"] == 8 and summary["skipped_steps"] == 6 and summary["loss_scale"]["end"] == 1.0
     events = read_csv(run / "logs" / "scale_events.csv")
     assert [e["reason"] for e in events] == ["overflow", "overflow"] + ["min_scale"] * 4

@@ -26,6 +26,7 @@ import functools
 import inspect
 import os
 import re
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +36,7 @@ import hydra
 from hydra.errors import InstantiationException
 from omegaconf import DictConfig, OmegaConf
 
+from amp_plugin.app.rundir import read_run_id
 from amp_plugin.app.validation import ConfigError, process_count, show, validate
 from amp_plugin.scaler import LossScaler
 from amp_plugin.settings import PrecisionSettings
@@ -179,6 +181,7 @@ class Run:
         output_dir, ckpt_path, seed, plot: the run's directory and the app keys the report repeats.
         resume_step: the checkpoint's ``global_step`` when resuming, else None.
         resume_in_place: whether the checkpoint lies inside ``output_dir`` (the run continues its files).
+        run_id: the id every checkpoint of the run carries (the directory's when resuming in place).
     """
 
     trainer: Any
@@ -194,6 +197,7 @@ class Run:
     plot: bool
     resume_step: int | None = None
     resume_in_place: bool = False
+    run_id: str | None = None
 
 
 def build(cfg: DictConfig, settings: PrecisionSettings | None = None, output_dir: Path | None = None) -> Run:
@@ -214,6 +218,7 @@ def build(cfg: DictConfig, settings: PrecisionSettings | None = None, output_dir
     # Lightning from here on.
     from amp_plugin.app.report import HISTORY_FILE, RunRecorder
     from amp_plugin.app.resume import ResumeSettings, check_fits, load_checkpoint, resumes_in_place
+    from amp_plugin.app.watch import RunDirWatch
     from amp_plugin.lightning import AtomicCheckpointIO, FaultInjector, MixedPrecisionPlugin, pl
     from amp_plugin.lightning.callbacks.fp8 import FP8Monitor
     from amp_plugin.lightning.final_checkpoint import FinalCheckpoint
@@ -247,10 +252,11 @@ def build(cfg: DictConfig, settings: PrecisionSettings | None = None, output_dir
     if injector is not None and injector.nan_input_at:
         _check_float_inputs(module, fault)
     recorder = RunRecorder(history_path=output_dir / HISTORY_FILE, continue_history=in_place)
+    run_id = (read_run_id(output_dir) if in_place else None) or uuid.uuid4().hex[:16]
     # The guard first: a non-finite step stops the run before any callback saves it. The
     # interrupt last: the step's rows are recorded before its checkpoint is written.
-    own_first = [NonFiniteGuard(), *([injector] if injector else [])]
-    own_last = [FinalCheckpoint(), ResumeSettings(cfg, cfg.ckpt_path), recorder, GracefulInterrupt()]
+    own_first = [RunDirWatch(output_dir), NonFiniteGuard(), *([injector] if injector else [])]
+    own_last = [FinalCheckpoint(), ResumeSettings(cfg, cfg.ckpt_path, run_id), recorder, GracefulInterrupt()]
     trainer = make(
         "trainer",
         cfg.trainer,
@@ -281,6 +287,7 @@ def build(cfg: DictConfig, settings: PrecisionSettings | None = None, output_dir
         plot=cfg.plot,
         resume_step=resume_step,
         resume_in_place=in_place,
+        run_id=run_id,
     )
 
 

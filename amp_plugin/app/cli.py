@@ -32,7 +32,7 @@ from omegaconf import DictConfig
 
 from amp_plugin.app import rundir
 from amp_plugin.app.build import prepare
-from amp_plugin.app.outcome import report_end
+from amp_plugin.app.outcome import catch_sigterm, refused_jobs, report_end, restore_sigterm
 from amp_plugin.app.schema import register_configs
 from amp_plugin.app.validation import ConfigError
 
@@ -103,6 +103,7 @@ def run_job(cfg: DictConfig) -> dict[str, Any] | None:
     (:class:`SweepFailures`). A signal stops the sweep.
     """
     out, multirun = _hydra_runtime()
+    previous = catch_sigterm()
     try:
         check_environment()
         if out is not None:
@@ -117,6 +118,7 @@ def run_job(cfg: DictConfig) -> dict[str, Any] | None:
         report_end(err, cfg, out, multirun)
         return None
     finally:
+        restore_sigterm(previous)
         if out is not None:
             rundir.release(out)
 
@@ -134,29 +136,50 @@ class RunDirGuard(Callback):
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         try:
-            directory = Path(str(config.hydra.sweep.dir))
+            name = str(config.hydra.sweep.dir)
         except Exception:
             return
         try:
+            rundir.check_empty(name, "hydra.sweep.dir")
+            directory = Path(name)
             rundir.claim(directory, "hydra.sweep.dir")
+            self._check_sweep(directory, bool(config.get("overwrite", False)))
         except rundir.RunDirError as err:
             self._refuse(str(err))
-        taken = (
-            [job for job in sorted(directory.iterdir()) if job.is_dir() and rundir.outputs_in(job)]
-            if directory.is_dir()
-            else []
-        )
-        if taken and not config.get("overwrite", False):
-            self._refuse(
+        for job in self._taken(directory):
+            rundir.clear_outputs(job, "hydra.sweep.dir")
+
+    @staticmethod
+    def _taken(directory: Path) -> list[Path]:
+        if not directory.is_dir():
+            return []
+        return [job for job in sorted(directory.iterdir()) if job.is_dir() and rundir.outputs_in(job)]
+
+    def _check_sweep(self, directory: Path, overwrite: bool) -> None:
+        """Before Hydra writes a job's ``.hydra/``: no job directory may be a live run's, and a sweep
+        that overwrites may delete only what runs wrote."""
+        if directory.is_dir():
+            for lock in sorted(directory.rglob(rundir.LOCK_FILE)):
+                live = rundir.holder(lock.parent)
+                if live is not None and lock.parent != directory:
+                    raise rundir.RunDirError(
+                        f"hydra.sweep.dir={directory} holds {lock.parent}, the directory of a run that is still "
+                        f"writing to it ({live}); this sweep would write its jobs' files there. Wait for that run to "
+                        "end, or drop hydra.sweep.dir= for a fresh directory."
+                    )
+        taken = self._taken(directory)
+        if taken and not overwrite:
+            raise rundir.RunDirError(
                 f"hydra.sweep.dir={directory} already holds a sweep ({len(taken)} job directories with outputs, "
                 f"e.g. {taken[0].name}/); this sweep would overwrite or mix with it. Drop hydra.sweep.dir= for a "
                 "fresh directory, or add overwrite=true to replace it."
             )
         for job in taken:
-            rundir.clear_outputs(job)
+            rundir.refuse_overwrite(job, "hydra.sweep.dir")
 
     def _guard(self, directory: str, config: DictConfig, key: str) -> None:
         try:
+            rundir.check_empty(directory, key)
             rundir.claim(directory, key)
             rundir.check_reuse(directory, config.get("ckpt_path"), bool(config.get("overwrite", False)), key)
         except rundir.RunDirError as err:
@@ -175,12 +198,12 @@ class SweepFailures(Callback):
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
-        failed = sorted(p.parent for p in sweep_dir.glob("*/FAILED"))
+        failed = {p.parent: p.read_text().strip().splitlines()[0] for p in sweep_dir.glob("*/FAILED")}
+        failed.update(refused_jobs())  # refused directories get no FAILED: they are not the job's
         if not failed:
             return
         lines = [f"{len(failed)} job(s) of this sweep failed:"]
-        for job in failed:
-            first = (job / "FAILED").read_text().strip().splitlines()[0]
+        for job, first in sorted(failed.items()):
             lines.append(f"  {job}: {first[:160]}")
         lines.append(f"Compare the runs with: amp-compare {sweep_dir}")
         print("\n".join(lines), file=sys.stderr, flush=True)

@@ -8,12 +8,16 @@
   ``Run directory refused: ...``, exit 1, nothing written into that directory;
 - a run that stopped (a collapsed loss scale, with the step the recovery checkpoint holds and
   the command that resumes from it; non-finite weights without a scaler; a checkpoint or log
-  that could not be written): ``Training stopped: ...``, exit 1;
+  that could not be written; a run directory deleted while the run wrote to it), or a run that
+  ended without training (:class:`RunFailed`: its last steps all skipped, or a non-finite
+  validation loss): ``Training stopped: ...``, exit 1;
 - SIGTERM (how SLURM and Kubernetes pre-empt) or SIGINT (Ctrl+C): the signal, the step, the
   checkpoint and the exact command that resumes the run in place, exit ``128 + signal`` (143,
-  130), also in a sweep, which stops there;
+  130), also in a sweep, which stops there. :func:`catch_sigterm` covers the time before
+  training starts (checks, building the Trainer, Lightning's setup) and after it ends;
 - in a sweep (``-m``), any other error of one job: ``Job failed: ...``, its traceback in
-  ``FAILED``, and the sweep goes on.
+  ``FAILED``, and the sweep goes on. A job whose directory was refused is counted as failed
+  (:func:`refused_jobs`) without a ``FAILED`` in a directory that is not its own.
 
 Everything else (a bug in a single run) keeps Python's traceback. The note goes to stderr and,
 but for a refused directory, to ``FAILED`` in the run directory.
@@ -26,6 +30,7 @@ import os
 import shlex
 import signal
 import sys
+import threading
 import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
@@ -39,10 +44,65 @@ from amp_plugin.dynamic_scaler import LossScaleCollapseError
 if TYPE_CHECKING:
     from amp_plugin.lightning.interrupt import RunInterrupted
 
-__all__ = ["report_end", "resume_command"]
+__all__ = [
+    "RunFailed",
+    "Terminated",
+    "catch_sigterm",
+    "refused_jobs",
+    "report_end",
+    "restore_sigterm",
+    "resume_command",
+]
+
+
+class RunFailed(RuntimeError):
+    """The run went to its last step without training: ``summary.json`` says ``"status": "failed"``."""
+
+
+class Terminated(BaseException):
+    """SIGTERM arrived outside a training step (before the first one, or after the last).
+
+    Attributes:
+        signum: the signal.
+    """
+
+    def __init__(self, signum: int) -> None:
+        self.signum = int(signum)
+        super().__init__(f"{signal.Signals(signum).name} received")
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    raise Terminated(signum)
+
+
+def catch_sigterm() -> object:
+    """Make SIGTERM raise :class:`Terminated` (main thread only); returns the handler to restore.
+
+    While training runs, :class:`~amp_plugin.lightning.interrupt.GracefulInterrupt` has its own
+    handler; Lightning calls this one too when it registers its own during setup."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGTERM, _raise_terminated)
+
+
+def restore_sigterm(previous: object) -> None:
+    """Put back the handler :func:`catch_sigterm` replaced."""
+    if previous is not None and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, cast("signal.Handlers", previous))
+
+
+_refused: dict[Path, str] = {}
+
+
+def refused_jobs() -> dict[Path, str]:
+    """The jobs of this sweep whose run directory was refused, with the message (then forgotten)."""
+    jobs = dict(_refused)
+    _refused.clear()
+    return jobs
+
 
 # An error that stops a run and is the user's to fix: one message, no traceback.
-_STOPS = (LossScaleCollapseError, FloatingPointError)
+_STOPS = (LossScaleCollapseError, FloatingPointError, RunFailed, rundir.RunDirGone)
 _DISK = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM}
 
 
@@ -78,6 +138,8 @@ def report_end(err: BaseException, cfg: DictConfig, out: Path | None, multirun: 
     message = f"{kind}: {type(err).__name__}: {' '.join(text.split())[:600]}" if details else f"{kind}: {text}"
     if out is not None and not isinstance(err, rundir.RunDirError):  # a refused directory is not ours to mark
         rundir.mark_failed(out, err, f"{type(err).__name__}: {text}\n" + (f"\n{details}" if details else ""))
+    elif out is not None and multirun:
+        _refused[out] = message
     if multirun:
         print(f"{message}\n(This job failed; the sweep goes on.)", file=sys.stderr, flush=True)
         return
@@ -119,6 +181,8 @@ def _signal_of(err: BaseException) -> int | None:
     """The signal that stopped the run: ours (RunInterrupted), Lightning's SIGTERM, or Ctrl+C."""
     if type(err).__name__ == "RunInterrupted":  # amp_plugin.lightning.interrupt (not imported before training)
         return int(cast("RunInterrupted", err).signum)
+    if isinstance(err, Terminated):
+        return err.signum
     if type(err).__name__ == "SIGTERMException":  # Lightning's, raised outside a training step
         return int(signal.SIGTERM)
     if isinstance(err, KeyboardInterrupt):

@@ -114,11 +114,16 @@ class ResumeSettings(Callback):
         config: the run's config; its ``recipe``, ``precision`` and ``scaler`` sections go into
             every checkpoint under :data:`APP_KEY`, to compare with on a later resume.
         ckpt_path: the checkpoint this run resumes from, or None.
+        run_id: the run's id (:mod:`amp_plugin.app.rundir`), saved in every checkpoint: resuming in
+            place accepts only the run's own checkpoints.
     """
 
-    def __init__(self, config: DictConfig | None = None, ckpt_path: str | None = None) -> None:
+    def __init__(
+        self, config: DictConfig | None = None, ckpt_path: str | None = None, run_id: str | None = None
+    ) -> None:
         self.sections = _sections(config)
         self.ckpt_path = ckpt_path
+        self.run_id = run_id
         self.lines: list[str] = []  # what was changed, as logged
         self._checkpoint: dict[str, Any] | None = None
         self._applied = False
@@ -126,8 +131,8 @@ class ResumeSettings(Callback):
     def on_save_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
-        if self.sections:
-            checkpoint[APP_KEY] = {"version": 1, "config": self.sections}
+        if self.sections or self.run_id:
+            checkpoint[APP_KEY] = {"version": 1, "config": self.sections, "run_id": self.run_id}
 
     def on_load_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]

@@ -16,8 +16,10 @@ Files of a run (``cfg.output_dir``, the Hydra run directory; see also
     checkpoints/last-good.ckpt  the last healthy state, to resume from after a loss-scale collapse
     training_curves.csv       loss, loss scale, skipped steps and LR per step, validation metrics
     training_curves.png       the same, plotted
-    summary.json              what train() returns, minus the live objects
-    FAILED                    instead of summary.json: the error that stopped the run
+    summary.json              what train() returns, minus the live objects ("status": "failed" when the
+                              run reached its last step without training: see failed_training)
+    FAILED                    the error that stopped the run (instead of summary.json), or why it failed
+    .amp_run                  the run's id, which its checkpoints carry (resuming in place checks it)
 """
 
 from __future__ import annotations
@@ -32,10 +34,13 @@ from typing import Any, cast
 import torch
 from omegaconf import DictConfig
 
+from amp_plugin.app import rundir
 from amp_plugin.app.build import Run, _entries, _naming_key, _plain, build, resolve_output_dir
+from amp_plugin.app.outcome import RunFailed
 from amp_plugin.app.report import FAILED_FILE, format_summary, mark_failed, summarize, write_outputs
 from amp_plugin.app.resume import keep_history
 from amp_plugin.app.validation import ConfigError, forget_checkpoints
+from amp_plugin.fused import build_seconds
 from amp_plugin.lightning import pl
 from amp_plugin.settings import PrecisionSettings
 
@@ -75,13 +80,18 @@ def train(cfg: DictConfig, settings: PrecisionSettings | None = None) -> dict[st
             warnings.filterwarnings("ignore", message=r".*does not have many workers.*")
             if run.resume_in_place and run.trainer.is_global_zero:
                 keep_history(run.loggers, cast(int, run.resume_step), run.recorder)  # set when resuming
-            start = time.perf_counter()
+            if run.trainer.is_global_zero and not rundir.spawned_by_owner(output_dir):
+                rundir.write_run_id(output_dir, cast(str, run.run_id))  # its checkpoints carry the same id
+            start, building = time.perf_counter(), build_seconds()
             run.trainer.fit(run.module, ckpt_path=run.ckpt_path)
-            wall = time.perf_counter() - start
+            # A first run on a machine compiles the fused kernels inside fit: not training time.
+            wall = time.perf_counter() - start - (build_seconds() - building)
             metrics = dict(run.trainer.callback_metrics)  # trainer.validate() below drops the train/* entries
             _final_validation(run)
             metrics.update(run.trainer.callback_metrics)
     except BaseException as err:
+        if isinstance(err, OSError) and not isinstance(err, rundir.RunDirGone) and not output_dir.is_dir():
+            raise rundir.RunDirGone(output_dir) from err  # a write failed because the directory is gone
         interrupted = _interrupted(run, err)
         if interrupted is not None:
             mark_failed(output_dir, interrupted)
@@ -94,11 +104,39 @@ def train(cfg: DictConfig, settings: PrecisionSettings | None = None) -> dict[st
     finally:
         torch.set_num_threads(threads)
     summary = summarize(run, wall, metrics)
+    failure = failed_training(summary, run.plugin.scaler)
+    if failure is not None:
+        summary["status"], summary["failure"] = "failed", failure
     if run.trainer.is_global_zero:
         (output_dir / FAILED_FILE).unlink(missing_ok=True)  # a stale note from an earlier attempt here
         write_outputs(run, summary)
         print(format_summary(summary), flush=True)
+    if failure is not None:
+        stopped = RunFailed(failure)
+        mark_failed(output_dir, stopped)
+        raise stopped
     return {**summary, "trainer": run.trainer, "module": run.module, "plugin": run.plugin}
+
+
+STALLED_STEPS = 10
+"""A run that ends with this many skipped steps in a row (or more than half of its steps) at the scaler's
+``min_scale`` failed: the scale cannot back off further, so nothing will train again."""
+
+
+def failed_training(summary: dict[str, Any], scaler: Any) -> str | None:
+    """Why a run that reached its last step did not train, or None: it ended on a streak of skipped
+    steps at ``min_scale`` (:data:`STALLED_STEPS` or more, or more than half of the run's steps)."""
+    steps, streak = int(summary["steps"]), int(getattr(scaler, "consecutive_skips", 0))
+    floor = getattr(scaler, "min_scale", None)
+    stuck = floor is not None and scaler.is_enabled() and scaler.get_scale() <= floor  # it cannot back off further
+    if steps > 0 and stuck and (streak >= STALLED_STEPS or streak > steps / 2):
+        first = int(summary["global_step"]) - streak
+        return (
+            f"the last {streak} of its {steps} steps were all skipped (every step from step {first} on overflowed), "
+            f"so nothing has trained since step {first}; the loss scale is {scaler.get_scale():g}. Resume from a "
+            "checkpoint before that step with a lower recipe.lr, or look for inf/NaN in the data and the loss."
+        )
+    return None
 
 
 def _final_validation(run: Run) -> None:

@@ -11,14 +11,21 @@
   lock for its DDP children (they inherit :data:`OWNER_ENV`), and under torchrun or SLURM only
   global rank 0 takes it.
 - :func:`check_reuse` refuses a directory that already holds another run's outputs, unless
-  the run resumes from a checkpoint inside it (``ckpt_path=<dir>/checkpoints/last.ckpt``) or
-  ``overwrite=true`` asks to replace them (:func:`clear_outputs`).
+  the run resumes from one of that run's own checkpoints inside it
+  (``ckpt_path=<dir>/checkpoints/last.ckpt``; the run id in :data:`RUN_FILE` and in the
+  checkpoint must match) or ``overwrite=true`` asks to replace them (:func:`clear_outputs`).
+  Overwriting deletes only what a run of this project wrote: a directory without
+  :data:`RUN_FILE`, or with files in ``logs/`` or ``checkpoints/`` that no run writes, is refused
+  and nothing is deleted.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import errno
+import fnmatch
+import json
 import os
 import secrets
 import shutil
@@ -32,17 +39,25 @@ __all__ = [
     "FAILED_FILE",
     "OWNER_ENV",
     "RESOLVER",
+    "RUN_FILE",
     "RunDirError",
+    "RunDirGone",
+    "check_empty",
     "check_reuse",
     "claim",
     "clear_outputs",
+    "foreign_files",
+    "holder",
     "mark_failed",
     "outputs_in",
+    "read_run_id",
+    "refuse_overwrite",
     "register_resolver",
     "release",
     "run_id",
     "secondary_rank",
     "spawned_by_owner",
+    "write_run_id",
 ]
 
 RESOLVER = "amp_run_id"
@@ -51,15 +66,53 @@ LOCK_FILE = ".lock"
 OWNER_ENV = "AMP_PLUGIN_RUN_DIR_OWNER"
 """Set while this process holds a run directory's lock: its DDP children share the directory."""
 
+RUN_FILE = ".amp_run"
+"""Written when a run starts in a directory: its run id, which every checkpoint of the run carries."""
+
 # What a run writes (besides .hydra/ and the job log): their presence means the directory is taken.
 OUTPUTS = ("summary.json", "training_curves.csv", "training_curves.png", "logs", "checkpoints")
-_CLEARED = (*OUTPUTS, FAILED_FILE)
+_CLEARED = (*OUTPUTS, FAILED_FILE, RUN_FILE)
+# The files a run writes inside logs/ and checkpoints/ (the loggers, the monitors, the checkpoints).
+_WRITTEN = {
+    "logs": (
+        "metrics.csv",
+        "hparams.yaml",
+        "scale_events.csv",
+        "grad_health.csv",
+        "fp8_stats.csv",
+        "events.out.tfevents.*",
+    ),
+    "checkpoints": ("*.ckpt", ".partial-*.tmp"),
+}
 
 _held: dict[str, int] = {}  # realpath -> file descriptor holding the flock
 
 
 class RunDirError(ConfigError):
     """The run directory is in use by another run, or holds a finished one."""
+
+
+class RunDirGone(OSError):
+    """The run directory was deleted while the run was writing to it.
+
+    Attributes:
+        directory: the run directory.
+        step: the step at which the run noticed.
+    """
+
+    def __init__(self, directory: str | os.PathLike[str], step: int | None = None) -> None:
+        self.directory = os.fspath(directory)
+        self.step = step
+        at = f" (noticed at step {step})" if step is not None else ""
+        super().__init__(
+            errno.ENOENT,
+            f"hydra.run.dir={self.directory} was deleted while the run was writing to it{at}: nothing more of this "
+            "run can be saved there, so it stopped. Start it again in an existing directory (or drop hydra.run.dir= "
+            "for a fresh one).",
+        )
+
+    def __str__(self) -> str:
+        return self.strerror or super().__str__()
 
 
 def run_id() -> str:
@@ -110,10 +163,17 @@ def claim(directory: str | os.PathLike[str], key: str = "hydra.run.dir") -> None
         import fcntl
     except ImportError:  # no flock (Windows): no lock
         return
-    os.makedirs(path, exist_ok=True)
     lock = os.path.join(path, LOCK_FILE)
-    while True:
+    try:
+        os.makedirs(path, exist_ok=True)
         fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as err:
+        reason = f"[Errno {err.errno}] {err.strerror}" if err.errno else str(err)
+        raise RunDirError(
+            f"{key}={path} cannot be written ({reason}): the run could write none of its files there. Make it "
+            f"writable, or point the run at a writable directory ({key}=...)."
+        ) from None
+    while True:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
@@ -129,11 +189,63 @@ def claim(directory: str | os.PathLike[str], key: str = "hydra.run.dir") -> None
         except FileNotFoundError:
             pass
         os.close(fd)  # the holder removed the file as we locked it: lock the new one
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
     info = f"pid {os.getpid()} on {socket.gethostname()}, started {time.strftime('%Y-%m-%d %H:%M:%S')}"
     os.ftruncate(fd, 0)
     os.pwrite(fd, info.encode() + b"\n", 0)
     _held[path] = fd
     os.environ[OWNER_ENV] = path
+
+
+def holder(directory: str | os.PathLike[str]) -> str | None:
+    """Who holds ``directory``'s lock (``"pid ... on ..., started ..."``), or None when no live process does."""
+    lock = os.path.join(os.path.realpath(directory), LOCK_FILE)
+    if os.path.realpath(directory) in _held:
+        return None
+    try:
+        import fcntl
+
+        fd = os.open(lock, os.O_RDONLY)
+    except (ImportError, OSError):
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:
+        return os.pread(fd, 512, 0).decode(errors="replace").strip() or "another process"
+    finally:
+        os.close(fd)  # closing drops the probe's shared lock
+    return None
+
+
+def check_empty(directory: str, key: str) -> None:
+    """``hydra.run.dir=''`` (or the sweep's): Hydra would write the run into the current directory.
+
+    Raises:
+        RunDirError: ``directory`` is empty or blank.
+    """
+    if not directory.strip():
+        raise RunDirError(
+            f"{key}={directory!r} is not allowed: an empty directory would put the run's files into the current "
+            f"directory ({os.getcwd()}). Give a directory ({key}=outputs/my_run), or drop {key}= for a fresh one."
+        )
+
+
+def write_run_id(directory: str | os.PathLike[str], run: str) -> None:
+    """Record ``run`` as the id of the run writing into ``directory`` (:data:`RUN_FILE`)."""
+    path = Path(directory) / RUN_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)  # train() outside Hydra: nothing created it yet
+    tmp = path.with_name(f"{RUN_FILE}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"run_id": run, "started": time.strftime("%Y-%m-%d %H:%M:%S")}) + "\n")
+    os.replace(tmp, path)
+
+
+def read_run_id(directory: str | os.PathLike[str]) -> str | None:
+    """The id in ``directory``'s :data:`RUN_FILE`, or None (no run of this version started there)."""
+    try:
+        value = json.loads((Path(directory) / RUN_FILE).read_text()).get("run_id")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, str) else None
 
 
 def release(directory: str | os.PathLike[str]) -> None:
@@ -209,9 +321,10 @@ def check_reuse(
     if not found:
         return
     if ckpt_path is not None and _inside(ckpt_path, directory):
+        _check_own_checkpoint(directory, ckpt_path, key)
         return  # resuming in place: the run continues its own files
     if overwrite:
-        clear_outputs(directory)
+        clear_outputs(directory, key)
         return
     finished = "a finished run" if (directory / "summary.json").is_file() else "another run's outputs"
     resume = directory / "checkpoints" / "last.ckpt"
@@ -222,12 +335,80 @@ def check_reuse(
     )
 
 
-def clear_outputs(directory: str | os.PathLike[str]) -> None:
-    """Delete what a run wrote into ``directory`` (``.hydra/`` and the job log stay)."""
+def _check_own_checkpoint(directory: Path, ckpt_path: str, key: str) -> None:
+    """Resuming in place continues the run whose directory it is: the checkpoint must be one of its own."""
+    from amp_plugin.app.validation import load_checkpoint
+
+    try:
+        checkpoint = load_checkpoint(ckpt_path)
+    except Exception:  # unreadable: validate() names the file and the reason
+        return
+    if not isinstance(checkpoint, dict):
+        return
+    app = checkpoint.get("amp_plugin_app")
+    theirs = app.get("run_id") if isinstance(app, dict) else None
+    ours = read_run_id(directory)
+    if theirs == ours:
+        return
+    written = f"run {theirs}" if theirs else "a run that recorded no run id"
+    raise RunDirError(
+        f"ckpt_path={ckpt_path} is not allowed in place: it was written by {written}, not by the run in "
+        f"{key}={directory} (run {ours or 'unknown'}), and resuming would replace this run's history from its step "
+        f"on. Resume it into a fresh directory (drop {key}=), or resume this run from its own checkpoints/last.ckpt."
+    )
+
+
+def foreign_files(directory: str | os.PathLike[str]) -> list[str]:
+    """Files in ``directory``'s ``logs/`` and ``checkpoints/`` that no run writes (relative paths)."""
     directory = Path(directory)
+    found = []
+    for sub, patterns in _WRITTEN.items():
+        folder = directory / sub
+        if not folder.is_dir() or folder.is_symlink():
+            continue
+        for path in sorted(folder.rglob("*")):
+            rel = path.relative_to(folder)
+            if path.is_dir() and not path.is_symlink():
+                continue
+            if len(rel.parts) > 1 or not any(fnmatch.fnmatch(rel.name, p) for p in patterns):
+                found.append(f"{sub}/{rel}")
+    return found
+
+
+def clear_outputs(directory: str | os.PathLike[str], key: str = "hydra.run.dir") -> None:
+    """Delete what a run wrote into ``directory`` (``.hydra/`` and the job log stay).
+
+    Raises:
+        RunDirError: ``directory`` holds outputs but no :data:`RUN_FILE` (no run of this project
+            wrote them), or files in ``logs/`` or ``checkpoints/`` that no run writes; nothing is deleted.
+    """
+    directory = Path(directory)
+    refuse_overwrite(directory, key)
     for name in _CLEARED:
         path = directory / name
         if path.is_dir() and not path.is_symlink():
             shutil.rmtree(path)
         elif path.exists() or path.is_symlink():
             path.unlink()
+
+
+def refuse_overwrite(directory: str | os.PathLike[str], key: str = "hydra.run.dir") -> None:
+    """Raise :class:`RunDirError` when :func:`clear_outputs` would delete what no run of this project wrote."""
+    directory = Path(directory)
+    found = outputs_in(directory)
+    if not found:
+        return
+    foreign = foreign_files(directory)
+    if foreign:
+        shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+        raise RunDirError(
+            f"overwrite=true is not allowed for {key}={directory}: it holds files that no run writes ({shown}), "
+            "and overwriting would delete them. Move them elsewhere first, or give this run its own directory "
+            f"(drop {key}=)."
+        )
+    if read_run_id(directory) is None:
+        raise RunDirError(
+            f"overwrite=true is not allowed for {key}={directory}: its {', '.join(found)} were not written by a run "
+            f"of amp_plugin (there is no {RUN_FILE} file), so overwriting could delete files of yours. Delete them "
+            f"yourself if they can go, or give this run its own directory (drop {key}=)."
+        )

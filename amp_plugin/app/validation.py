@@ -8,7 +8,10 @@ here, and runs once per run, before Lightning is imported:
 
 - a group without a choice (``precision``, ``scaler``, ``recipe``, ``trainer``);
 - ``trainer.precision``, which would fight the precision group;
-- two Trainer arguments Lightning accepts and then divides by in the middle of a run;
+- Trainer arguments Lightning accepts and then divides by in the middle of a run
+  (``accumulate_grad_batches``, ``check_val_every_n_epoch``, ``val_check_interval`` 0), or trains
+  nothing with (``limit_train_batches``, ``max_steps``, ``max_epochs`` 0), a NaN
+  ``gradient_clip_val``, and ``num_nodes`` above 1 without a cluster environment (a hang);
 - the strategy: Lightning strategies that refuse the plugin (FSDP1, DeepSpeed), and more CPU
   processes than the machine has cores;
 - the app's own keys: ``seed``, ``num_threads``, and ``ckpt_path`` (a readable Lightning
@@ -21,6 +24,7 @@ says what is allowed.
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 from typing import Any
@@ -28,6 +32,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from amp_plugin._checksum import verify_checksum
 from amp_plugin.settings import PRESETS
 
 __all__ = ["ConfigError", "forget_checkpoints", "load_checkpoint", "process_count", "show", "validate"]
@@ -79,6 +84,7 @@ def validate(cfg: DictConfig) -> None:
     # Lightning's Trainer takes 0 for these and fails with a ZeroDivisionError at the first step.
     _at_least("trainer.accumulate_grad_batches", trainer.accumulate_grad_batches, 1)
     _at_least("trainer.check_val_every_n_epoch", trainer.check_val_every_n_epoch, 1)
+    _check_trainer_amounts(trainer)
     _check_strategy(trainer)
     if not 0 <= cfg.seed < 2**32:
         raise ConfigError(f"seed={show(cfg.seed)} is not allowed: seed must be an integer in [0, 2**32 - 1].")
@@ -88,6 +94,49 @@ def validate(cfg: DictConfig) -> None:
     if cfg.ckpt_path is not None:
         _check_checkpoint(cfg.ckpt_path, trainer.max_steps)
     _warn_unreachable_faults(cfg.get("fault"), trainer.max_steps)
+
+
+def _check_trainer_amounts(trainer: DictConfig) -> None:
+    """Trainer values Lightning takes and then trains nothing with, divides by, or misreports."""
+    for key in ("limit_train_batches", "val_check_interval"):
+        value = trainer.get(key)
+        if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue  # a string or another type: Lightning's own check names it
+        if (isinstance(value, int) and value < 1) or (isinstance(value, float) and not 0.0 < value <= 1.0):
+            why = "it trains nothing" if key == "limit_train_batches" else "Lightning divides by it"
+            raise ConfigError(
+                f"trainer.{key}={show(value)} is not allowed ({why}): trainer.{key} must be a batch count >= 1 or "
+                "a fraction of an epoch in (0, 1], or null for all of it."
+            )
+    if trainer.max_steps == 0:  # Lightning names the negative values itself
+        raise ConfigError(
+            "trainer.max_steps=0 is not allowed: it trains nothing. trainer.max_steps must be an integer >= 1, or -1 "
+            "for no step limit (then trainer.max_epochs ends the run)."
+        )
+    if trainer.max_epochs is not None and (trainer.max_epochs == 0 or trainer.max_epochs < -1):
+        raise ConfigError(
+            f"trainer.max_epochs={show(trainer.max_epochs)} is not allowed: trainer.max_epochs must be an integer "
+            ">= 1, -1 for no epoch limit, or null (trainer.max_steps ends the run)."
+        )
+    clip = trainer.gradient_clip_val
+    if clip is not None and not (math.isfinite(clip) and clip >= 0):
+        raise ConfigError(
+            f"trainer.gradient_clip_val={show(clip)} is not allowed: trainer.gradient_clip_val must be a finite "
+            "number >= 0 (the largest gradient norm or value kept), or null for no clipping."
+        )
+    if trainer.num_nodes < 1:
+        raise ConfigError(f"trainer.num_nodes={show(trainer.num_nodes)} is not allowed: it must be an integer >= 1.")
+    if trainer.num_nodes > 1 and not any(os.environ.get(k) for k in CLUSTER_ENV):
+        raise ConfigError(
+            f"trainer.num_nodes={show(trainer.num_nodes)} is not allowed here: no cluster environment is set (none of "
+            f"{', '.join(CLUSTER_ENV)}), so the other machines never join and the run would wait for them forever. "
+            "Start it on each machine with SLURM (srun), torchrun or mpirun, or set MASTER_ADDR, NODE_RANK and "
+            "WORLD_SIZE; on one machine use trainer.num_nodes=1."
+        )
+
+
+# What a launcher of a multi-machine job sets (SLURM, torchrun, MPI, LSF, or by hand for Lightning).
+CLUSTER_ENV = ("SLURM_NTASKS", "WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "OMPI_COMM_WORLD_SIZE", "LSB_JOBID")
 
 
 # Lightning strategies whose precision plugin must be their own (FSDPPrecision, DeepSpeedPrecision).
@@ -174,11 +223,37 @@ def _check_checkpoint(path: str, max_steps: int) -> None:
         raise ConfigError(
             f"ckpt_path={path!r} is not allowed: it is not a Lightning checkpoint (no state_dict). {written_by}"
         )
+    if verify_checksum(checkpoint) is False:
+        raise ConfigError(
+            f"ckpt_path={path!r} is not allowed: its contents do not match the checksum saved with it, so the file "
+            "was damaged after it was written (a disk or copy error) or edited. Resume from another checkpoint of "
+            "the run (checkpoints/), or start a new run without ckpt_path."
+        )
+    _check_saved_scale(path, checkpoint)
     step = int(checkpoint.get("global_step", 0))
     if max_steps != -1 and step >= max_steps:
         raise ConfigError(
             f"trainer.max_steps={max_steps} leaves nothing to train: ckpt_path={path!r} is already at step "
             f"{step}. Set trainer.max_steps above {step} to continue the run."
+        )
+
+
+def _check_saved_scale(path: str, checkpoint: dict[str, Any]) -> None:
+    """The loss scale saved in the checkpoint is a finite positive number (resuming would restore it)."""
+    section = checkpoint.get("amp_plugin")
+    scaler = section.get("scaler") if isinstance(section, dict) else None
+    if not isinstance(scaler, dict) or "scale" not in scaler:
+        return
+    scale = scaler["scale"]
+    try:
+        value = float(scale.item() if isinstance(scale, torch.Tensor) else scale)
+    except (TypeError, ValueError, RuntimeError):
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise ConfigError(
+            f"ckpt_path={path!r} is not allowed: the loss scale saved in it is {value} "
+            "(amp_plugin.scaler.scale), and a loss scale must be a finite number > 0. The file was damaged or "
+            "edited: resume from another checkpoint of the run, or start a new run without ckpt_path."
         )
 
 

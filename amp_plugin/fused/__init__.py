@@ -11,14 +11,16 @@ weight into the model in the same pass). ``emulate.cpp`` holds the C++ kernels o
 the trip into Python on every call.
 
 The kernels are built with ``torch.utils.cpp_extension.load`` the first time they are needed
-(about 25 s with two cores; cached under ``TORCH_EXTENSIONS_DIR``, by default
-``~/.cache/torch_extensions``, after that). One build is compiled per CPU variant:
+(one to three minutes with two cores, said once on stderr and left out of a run's steps/s;
+cached under ``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``, after that).
+A build killed half-way never blocks later runs, and a live one is waited for at most 20
+minutes (:mod:`amp_plugin.fused._first_build`). One build is compiled per CPU variant:
 ``avx512`` (AVX-512 F/BW/VL/DQ, 512-bit loops) where ``torch.backends.cpu.get_cpu_capability()``
 is ``"AVX512"``, ``avx2`` (AVX2, FMA, F16C) where it is ``"AVX2"``, ``generic`` elsewhere; all
 three are written to compute the same bits (``tests/test_fused.py`` checks the variant of the
 CPU it runs on against the stock ops). The cache entry is named by a hash of the sources, the compiler
 flags, the torch and Python versions and the variant (:func:`build_name`), so checkouts with
-different sources, or environments with different torch builds, sharing one cache never
+different sources, or virtual environments (even with the same torch), sharing one cache never
 rebuild each other's entry; the sources are copied into the entry first, so identical
 sources from different checkouts share one build. Without a C++ compiler, or with
 ``AMP_PLUGIN_FUSED=0`` in the environment, :func:`kernels` returns ``None`` and
@@ -40,7 +42,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["ENV_SWITCH", "build_name", "kernels", "unavailable_reason", "variant"]
+from amp_plugin.fused import _first_build as _build_steps
+
+__all__ = ["ENV_SWITCH", "build_name", "build_seconds", "kernels", "unavailable_reason", "variant"]
 
 ENV_SWITCH = "AMP_PLUGIN_FUSED"
 _SOURCES = [Path(__file__).with_name(name) for name in ("master_step.cpp", "emulate.cpp")]
@@ -75,7 +79,8 @@ def variant(capability: str | None = None) -> str:
 
 def build_name(sources: list[bytes], flags: list[str], variant_name: str, ldflags: tuple = _LDFLAGS) -> str:
     """The cache entry's name: the variant and a hash of the source texts, the flags, the torch
-    and Python versions, the machine and ``$CXX``. Equal only when all of them are equal."""
+    and Python versions, the environment (``sys.prefix`` and torch's location), the machine and
+    ``$CXX``. Equal only when all of them are equal."""
     digest = hashlib.sha256()
     for part in (
         *sources,
@@ -86,6 +91,10 @@ def build_name(sources: list[bytes], flags: list[str], variant_name: str, ldflag
         "--environment",
         torch.__version__,
         str(torch.version.git_version),
+        # The environment: its build file holds this environment's include paths, so two virtual
+        # environments sharing one cache would otherwise rebuild each other's entry in turn.
+        sys.prefix,
+        os.path.dirname(torch.__file__),
         f"{sys.version_info[0]}.{sys.version_info[1]}{getattr(sys, 'abiflags', '')}",
         platform.machine(),
         os.environ.get("CXX", ""),
@@ -144,10 +153,27 @@ def kernels() -> Any | None:
     return _state["ops"]
 
 
+def build_seconds() -> float:
+    """Seconds this process spent building, loading or waiting for the kernels' build (the app
+    leaves them out of a run's wall time and steps/s)."""
+    return _build_steps.seconds_spent()
+
+
+def _compiler() -> str | None:
+    """Why there is no C++ compiler to build with (torch uses ``$CXX``, default ``c++``), or None."""
+    compiler = os.environ.get("CXX") or "c++"
+    if shutil.which(compiler) is None:
+        return f"no C++ compiler: {compiler!r} is not on PATH (install g++ or clang++, or set CXX)"
+    return None
+
+
 def _build() -> Any | None:
     name, flags = _flags()
     try:
         if not hasattr(torch.ops.amp_plugin, "emulation_sync"):
+            missing = _compiler()
+            if missing is not None:
+                raise RuntimeError(missing)
             from torch.utils.cpp_extension import _get_build_directory, load
 
             if shutil.which("ninja") is None:  # the ninja wheel's binary, when its bin/ is not on PATH
@@ -156,18 +182,22 @@ def _build() -> Any | None:
                 os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
             build_directory = _get_build_directory(name, False)
-            # copies of the flag lists: load() appends to the lists it is given
-            load(
-                name=name,
-                sources=_staged_sources(build_directory),
-                extra_cflags=list(flags),
-                extra_ldflags=list(_LDFLAGS),
-                build_directory=build_directory,
-                is_python_module=False,
-                verbose=False,
-            )
+            with _build_steps.timed(), _build_steps.build_lock(build_directory), warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # torch's own notes on the compiler: our one warning says it
+                if not os.path.exists(os.path.join(build_directory, f"{name}.so")):
+                    _build_steps.announce(name, build_directory, variant())
+                # copies of the flag lists: load() appends to the lists it is given
+                load(
+                    name=name,
+                    sources=_staged_sources(build_directory),
+                    extra_cflags=list(flags),
+                    extra_ldflags=list(_LDFLAGS),
+                    build_directory=build_directory,
+                    is_python_module=False,
+                    verbose=False,
+                )
         return torch.ops.amp_plugin
-    except Exception as err:  # no compiler, no ninja, a read-only cache: stock ops still work
+    except Exception as err:  # no compiler, no ninja, a read-only cache, a build lock held too long
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else ""
         _state["error"] = f"{type(err).__name__}: {first_line[:300]}"
         warnings.warn(

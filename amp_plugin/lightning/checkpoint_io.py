@@ -13,6 +13,12 @@ kill at any point leaves the previous checkpoint untouched; at worst a hidden
 ``.partial-*.tmp`` file stays behind, whose name never matches ``*.ckpt`` or ``last``.
 Remote paths (``s3://`` and the like) keep Lightning's behaviour.
 
+Every checkpoint written here carries a SHA-256 of its contents under
+``checkpoint["amp_plugin_checksum"]`` (:data:`CHECKSUM_KEY`, :func:`content_digest`): the bytes of
+every tensor with its dtype and shape, and every number, string and key, in order. ``torch.load``
+does not check tensor data, so a checkpoint with flipped bytes loads without complaint;
+:func:`verify_checksum` tells (the app checks it before resuming).
+
 A write that fails (a full disk, a quota, a file size limit, a read-only or vanished
 directory) raises :class:`CheckpointWriteError`, an ``OSError`` that names the file, the
 operating system's reason and what to do, instead of the ``inline_container.cc`` error
@@ -33,9 +39,18 @@ from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 from typing_extensions import override
 
+from amp_plugin._checksum import CHECKSUM_KEY, content_digest, verify_checksum, with_checksum
 from amp_plugin.lightning._namespace import TorchCheckpointIO
 
-__all__ = ["AtomicCheckpointIO", "CheckpointWriteError", "atomic_save"]
+__all__ = [
+    "CHECKSUM_KEY",
+    "AtomicCheckpointIO",
+    "CheckpointWriteError",
+    "atomic_save",
+    "content_digest",
+    "verify_checksum",
+]
+
 
 _HINTS = {
     errno.ENOSPC: "the disk is full: free space there",
@@ -97,8 +112,13 @@ def _is_local(path: str | os.PathLike[str]) -> bool:
 
 
 def atomic_save(obj: Any, path: str | os.PathLike[str]) -> None:
-    """``torch.save(obj, path)``, all or nothing: write a sibling temp file, fsync, ``os.replace``."""
+    """``torch.save(obj, path)``, all or nothing: write a sibling temp file, fsync, ``os.replace``.
+
+    A dict (a checkpoint) is saved with its :func:`content_digest` under :data:`CHECKSUM_KEY`.
+    """
     path = os.fspath(path)
+    if isinstance(obj, dict):
+        obj = with_checksum(obj)
     directory = os.path.dirname(os.path.abspath(path))
     # Hex digits only after the prefix: the name can never contain "last" or end in ".ckpt".
     temp = os.path.join(directory, f".partial-{os.getpid()}-{uuid.uuid4().hex}.tmp")
