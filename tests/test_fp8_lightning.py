@@ -7,7 +7,6 @@ import logging
 
 import torch
 from _models import TinyClassifier, as_lightning, quiet_trainer
-from test_app import compose_config
 
 from amp_plugin import MixedPrecisionPlugin
 from amp_plugin.app.run import train
@@ -81,7 +80,7 @@ def test_a_layer_that_keeps_saturating_falls_back_once(pl, caplog):
     assert sum("'net.0' falls back to BF16" in r.getMessage() for r in caplog.records) == 1
 
 
-def test_the_app_trains_char_gpt_with_fp8(tmp_path):
+def test_the_app_trains_char_gpt_with_fp8(tmp_path, compose_config):
     result = train(
         compose_config(
             "precision=fp8",

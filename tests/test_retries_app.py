@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import json
 
-from test_app import QUICK, compose_config
+from test_app import QUICK
 
 from amp_plugin.app.compare import collect_runs, format_table
 from amp_plugin.app.report import format_summary
 from amp_plugin.app.run import train
 
 
-def test_a_retried_then_skipped_batch_is_counted_everywhere(tmp_path, capsys):
+def test_a_retried_then_skipped_batch_is_counted_everywhere(tmp_path, capsys, compose_config):
     # the injected inf comes back on the retry too: one retry, then the skip
     result = train(compose_config("scaler.retries=1", "+fault.inject_inf_at=[1]", *QUICK, output_dir=tmp_path))
     assert (result["retried_steps"], result["skipped_steps"], result["steps"]) == (1, 1, 3)
