@@ -41,7 +41,9 @@ def training_rows(path: str | Path) -> list[dict[str, str]]:
 
 @pytest.mark.parametrize("preset", sorted(PRESETS))
 def test_every_preset_trains_and_writes_its_outputs(tmp_path, preset, capsys, compose_config):
-    result = train(compose_config(f"precision={preset}", *QUICK, output_dir=tmp_path))
+    # fp16_pure needs an eps FP16 can hold (the digits recipe's 1e-8 is 0 in FP16: NaN weights, a failed run)
+    eps = ["recipe.adam_eps=1e-4"] if preset == "fp16_pure" else []
+    result = train(compose_config(f"precision={preset}", *QUICK, *eps, output_dir=tmp_path))
     expected = PRESETS[preset]
     plugin = result["plugin"]
     assert (plugin.amp_precision, plugin.master_weights, plugin.autocast) == (
@@ -342,3 +344,14 @@ class NamespaceProbe(pl.Callback):
 
 def _package(obj: object) -> str:
     return type(obj).__module__.split(".")[0]
+
+
+def test_a_run_that_ends_with_nan_losses_fails(tmp_path, compose_config):
+    """fp16_pure with the digits recipe's eps=1e-8 (0 in FP16): NaN weights after the first update."""
+    from amp_plugin.app.outcome import RunFailed
+
+    with pytest.raises(RunFailed, match="non-finite"):
+        train(compose_config("precision=fp16_pure", *QUICK, output_dir=tmp_path))
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["status"] == "failed" and "val/loss nan" in summary["failure"]
+    assert "non-finite" in (tmp_path / "FAILED").read_text()

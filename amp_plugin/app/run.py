@@ -24,6 +24,7 @@ Files of a run (``cfg.output_dir``, the Hydra run directory; see also
 
 from __future__ import annotations
 
+import math
 import os
 import tempfile
 import time
@@ -124,8 +125,18 @@ STALLED_STEPS = 10
 
 
 def failed_training(summary: dict[str, Any], scaler: Any) -> str | None:
-    """Why a run that reached its last step did not train, or None: it ended on a streak of skipped
-    steps at ``min_scale`` (:data:`STALLED_STEPS` or more, or more than half of the run's steps)."""
+    """Why a run that reached its last step did not train, or None: its final losses are not finite,
+    or it ended on a streak of skipped steps at ``min_scale`` (:data:`STALLED_STEPS` or more, or more
+    than half of the run's steps)."""
+    final = summary.get("final_metrics") or {}
+    nonfinite = [k for k in ("train/loss", "val/loss") if k in final and not math.isfinite(float(final[k]))]
+    if nonfinite:
+        shown = ", ".join(f"{k} {float(final[k])}" for k in nonfinite)
+        return (
+            f"it ended with {shown}: the weights or the loss went non-finite, so the last checkpoint holds no "
+            "usable model. Look at the first non-finite step in logs/metrics.csv; with a pure half-precision "
+            "preset, try one with FP32 master weights (fp16, bf16) or a larger optimizer eps."
+        )
     steps, streak = int(summary["steps"]), int(getattr(scaler, "consecutive_skips", 0))
     floor = getattr(scaler, "min_scale", None)
     stuck = floor is not None and scaler.is_enabled() and scaler.get_scale() <= floor  # it cannot back off further
