@@ -355,3 +355,38 @@ def test_a_run_that_ends_with_nan_losses_fails(tmp_path, compose_config):
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["status"] == "failed" and "val/loss nan" in summary["failure"]
     assert "non-finite" in (tmp_path / "FAILED").read_text()
+
+
+class _Scaler:
+    def __init__(self, skips, scale, enabled=True):
+        self.consecutive_skips, self._scale, self.min_scale, self._enabled = skips, scale, 1.0, enabled
+
+    def is_enabled(self):
+        return self._enabled
+
+    def get_scale(self):
+        return self._scale
+
+
+@pytest.mark.parametrize(
+    "skips, scale, steps, enabled, fails",
+    [
+        (10, 64.0, 100, True, True),  # ten backoffs in a row at the end: whatever the scale
+        (9, 64.0, 100, True, False),
+        (6, 1.0, 10, True, True),  # more than half of a short run, stuck at min_scale
+        (6, 2.0, 10, True, False),
+        (0, 1.0, 10, False, False),  # no scaler: nothing skipped
+    ],
+)
+def test_a_run_ending_on_skipped_steps_fails(skips, scale, steps, enabled, fails):
+    from amp_plugin.app.run import failed_training
+
+    summary = {"steps": steps, "global_step": steps, "final_metrics": {"train/loss": 0.5, "val/loss": 0.6}}
+    assert (failed_training(summary, _Scaler(skips, scale, enabled)) is not None) == fails
+
+
+def test_non_finite_final_losses_fail_the_run():
+    from amp_plugin.app.run import failed_training
+
+    for final in ({"train/loss": float("nan"), "val/loss": 0.6}, {"train/loss": 0.5, "val/loss": float("inf")}):
+        assert "non-finite" in failed_training({"steps": 3, "global_step": 3, "final_metrics": final}, _Scaler(0, 1.0))

@@ -120,14 +120,16 @@ def train(cfg: DictConfig, settings: PrecisionSettings | None = None) -> dict[st
 
 
 STALLED_STEPS = 10
-"""A run that ends with this many skipped steps in a row (or more than half of its steps) at the scaler's
-``min_scale`` failed: the scale cannot back off further, so nothing will train again."""
+"""A run that ends with this many skipped steps in a row failed (a healthy dynamic scale skips about one
+step per growth, and ten backoffs in a row mean 2**10 too high a scale or gradients that stay inf/NaN); so
+does one that ends with more than half of its steps skipped in a row at the scaler's ``min_scale``, where the
+scale cannot back off further."""
 
 
 def failed_training(summary: dict[str, Any], scaler: Any) -> str | None:
     """Why a run that reached its last step did not train, or None: its final losses are not finite,
-    or it ended on a streak of skipped steps at ``min_scale`` (:data:`STALLED_STEPS` or more, or more
-    than half of the run's steps)."""
+    or it ended on :data:`STALLED_STEPS` or more skipped steps in a row (or on more than half of its
+    steps at ``min_scale``)."""
     final = summary.get("final_metrics") or {}
     nonfinite = [k for k in ("train/loss", "val/loss") if k in final and not math.isfinite(float(final[k]))]
     if nonfinite:
@@ -140,7 +142,8 @@ def failed_training(summary: dict[str, Any], scaler: Any) -> str | None:
     steps, streak = int(summary["steps"]), int(getattr(scaler, "consecutive_skips", 0))
     floor = getattr(scaler, "min_scale", None)
     stuck = floor is not None and scaler.is_enabled() and scaler.get_scale() <= floor  # it cannot back off further
-    if steps > 0 and stuck and (streak >= STALLED_STEPS or streak > steps / 2):
+    streak = streak if scaler.is_enabled() else 0
+    if steps > 0 and (streak >= STALLED_STEPS or (stuck and streak > steps / 2)):
         first = int(summary["global_step"]) - streak
         return (
             f"the last {streak} of its {steps} steps were all skipped (every step from step {first} on overflowed), "
