@@ -16,6 +16,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from lightning_utilities.core.rank_zero import rank_zero_warn
+
 from amp_plugin.lightning._namespace import NAMESPACES
 from amp_plugin.master_weights import MasterParameter, MasterWeightOptimizer
 
@@ -53,7 +55,7 @@ def _restore_groups(optimizer: MasterWeightOptimizer, saved: list[dict[str, Any]
         optimizer.add_param_group({**state, "params": [named[n] for n in state["params"]]})
 
 
-def _adapted_class(cls: type) -> type:
+def _adapted_class(cls: Any) -> type:
     adapted: type[Any]  # the class made below, after the methods that refer to it
 
     def _apply_mapping_to_param_groups(param_groups: list[dict[str, Any]], mapping: dict) -> list[dict[str, Any]]:
@@ -71,11 +73,44 @@ def _adapted_class(cls: type) -> type:
             self._restarting = False
         super(adapted, self).on_fit_start(trainer, pl_module)  # nothing left to restore there
 
+    def filter_on_optimizer(optimizer: Any, params: Iterable) -> list:
+        # Lightning compares values (torch.equal) to tell a parameter the optimizer already holds; its
+        # groups hold masters (NaN placeholders for the kinds without an FP32 tensor): compare identities
+        if not isinstance(optimizer, MasterWeightOptimizer):
+            return cls.filter_on_optimizer(optimizer, params)
+        held = {id(p) for p in optimizer.model_params()}
+        params = list(params)
+        if any(id(p) in held for p in params):
+            rank_zero_warn(
+                "The provided params to be frozen already exist within another group of this optimizer."
+                " Those parameters will be skipped.\n"
+                "HINT: Did you init your optimizer in `configure_optimizer` as such:\n"
+                f" {type(optimizer)}(filter(lambda p: p.requires_grad, self.parameters()), ...) ",
+            )
+        return [p for p in params if id(p) not in held]
+
+    def unfreeze_and_add_param_group(
+        modules: Any, optimizer: Any, lr: float | None = None, initial_denom_lr: float = 10.0, train_bn: bool = True
+    ) -> None:
+        # Lightning's, with the parameters the optimizer already holds found by identity (it calls
+        # BaseFinetuning.filter_on_optimizer by name, so overriding that alone would not reach it)
+        if not isinstance(optimizer, MasterWeightOptimizer):
+            return cls.unfreeze_and_add_param_group(modules, optimizer, lr, initial_denom_lr, train_bn)
+        cls.make_trainable(modules)
+        params_lr = optimizer.param_groups[0]["lr"] if lr is None else float(lr)
+        denom_lr = initial_denom_lr if lr is None else 1.0
+        params = filter_on_optimizer(optimizer, cls.filter_params(modules, train_bn=train_bn, requires_grad=True))
+        if params:
+            optimizer.add_param_group({"params": params, "lr": params_lr / denom_lr})
+        return None
+
     adapted = type(
         cls.__name__,
         (cls,),
         {
             "_apply_mapping_to_param_groups": staticmethod(_apply_mapping_to_param_groups),
+            "filter_on_optimizer": staticmethod(filter_on_optimizer),
+            "unfreeze_and_add_param_group": staticmethod(unfreeze_and_add_param_group),
             "on_fit_start": on_fit_start,
             "__module__": cls.__module__,
             "__qualname__": cls.__qualname__,
