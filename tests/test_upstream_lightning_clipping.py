@@ -187,10 +187,8 @@ def test_gradient_clipping_by_norm(pl, tmp_path, precision):
     pl.seed_everything(0)
     trainer.fit(model)
     assert model.assertion_called
-    # what the step uses is upstream's norm: the FP32 masters clipped in FP32 (bf16_split: its
-    # BF16 gradients are the step's, clipped in BF16)
-    rtol = 2.0**-8 if precision == "bf16_split" else 1e-5
-    torch.testing.assert_close(model.master_norm, torch.tensor(0.05), rtol=rtol, atol=0)
+    # what the step uses is upstream's norm: the FP32 masters clipped in FP32 (every master kind)
+    torch.testing.assert_close(model.master_norm, torch.tensor(0.05), rtol=1e-5, atol=0)
 
 
 @pytest.mark.parametrize("precision", PRESETS + CONTROLS)
@@ -200,8 +198,8 @@ def test_gradient_clipping_by_value(pl, tmp_path, precision):
     model.split = precision == "bf16_split"
     trainer.fit(model)
     assert model.assertion_called
-    # the step's gradients hold upstream's 1e-10 (FP32), except bf16_split's, which are BF16
-    expected = torch.tensor(1e-10, dtype=torch.bfloat16 if precision == "bf16_split" else torch.float32)
+    # the step's gradients hold upstream's 1e-10 (FP32 master gradients, with every master kind)
+    expected = torch.tensor(1e-10, dtype=torch.float32)
     assert model.master_max == float(expected)
 
 
@@ -281,8 +279,8 @@ class TestPrecisionModel:
         super().configure_gradient_clipping(*args, **kwargs)
         # check clipping worked as expected
         self.check_grads_clipped()
-        # the step's gradients are clipped too (FP32 masters; bf16_split's BF16 gradients)
-        clip = float(torch.tensor(1e-3, dtype=torch.bfloat16 if self.split else torch.float32))
+        # the step's gradients are clipped too (the FP32 master gradients, with every master kind)
+        clip = float(torch.tensor(1e-3, dtype=torch.float32))
         assert not any(bool((m.grad.abs() > clip).any()) for m in masters_of(self.trainer))  # NaN stays NaN
 
     def optimizer_step(self, epoch, batch_idx, optimizer, closure, **_):
