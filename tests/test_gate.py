@@ -29,7 +29,7 @@ def _error(capsys) -> str:
             ["precision=bf16_nope", "--against", "bf16"],
             "precision='bf16_nope' is not a preset; allowed: bf16, bf16_autocast,",
         ),
-        (["precision=fp16", "--against", "fp8"], "--against='fp8' is not a preset; allowed: bf16,"),
+        (["precision=fp16", "--against", "fp4"], "--against='fp4' is not a preset; allowed: bf16,"),
         (["precision=fp16", "precision=bf16", "--against", "bf16"], "precision=PRESET must be given once (got 2"),
         (["precision=bf16", "--against", "bf16"], "precision=bf16 and --against=bf16 are the same preset"),
         (["precision=fp16", "--against", "bf16", "--seeds", "1"], "--seeds=1: a standard error needs at least 2"),

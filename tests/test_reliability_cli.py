@@ -352,7 +352,10 @@ def test_nan_weights_without_a_scaler_stop_the_run_and_keep_finite_checkpoints(r
 
 
 def test_summary_json_is_strict_json_with_a_note_for_each_nan(runs):
-    summary = strict_json(ok(runs["nan_last_step"]) / "summary.json")
+    result = runs["nan_last_step"]  # a NaN final loss: the run failed, and says so in a strict summary.json
+    assert result["code"] == 1 and "non-finite" in result["stderr"]
+    summary = strict_json(Path(result["dir"]) / "summary.json")
+    assert summary["status"] == "failed" and "non-finite" in summary["failure"]
     assert summary["final_metrics"]["train/loss"] is None
     assert "final_metrics.train/loss was nan (written as null)" in summary["notes"]
 

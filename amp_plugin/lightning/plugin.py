@@ -590,8 +590,10 @@ def _default_dtype(dtype: torch.dtype) -> Generator[None, None, None]:
 
 def _wrapped_again(name: str, preset: str) -> str:
     return (
-        f"configure_optimizers returned a {name} that a MasterWeightOptimizer already wraps: precision="
+        f"configure_optimizers returned a {name} that is already wrapped by a MasterWeightOptimizer: precision="
         f"{preset!r} wraps the optimizer in place (its param groups then hold the FP32 masters), so the same "
-        "optimizer object cannot be given to a second fit or a second plugin. Build the optimizer inside "
-        "configure_optimizers, so that each fit gets a new one (see docs/lightning_differences.md)."
+        "optimizer object cannot be given to a second fit or a second plugin. If you built the "
+        "MasterWeightOptimizer yourself, return it from configure_optimizers instead of its .optimizer; "
+        "otherwise build the optimizer inside configure_optimizers, so that each fit gets a new one "
+        "(see docs/lightning_differences.md)."
     )
