@@ -7,7 +7,10 @@ need no :class:`~amp_plugin.MasterWeightOptimizer` (:func:`policy_for`):
   ``MixedPrecisionPolicy(param_dtype=half, reduce_dtype=float32)`` all-gathers them in the half
   dtype for forward and backward and reduce-scatters the gradients in FP32. Per rank that is
   16/N bytes per parameter with AdamW (FP32 shard, FP32 gradient shard, two FP32 moments) plus
-  the unsharded half-precision parameters of the unit in flight.
+  the unsharded half-precision parameters of the unit in flight. With BF16 moments (``bf16_lean``,
+  ``bf16_sr``: the master kind does not apply, the moments do) the plugin wraps Adam/AdamW in
+  :class:`~amp_plugin.fsdp_moments.Bf16MomentsAdam`: 12/N bytes (:func:`half_gathered_params`
+  are the parameters whose moments are BF16).
 - ``fp16_autocast``/``bf16_autocast`` and ``fp32``: the default policy (FP32 all-gathers;
   autocast casts per op).
 - ``fp16_pure``/``bf16_pure``: the shards themselves are cast to the half dtype.
@@ -49,6 +52,7 @@ __all__ = [
     "check_or_set_policies",
     "fsdp2_units",
     "fully_shard_mixed",
+    "half_gathered_params",
     "is_dtensor",
     "local_grad",
     "policy_for",
@@ -159,6 +163,22 @@ def fsdp2_units(module: nn.Module) -> list[tuple[str, nn.Module]]:
     except ImportError:  # torch without FSDP2
         return []
     return [(name or "<root>", m) for name, m in module.named_modules() if isinstance(m, FSDPModule)]
+
+
+def half_gathered_params(module: nn.Module) -> list[torch.Tensor]:
+    """The parameters of ``module`` whose FSDP2 unit all-gathers them in FP16/BF16 (the ones a
+    single process holds in the half dtype; the FP32 norm units' are not among them)."""
+    FSDPModule, _, _ = _fsdp()
+    chosen: list[torch.Tensor] = []
+    for _, unit in fsdp2_units(module):
+        if _unit_policy(unit).param_dtype not in HALF_DTYPES:
+            continue
+        stack = [unit]
+        while stack:
+            m = stack.pop()
+            chosen += list(m.parameters(recurse=False))
+            stack += [c for c in m.children() if not isinstance(c, FSDPModule)]
+    return chosen
 
 
 def _unit_policy(unit: nn.Module) -> Any:

@@ -323,6 +323,8 @@ class PrecisionSettings:
         text = self._preset().describe(short=True)
         if sharded and self.master_weights:
             text = f"{self.precision.upper()} compute, FSDP2: the FP32 sharded parameters are the master weights"
+            if self.moments == "bf16":
+                text += ", BF16 Adam moments"
         scaling = self.scaling
         if scaling == "none":
             text += ", no loss scaling"

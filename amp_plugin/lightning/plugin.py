@@ -17,7 +17,8 @@ One optimizer step, in this order (written once, here)::
 Under FSDP2 (``ModelParallelStrategy`` with ``fully_shard`` in ``configure_model``) the sharded
 FP32 parameters are the master weights: no :class:`~amp_plugin.MasterWeightOptimizer` is built,
 each unit gets the preset's ``MixedPrecisionPolicy`` (:mod:`amp_plugin.fsdp`), the scaler
-unscales each rank's shards and all ranks agree on the skip.
+unscales each rank's shards and all ranks agree on the skip. With BF16 moments (``bf16_lean``,
+``bf16_sr``) the Adam/AdamW is wrapped in :class:`~amp_plugin.fsdp_moments.Bf16MomentsAdam`.
 
 A skipped step does not advance "step"-interval LR schedulers (``skip_lr_on_overflow``,
 :mod:`amp_plugin.lightning.lr_hold`). ``trainer.global_step`` counts optimizer steps
@@ -41,6 +42,7 @@ from amp_plugin import fsdp
 from amp_plugin.dynamic_scaler import LossScaleCollapseError
 from amp_plugin.emulation import CpuHalfEmulation, cpu_half_path, should_emulate
 from amp_plugin.fp8 import Fp8Layers, Fp8Recipe, convert_to_fp8
+from amp_plugin.fsdp_moments import Bf16MomentsAdam
 from amp_plugin.half_module import cast_floating, cast_module
 from amp_plugin.lightning import checkpoint_state, model_grads
 from amp_plugin.lightning._namespace import LIGHTNING_MODULES, Precision, rank_zero_info, rank_zero_warn, trainer_calls
@@ -135,6 +137,7 @@ class MixedPrecisionPlugin(Precision):
         self.emulating = False
         self.compute_path = ""
         self.sharded = False
+        self._bf16_moment_params: list[Tensor] = []  # FSDP2 with moments="bf16": the half-gathered shards
         self._device_type = "cpu"
         self._module: Any = None
         self._pending_update = False
@@ -204,11 +207,14 @@ class MixedPrecisionPlugin(Precision):
         if self.sharded:
             fsdp.check_or_set_policies(units, self.settings)
             if self.settings.master != "fp32":
+                moments = "BF16" if self.settings.moments == "bf16" else "FP32"
                 rank_zero_warn(
-                    f"precision={self.settings.preset!r} under FSDP2 trains as precision='bf16': the sharded FP32 "
-                    "parameters are the master weights (16/N bytes per parameter per rank), so there is no BF16 "
-                    "master to split or round, and the wrapped optimizer keeps its FP32 moments."
+                    f"precision={self.settings.preset!r} under FSDP2 keeps FP32 master weights: the sharded FP32 "
+                    f"parameters are the master weights, so there is no BF16 master to split or round "
+                    f"(master={self.settings.master!r} does not apply); Adam's moments are {moments}."
                 )
+            if self.settings.moments == "bf16":
+                self._bf16_moment_params = fsdp.half_gathered_params(module)
             if self.amp_precision != "fp32" and not self.master_weights and not self.autocast:
                 module.to(self.compute_dtype)  # pure half: the shards themselves become half
         elif self.amp_precision != "fp32" and not self.autocast:
@@ -234,6 +240,12 @@ class MixedPrecisionPlugin(Precision):
                 "MasterWeightOptimizer cannot be used with FSDP2: the sharded FP32 parameters already are the "
                 "master weights. Return an optimizer over the module's parameters from configure_optimizers."
             )
+        if self.sharded and self.settings.moments == "bf16":
+            # FSDP2: the FP32 shards are the masters; only the moments change dtype (fsdp_moments.py)
+            optimizers = [
+                o if isinstance(o, Bf16MomentsAdam) else Bf16MomentsAdam(o, self._bf16_moment_params)
+                for o in optimizers
+            ]
         if self.master_weights and not self.sharded:
             master, moments = self.settings.master, self.settings.moments_dtype
             for o in optimizers:

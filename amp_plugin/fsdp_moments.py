@@ -1,0 +1,217 @@
+"""BF16 Adam moments for FP32 parameters, FSDP2 shards included: :class:`Bf16MomentsAdam`.
+
+Under FSDP2 the sharded FP32 parameters are the master weights, so no
+:class:`~amp_plugin.MasterWeightOptimizer` is built; with the ``bf16_lean``/``bf16_sr`` presets
+(``moments="bf16"``) the plugin wraps the user's Adam/AdamW in this class instead. The rule is
+``MasterWeightOptimizer(moments_dtype=torch.bfloat16)``'s (``_multi_tensor.py``): per step the
+BF16 ``exp_avg``/``exp_avg_sq`` of each local shard are upcast to FP32 temporaries, torch's
+fused kernel (``torch._fused_adam_``/``_fused_adamw_``, what ``Adam(fused=True)`` runs) updates
+the FP32 shard and those temporaries, and the moments are rounded to nearest once when stored.
+
+The moments are DTensors shaped and placed like their parameters (BF16 local shards), so
+``torch.distributed.checkpoint`` saves and loads them sharded or full as it does torch's own
+state. Parameters outside ``bf16_params`` (the norm layers FSDP2 gathers in FP32, as the
+single-process presets keep their FP32 parameters' moments in FP32) get FP32 moments.
+
+No Lightning import.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any, cast
+
+import torch
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from amp_plugin._dtensor import is_dtensor
+from amp_plugin.master_weights._multi_tensor import _scalar
+from amp_plugin.master_weights._refusals import foreach_refusal
+
+__all__ = ["Bf16MomentsAdam"]
+
+BF16 = torch.bfloat16
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return cast("Any", t).to_local() if is_dtensor(t) else t
+
+
+class Bf16MomentsAdam(Optimizer):
+    """Adam/AdamW whose moments are stored in BF16, computed in FP32 and rounded once per step.
+
+    The wrapper shares ``param_groups``, ``state`` and ``defaults`` with ``optimizer`` (LR
+    schedulers and ``torch.distributed.checkpoint`` see the same objects).
+
+    Args:
+        optimizer: a ``torch.optim.Adam`` or ``AdamW`` over FP32 parameters (plain tensors or
+            FSDP2's DTensors) without ``amsgrad``, ``capturable``, ``differentiable`` or
+            ``foreach=True`` (this step runs torch's fused update rule, whose roundings differ).
+        bf16_params: the parameters whose moments are BF16; ``None``: all of them.
+
+    Raises:
+        ValueError: another optimizer, an option the fused kernel lacks, or a parameter that is
+            not FP32.
+    """
+
+    def __init__(self, optimizer: Optimizer, bf16_params: Iterable[torch.Tensor] | None = None) -> None:
+        why = _refusal(optimizer)
+        if why is not None:
+            raise ValueError(
+                f"optimizer={type(optimizer).__name__} cannot keep BF16 moments (moments='bf16'): {why}. "
+                "Use torch.optim.Adam or AdamW without amsgrad/capturable/differentiable, or a preset with "
+                "FP32 moments (precision='bf16')."
+            )
+        self.optimizer = optimizer
+        self.defaults = optimizer.defaults
+        everything = [p for g in optimizer.param_groups for p in g["params"]]
+        chosen = everything if bf16_params is None else list(bf16_params)
+        self._bf16 = {id(p) for p in chosen}
+        for name in (
+            "_optimizer_step_pre_hooks",
+            "_optimizer_step_post_hooks",
+            "_optimizer_state_dict_pre_hooks",
+            "_optimizer_state_dict_post_hooks",
+            "_optimizer_load_state_dict_pre_hooks",
+            "_optimizer_load_state_dict_post_hooks",
+        ):
+            setattr(self, name, getattr(optimizer, name))  # the wrapped optimizer's hooks run around this step
+        self._patch_step_function()
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.optimizer.param_groups = value
+
+    @property
+    def state(self) -> Any:  # the wrapped optimizer's (its load_state_dict replaces the dict)
+        return self.optimizer.state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self.optimizer.state = value
+
+    def moments_dtype(self, p: torch.Tensor) -> torch.dtype:
+        """The dtype of ``p``'s moments."""
+        return BF16 if id(p) in self._bf16 else torch.float32
+
+    def _state(self, p: torch.Tensor) -> dict[str, Any]:
+        state = self.state[p]
+        if len(state) == 0:  # as torch.optim.Adam(fused=True); DTensor moments for DTensor parameters
+            state["step"] = torch.zeros((), dtype=torch.float32, device=_local(p).device)
+            dtype = self.moments_dtype(p)
+            state["exp_avg"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+        return state
+
+    @override
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        adamw_default = isinstance(self.optimizer, torch.optim.AdamW)
+        for group in self.param_groups:
+            params: list[torch.Tensor] = []
+            grads: list[torch.Tensor] = []
+            exp_avgs: list[torch.Tensor] = []
+            exp_avg_sqs: list[torch.Tensor] = []
+            steps: list[torch.Tensor] = []
+            low: list[tuple[torch.Tensor, torch.Tensor, int]] = []
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                local = _local(p)
+                if local.dtype != torch.float32:
+                    raise ValueError(
+                        f"Bf16MomentsAdam needs FP32 parameters; one of shape {tuple(p.shape)} is {local.dtype}"
+                    )
+                state = self._state(p)
+                m, v = _local(state["exp_avg"]), _local(state["exp_avg_sq"])
+                if m.dtype is not torch.float32:  # BF16 moments: computed in FP32, rounded once when stored
+                    low.append((m, v, len(params)))
+                    m, v = m.float(), v.float()
+                params.append(local)
+                grads.append(_local(p.grad))
+                exp_avgs.append(m)
+                exp_avg_sqs.append(v)
+                steps.append(state["step"])
+            if not params:
+                continue
+            beta1, beta2 = group["betas"]
+            decoupled = bool(group.get("decoupled_weight_decay", adamw_default))
+            kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
+            torch._foreach_add_(steps, 1)
+            kernel(
+                params,
+                grads,
+                exp_avgs,
+                exp_avg_sqs,
+                [],
+                steps,
+                amsgrad=False,
+                lr=group["lr"],
+                beta1=_scalar(beta1),
+                beta2=_scalar(beta2),
+                weight_decay=group["weight_decay"],
+                eps=group["eps"],
+                maximize=group["maximize"],
+                grad_scale=None,
+                found_inf=None,
+            )
+            for m, v, j in low:
+                m.copy_(exp_avgs[j])
+                v.copy_(exp_avg_sqs[j])
+        # what an LR scheduler built on the wrapped optimizer checks (torch's private flag, not in the stubs)
+        self.optimizer._opt_called = True  # type: ignore[attr-defined]
+        return loss
+
+    @override
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load as the wrapped optimizer does (which casts the moments to the parameters' FP32),
+        then store the moments in their dtype again: BF16 moments saved by this class come back
+        exactly; FP32 ones are rounded to nearest."""
+        self.optimizer.load_state_dict(state_dict)
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state.get(p)
+                if not state or self.moments_dtype(p) is torch.float32:
+                    continue
+                for key in ("exp_avg", "exp_avg_sq"):
+                    if state[key].dtype is not BF16:
+                        state[key] = state[key].to(BF16)
+
+    @override
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        self.optimizer.add_param_group(param_group)
+        self._bf16.update(id(p) for p in self.param_groups[-1]["params"])
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.optimizer!r})"
+
+
+def _refusal(optimizer: Optimizer) -> str | None:
+    """Why ``optimizer`` cannot take this step, or ``None``."""
+    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
+        return f"BF16 moments are implemented for Adam and AdamW only, not {type(optimizer).__name__}"
+    for group in optimizer.param_groups:
+        for key in ("amsgrad", "capturable", "differentiable"):
+            if group.get(key):
+                return f"{key}=True is not supported"
+        for p in group["params"]:
+            if p.dtype != torch.float32:
+                return f"a parameter of shape {tuple(p.shape)} is {p.dtype}, not FP32"
+    return foreach_refusal(optimizer)

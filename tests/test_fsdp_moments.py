@@ -1,0 +1,118 @@
+"""``Bf16MomentsAdam``: BF16 Adam moments for FP32 parameters (what ``bf16_lean``/``bf16_sr`` use
+under FSDP2), against ``MasterWeightOptimizer(moments_dtype=torch.bfloat16)`` and an oracle."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from amp_plugin import MasterWeightOptimizer
+from amp_plugin.fsdp_moments import Bf16MomentsAdam
+
+BF16 = torch.bfloat16
+
+
+def weights(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    # BF16-representable values, so that MasterWeightOptimizer's masters (upcast BF16 weights) start equal
+    return [torch.randn(shape, generator=g).to(BF16).float() for shape in ((24, 16), (24,), (5, 24))]
+
+
+def grad(step, i, shape):
+    return (torch.randn(shape, generator=torch.Generator().manual_seed(100 * step + i)) * 1e-2).to(BF16).float()
+
+
+def oracle(values, steps, opt_class, **hyper):
+    """torch's fused kernel on FP32 copies; BF16 moments: upcast for each step, rounded to nearest after it."""
+    kernel = torch._fused_adamw_ if opt_class is torch.optim.AdamW else torch._fused_adam_
+    params = [v.clone() for v in values]
+    state = [(torch.zeros_like(p), torch.zeros_like(p), torch.zeros(())) for p in params]
+    for step in range(steps):
+        for i, (p, (m, v, t)) in enumerate(zip(params, state)):
+            t += 1
+            kernel(
+                [p], [grad(step, i, p.shape)], [m], [v], [], [t], amsgrad=False, lr=hyper["lr"], beta1=0.9,
+                beta2=0.999, weight_decay=hyper["weight_decay"], eps=1e-8, maximize=False, grad_scale=None,
+                found_inf=None,
+            )  # fmt: skip
+            m.copy_(m.to(BF16))
+            v.copy_(v.to(BF16))
+    return params
+
+
+@pytest.mark.parametrize("opt_class", [torch.optim.AdamW, torch.optim.Adam])
+def test_bf16_moments_of_fp32_parameters_equal_master_weight_optimizer_bit_for_bit(opt_class):
+    hyper = dict(lr=1e-2, weight_decay=0.1)
+    params = [torch.nn.Parameter(v) for v in weights()]
+    inner = opt_class(params, **hyper)
+    sched = torch.optim.lr_scheduler.StepLR(inner, step_size=1, gamma=0.5)  # built before the wrapper, as in Lightning
+    opt = Bf16MomentsAdam(inner)
+    halves = [torch.nn.Parameter(v.to(BF16)) for v in weights()]
+    ref = MasterWeightOptimizer(opt_class(halves, **hyper), moments_dtype=BF16)
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref, step_size=1, gamma=0.5)
+    for step in range(5):
+        for i, (p, h) in enumerate(zip(params, halves)):
+            p.grad = grad(step, i, p.shape)
+            h.grad = p.grad.to(BF16)
+        opt.step()
+        ref.step()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no "lr_scheduler.step() before optimizer.step()"
+            sched.step()
+        ref_sched.step()
+    for ours, theirs in zip(params, ref.fp32_masters()):
+        assert torch.equal(ours, theirs)
+    for p, h in zip(params, ref.master_params()):
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert opt.state[p][key].dtype is BF16 and torch.equal(opt.state[p][key], ref.state[h][key])
+    assert opt.param_groups[0]["lr"] == 1e-2 * 0.5**5
+
+
+def test_bf16_moments_give_the_oracle_and_resume_bit_for_bit():
+    hyper = dict(lr=1e-2, weight_decay=0.1)
+
+    def build():
+        params = [torch.nn.Parameter(v) for v in weights()]
+        return params, Bf16MomentsAdam(torch.optim.AdamW(params, **hyper))
+
+    def run(params, opt, steps):
+        for step in steps:
+            for i, p in enumerate(params):
+                p.grad = grad(step, i, p.shape)
+            opt.step()
+
+    params, opt = build()
+    run(params, opt, range(6))
+    for ours, ref in zip(params, oracle(weights(), 6, torch.optim.AdamW, **hyper)):
+        assert torch.equal(ours, ref)
+    half, saved = build()
+    run(half, saved, range(3))
+    state = saved.state_dict()
+    resumed_params, resumed = build()
+    with torch.no_grad():
+        for p, q in zip(resumed_params, half):
+            p.copy_(q)
+    resumed.load_state_dict(state)  # torch's load casts the moments to FP32: stored in BF16 again
+    assert all(s["exp_avg"].dtype is BF16 and s["exp_avg_sq"].dtype is BF16 for s in resumed.state.values())
+    run(resumed_params, resumed, range(3, 6))
+    assert all(torch.equal(a, b) for a, b in zip(params, resumed_params))
+
+
+def test_fp32_moments_where_asked_and_other_optimizers_refused():
+    params = [torch.nn.Parameter(v) for v in weights()]
+    opt = Bf16MomentsAdam(torch.optim.Adam(params), bf16_params=params[:1])
+    calls = []
+    opt.optimizer.register_step_post_hook(lambda o, args, kwargs: calls.append(o))
+    for i, p in enumerate(params):
+        p.grad = grad(0, i, p.shape)
+    opt.step()
+    assert [opt.state[p]["exp_avg"].dtype for p in params] == [BF16, torch.float32, torch.float32]
+    assert len(calls) == 1  # the wrapped optimizer's step hooks run
+    with pytest.raises(ValueError, match="optimizer=SGD cannot keep BF16 moments.*Adam and AdamW only"):
+        Bf16MomentsAdam(torch.optim.SGD(params, lr=0.1))
+    with pytest.raises(ValueError, match="amsgrad=True is not supported"):
+        Bf16MomentsAdam(torch.optim.Adam(params, amsgrad=True))
+    with pytest.raises(ValueError, match="built with foreach=True"):
+        Bf16MomentsAdam(torch.optim.AdamW(params, foreach=True))
