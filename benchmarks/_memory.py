@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from amp_plugin.app.state_bytes import held_grad
 from amp_plugin.lightning import pl
 
 
@@ -29,7 +30,8 @@ def _state_bytes(module: torch.nn.Module, optimizers: list[torch.optim.Optimizer
             tensors += [v for v in state.values() if torch.is_tensor(v)]
         # MasterWeightOptimizer keeps one FP32 gradient buffer per master across steps.
         tensors += [b for b in getattr(opt, "_grad_buffers", []) if b is not None]
-    tensors += [t.grad for t in list(tensors) if t.grad is not None]
+    grads = [held_grad(t) for t in list(tensors)]  # the slots: a master's .grad would make one on reading
+    tensors += [g for g in grads if g is not None]
     return sum(nbytes for _, nbytes in {_storage_key(t) for t in tensors})
 
 

@@ -15,10 +15,11 @@ every tensor is counted once, by its untyped storage (a DTensor by its local sha
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 
-__all__ = ["COMPONENTS", "gradient_bytes", "tally"]
+__all__ = ["COMPONENTS", "gradient_bytes", "held_grad", "tally"]
 
 COMPONENTS = ("weights", "grads", "master", "master_grads", "moments")
 
@@ -62,12 +63,21 @@ def tally(module: torch.nn.Module, optimizers: Iterable[torch.optim.Optimizer]) 
         for t in getattr(opt, "master_tensors", list)():  # MasterWeightOptimizer: e.g. bf16_split's remainders
             add("master", t)
         for p in masters:
-            add("master_grads", p.grad)
+            add("master_grads", held_grad(p))
         for state in opt.state.values():
             for value in state.values():
                 if torch.is_tensor(value):
                     add("moments", value)
     return out
+
+
+def held_grad(t: torch.Tensor) -> torch.Tensor | None:
+    """The gradient ``t`` holds now: its own grad slot. A master's ``.grad`` property would make one
+    from the model's gradient on reading (what the next step would use), which is not held memory."""
+    return _GRAD_SLOT.__get__(t)
+
+
+_GRAD_SLOT: Any = torch._C.TensorBase.grad
 
 
 def gradient_bytes(module: torch.nn.Module) -> int:
