@@ -275,3 +275,29 @@ def test_an_fp16_sum_beyond_fp16_range_is_an_overflow():
     scaler.step(opt)
     scaler.update()
     assert scaler.last_step_skipped and scaler.get_scale() == 2.0**13
+
+
+def test_without_fp32_accumulation_autograd_accumulates_and_no_hook_runs():
+    """accumulate_fp32=False (what the plugin passes with one backward per step): no hooks, no sum."""
+    model, batches = model_and_batches(n=2)
+    opt = MasterWeightOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), accumulate_fp32=False)
+    for x in batches:
+        loss_of(model, x).backward()
+    assert all(MASTERS[p].acc is None for p in model.parameters())
+    for master, p in zip(opt.master_params(), model.parameters()):
+        assert torch.equal(master.grad, p.grad.float())  # the BF16 sum autograd made
+    with pytest.raises(TypeError, match="accumulate_fp32='yes' is not allowed"):
+        MasterWeightOptimizer(torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=1.0), accumulate_fp32="yes")
+
+
+def test_the_plugin_hooks_accumulation_only_where_a_step_can_see_several_backwards(pl):
+    from amp_plugin.lightning import MixedPrecisionPlugin
+    from tests._models import as_lightning, quiet_trainer
+
+    for accumulate, hooked in ((1, False), (2, True)):
+        model = as_lightning(pl, _Accumulating)()
+        trainer = quiet_trainer(
+            pl, plugins=[MixedPrecisionPlugin("bf16")], max_steps=1, accumulate_grad_batches=accumulate
+        )
+        trainer.fit(model)
+        assert bool(trainer.optimizers[0]._accumulators) == hooked

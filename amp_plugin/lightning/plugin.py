@@ -251,10 +251,15 @@ class MixedPrecisionPlugin(Precision):
             for o in optimizers:
                 if o in WRAPPED and not isinstance(o, MasterWeightOptimizer):
                     raise ValueError(_wrapped_again(type(o).__name__, self.settings.preset))
+            # one backward per step (automatic optimization, no accumulation): no FP32 accumulation hooks
+            trainer = getattr(model, "_trainer", None)
+            single = (
+                getattr(model, "automatic_optimization", False) and getattr(trainer, "accumulate_grad_batches", 0) == 1
+            )
             optimizers = [
                 o
                 if isinstance(o, MasterWeightOptimizer)
-                else MasterWeightOptimizer(o, master=master, moments_dtype=moments)
+                else MasterWeightOptimizer(o, master=master, moments_dtype=moments, accumulate_fp32=not single)
                 for o in optimizers
             ]
         param = next(model.parameters(), None)

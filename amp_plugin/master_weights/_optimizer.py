@@ -106,6 +106,11 @@ class MasterWeightOptimizer(Optimizer):
         sr_seed: the seed of ``master="stochastic"``'s rounding (default: drawn from torch's
             generator, so ``torch.manual_seed``/``seed_everything`` fixes it); carried, with its
             step counter, in the state dict.
+        accumulate_fp32: sum the gradients of several backward passes before a step in FP32
+            (the default; see "Accumulation" below). It costs two Python hook calls per
+            half-precision parameter and backward; ``False`` leaves accumulation to autograd
+            (in the half dtype), for a loop known to run one backward per step (the Lightning
+            plugin passes ``False`` in automatic optimization with ``accumulate_grad_batches=1``).
 
     Use it like the optimizer it wraps; a loss scaler's ``unscale_`` on it checks the model's
     half-precision gradients for inf/NaN and makes the unscaled FP32 master gradients
@@ -177,6 +182,7 @@ class MasterWeightOptimizer(Optimizer):
         master: str = "fp32",
         moments_dtype: torch.dtype | None = None,
         sr_seed: int | None = None,
+        accumulate_fp32: bool = True,
     ) -> None:
         if not any(fused is mode or (isinstance(mode, str) and fused == mode) for mode in FUSED_MODES):
             raise TypeError(f"fused={fused!r} is not allowed: fused must be None (automatic), True, False or 'torch'.")
@@ -231,6 +237,9 @@ class MasterWeightOptimizer(Optimizer):
         self._own: list[torch.Tensor] = []  # FP32 parameters: their own master
         self._index_of: dict[int, int] = {}  # id(master) -> its position among the half-precision params
         self._session: GradSession | None = None
+        if not isinstance(accumulate_fp32, bool):
+            raise TypeError(f"accumulate_fp32={accumulate_fp32!r} is not allowed: it must be True or False.")
+        self._accumulate_fp32 = accumulate_fp32
         self._accumulators: list[Any] = []  # the hooked gradient accumulators it keeps alive (_accumulate.py)
         self._warned_grads = False
         # the step kernels that fit (worked out at the first step; the optimizer's type and parameters do not change)
@@ -516,7 +525,8 @@ class MasterWeightOptimizer(Optimizer):
                     self.optimizer.state[master] = {k: upcast_state(v, p, self.moments_dtype) for k, v in old.items()}
                 params[i] = master
                 master._amp_owner = weakref.ref(self)
-                _accumulate.attach(p, record, self, self._accumulators)
+                if self._accumulate_fp32:
+                    _accumulate.attach(p, record, self, self._accumulators)
                 self._half_models.append(p)
                 self._half_masters.append(master)
                 self._records.append(record)
