@@ -13,7 +13,7 @@ from amp_plugin import fused
 from amp_plugin.lightning import NAMESPACES
 
 ROOT = Path(__file__).resolve().parents[1]
-RUN_ARTEFACTS = ("grad_health.csv", "scale_events.csv", "fp8_stats.csv", "lightning_logs", "checkpoints")
+RUN_ARTEFACTS = ("grad_health.csv", "scale_events.csv", "fp8_stats.csv", "lightning_logs", "checkpoints", "gate")
 """What a run writes into the working directory when a test forgets to name one."""
 _artefacts_before: set[str] = set()
 
