@@ -151,8 +151,10 @@ def test_a_small_gate_end_to_end_trains_paired_seeds_and_reuses_finished_runs(tm
     # the BF16 weights and gradients, the masters (FP32, or the 16-bit remainders), AdamW's state
     split, ref = report["sides"]["bf16_split"]["bytes_per_param"], report["sides"]["bf16"]["bytes_per_param"]
     assert 8.0 < ref["moments"] < 8.1 and split["moments"] == ref["moments"]  # two FP32 moments + step counters
-    assert ref["master"] > 3.0 and split["master"] == pytest.approx(ref["master"] / 2)
-    assert ref["total"] - split["total"] == pytest.approx(ref["master"] / 2)
+    assert ref["master"] > 3.0 and split["master"] == pytest.approx(
+        ref["master"] / 2, abs=0.05
+    )  # + 4-byte placeholders per tensor
+    assert ref["total"] - split["total"] == pytest.approx(ref["master"] / 2, abs=0.05)
     assert [m["metric"] for m in report["metrics"]] == ["val/loss", "val/acc"]
     first = capsys.readouterr().out
     assert "verdict: " in first and "bytes/param" in first
