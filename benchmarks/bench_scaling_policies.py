@@ -7,7 +7,7 @@ Policies (all FP16 with FP32 master weights, ``MixedPrecisionPlugin("fp16")``):
 
 - ``GradScaler``: ``torch.amp.GradScaler``'s rule and defaults (2**16, x2 every 2000 clean
   steps, x0.5 on overflow), run as ``DynamicLossScaler(hysteresis=1)`` with bounds GradScaler
-  never reaches: its trajectory equals GradScaler's (tests/test_dynamic_scaler.py);
+  never reaches: its trajectory equals GradScaler's (tests/core/test_dynamic_scaler.py);
 - ``hysteresis=1``: ours with its defaults (GradScaler's rule, inside [1, 2**24]);
 - ``hysteresis=2``: the DeepSpeed/Megatron default, an overflow backs off only at the second;
 - ``retries=1``: an overflowing batch runs again once at half the scale before it is skipped.

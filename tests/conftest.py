@@ -1,4 +1,12 @@
-"""Fixtures shared across test modules."""
+"""Fixtures shared across test modules.
+
+The folders mirror the package: ``core/`` (the loss scalers), ``master_weights/``, ``fused/``,
+``emulation/``, ``fp8/``, ``lightning/`` (the plugin, its callbacks, Lightning's loops and
+launchers), ``app/`` (``train.py``, the configs, the CLI tools), ``recipes/``, and ``project/``
+(the README, the docs' commands, packaging, the benchmarks' smoke runs). Helpers shared by
+several folders (``_models.py``, the DDP workers, the CLI runners) sit here, on ``sys.path``
+for every test module since this file's folder is.
+"""
 
 from __future__ import annotations
 

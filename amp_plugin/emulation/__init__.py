@@ -57,7 +57,7 @@ FP16 is no faster than the emulation; without either it measured 6-30x the FP32 
 ``CpuHalfEmulation(dtypes="auto")`` emulates exactly the dtypes it does not run natively;
 ``CpuHalfEmulation(dtypes=torch.float16)`` emulates FP16 and lets BF16 ops run natively in the
 same context. The native paths are checked against the one-rounding bound by
-``tests/test_cpu_paths.py`` on the CPUs that take them.
+``tests/emulation/test_cpu_paths.py`` on the CPUs that take them.
 
 What is covered
 ---------------

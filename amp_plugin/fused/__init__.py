@@ -17,7 +17,7 @@ A build killed half-way never blocks later runs, and a live one is waited for at
 minutes (:mod:`amp_plugin.fused._first_build`). One build is compiled per CPU variant:
 ``avx512`` (AVX-512 F/BW/VL/DQ, 512-bit loops) where ``torch.backends.cpu.get_cpu_capability()``
 is ``"AVX512"``, ``avx2`` (AVX2, FMA, F16C) where it is ``"AVX2"``, ``generic`` elsewhere; all
-three are written to compute the same bits (``tests/test_fused.py`` checks the variant of the
+three are written to compute the same bits (``tests/fused/test_fused.py`` checks the variant of the
 CPU it runs on against the stock ops). The cache entry is named by a hash of the sources, the compiler
 flags, the torch and Python versions and the variant (:func:`build_name`), so checkouts with
 different sources, or virtual environments (even with the same torch), sharing one cache never

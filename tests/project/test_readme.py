@@ -10,7 +10,7 @@ import torch
 from _models import TinyClassifier, as_lightning
 from torch import nn
 
-README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+README = (Path(__file__).resolve().parents[2] / "README.md").read_text()
 BLOCKS = re.findall(r"```python\n(.*?)```", README, flags=re.S)
 
 
@@ -55,7 +55,7 @@ def test_the_lightning_example_runs(package, tmp_path):
 
 def test_the_docs_name_tests_and_files_that_exist():
     """Every ``tests/...py::test_name`` and every tests/ or benchmarks/ file the docs cite is there."""
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     pages = [root / name for name in ("README.md", "BENCHMARKS.md", "RELIABILITY.md")] + sorted(
         (root / "docs").glob("*.md")
     )

@@ -42,7 +42,7 @@ from amp_plugin.settings import PRESETS, PrecisionSettings
 
 pl = importlib.import_module("lightning.pytorch")  # the worker's namespace (a command-line argument)
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # ---------------------------------------------------------------------------------- the worker
 WIDTH, BATCH = 32, 16

@@ -19,8 +19,8 @@ from hydra import compose, initialize_config_dir
 
 from amp_plugin.settings import PRESETS
 
-PROJECT = Path(__file__).with_name("hydra_project")
-README = Path(__file__).resolve().parents[1] / "README.md"
+PROJECT = Path(__file__).resolve().parents[1] / "hydra_project"
+README = Path(__file__).resolve().parents[2] / "README.md"
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:.*does not have many workers.*"),

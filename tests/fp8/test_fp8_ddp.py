@@ -12,7 +12,7 @@ import torch
 
 from amp_plugin.fp8 import reference_scale
 
-WORKER = Path(__file__).with_name("_fp8_ddp_worker.py")
+WORKER = Path(__file__).resolve().parents[1] / "_fp8_ddp_worker.py"
 ROOT = WORKER.parents[1]
 
 

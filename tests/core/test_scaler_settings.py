@@ -17,7 +17,7 @@ from amp_plugin.settings import PRESETS, PrecisionSettings
 FP16 = sorted(name for name, preset in PRESETS.items() if preset.precision == "fp16")
 UNSCALED = sorted(name for name, preset in PRESETS.items() if preset.precision != "fp16")
 HALF_UNSCALED = [name for name in UNSCALED if PRESETS[name].precision != "fp32"]
-PROJECT_CONFIGS = Path(__file__).with_name("hydra_project") / "configs"
+PROJECT_CONFIGS = Path(__file__).resolve().parents[1] / "hydra_project" / "configs"
 
 
 @pytest.mark.parametrize("preset", FP16)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-WORKER = Path(__file__).with_name("_ddp_retry_worker.py")
+WORKER = Path(__file__).resolve().parents[1] / "_ddp_retry_worker.py"
 
 
 @pytest.mark.slow

@@ -86,7 +86,7 @@ RUNS: dict[str, list[str]] = {
     ],
 }
 
-# Bad command lines (on top of tests/test_config_validation.py's table), then strings stderr
+# Bad command lines (on top of tests/app/test_config_validation.py's table), then strings stderr
 # must contain: the key, the value, what is allowed.
 BAD = [
     (["+fault.inject_inf_at=abc"], ["fault.inject_inf_at", "abc", "ListConfig"]),

@@ -17,7 +17,7 @@ import pytest
 
 from amp_plugin.settings import PRESETS
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "bench_memory.py"
 COLUMNS = ["weights", "grads", "master", "master grads", "moments", "total", "between"]
 

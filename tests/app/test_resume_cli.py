@@ -26,7 +26,7 @@ import torch
 
 from amp_plugin.lightning.checkpoint_io import AtomicCheckpointIO
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def epoch_length() -> int:

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").glob("*.md"))]
 SHELL_LANGS = {"bash", "sh", "shell", "console"}
 FENCE = re.compile(r"(?P<marks>(?:<!-- [\w-]+:[^>]*-->\n)*)```(?P<lang>[\w-]*)\n(?P<body>.*?)```", re.S)

@@ -23,7 +23,7 @@ from amp_plugin.app.run import train
 from amp_plugin.lightning import pl
 from amp_plugin.settings import PRESETS
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONFIG_DIR = ROOT / "configs"
 QUICK = ["trainer.max_steps=3", "trainer.limit_val_batches=1", "trainer.enable_progress_bar=false"]
 
@@ -293,7 +293,7 @@ def test_the_cli_runs_on_pytorch_lightning(tmp_path):
     run_dir = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
     env["AMP_PLUGIN_LIGHTNING"] = "pytorch_lightning"
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parent), env.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH")]))
     proc = subprocess.run(
         [
             sys.executable,

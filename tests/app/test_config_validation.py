@@ -24,7 +24,7 @@ from amp_plugin.app.build import build, prepare
 from amp_plugin.app.validation import ConfigError, validate
 from amp_plugin.settings import PRESETS
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONFIG_DIR = ROOT / "configs"
 RECIPES = sorted(p.stem for p in (CONFIG_DIR / "recipe").glob("*.yaml"))
 # The documented rule: the FP16 presets scale the loss dynamically, the others do not.
