@@ -14,6 +14,8 @@ One optimizer step, in this order (written once, here)::
     -> scale update (once per iteration, also with several optimizers)
     -> masters copied back into the half-precision model (only after a real step)
 
+The hooks that run it are the plugin's base class, :class:`~amp_plugin.lightning.step.OptimizerStepHooks`.
+
 Under FSDP2 (``ModelParallelStrategy`` with ``fully_shard`` in ``configure_model``) the sharded
 FP32 parameters are the master weights: no :class:`~amp_plugin.MasterWeightOptimizer` is built,
 each unit gets the preset's ``MixedPrecisionPolicy`` (:mod:`amp_plugin.fsdp`), the scaler
@@ -30,40 +32,36 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Callable, Generator
+from collections.abc import Generator
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import Tensor
-from torch.optim import LBFGS, Optimizer
+from torch.optim import Optimizer
 from typing_extensions import override
 
 from amp_plugin import fsdp
-from amp_plugin.dynamic_scaler import LossScaleCollapseError
-from amp_plugin.emulation import CpuHalfEmulation, cpu_half_path, should_emulate
+from amp_plugin.emulation import CpuHalfEmulation
 from amp_plugin.fp8 import Fp8Layers, Fp8Recipe, convert_to_fp8
-from amp_plugin.fsdp_moments import Bf16MomentsAdam
 from amp_plugin.half_module import cast_floating, cast_module
-from amp_plugin.lightning import checkpoint_state, model_grads
-from amp_plugin.lightning._namespace import LIGHTNING_MODULES, Precision, rank_zero_info, rank_zero_warn, trainer_calls
+from amp_plugin.lightning import checkpoint_state
+from amp_plugin.lightning._namespace import LIGHTNING_MODULES, rank_zero_info, rank_zero_warn
 from amp_plugin.lightning.checkpoint_state import CHECKPOINT_KEY
+from amp_plugin.lightning.compute import compute_path, default_dtype, wants_emulation
 from amp_plugin.lightning.finetuning import FinetuningAdapter
-from amp_plugin.lightning.lr_hold import LRHold
-from amp_plugin.lightning.recovery import save_last_good
+from amp_plugin.lightning.optimizers import wrap_optimizers
+from amp_plugin.lightning.step import OptimizerStepHooks
 from amp_plugin.master_weights import MasterWeightOptimizer
-from amp_plugin.master_weights._parameter import WRAPPED
-from amp_plugin.scaler import LossScaler
 from amp_plugin.settings import PrecisionSettings, ScalerArg
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
     from lightning.fabric.plugins.precision.precision import _PRECISION_INPUT_STR
-    from lightning.fabric.utilities.types import Optimizable
 
 __all__ = ["CHECKPOINT_KEY", "MixedPrecisionPlugin"]
 
 
-class MixedPrecisionPlugin(Precision):
+class MixedPrecisionPlugin(OptimizerStepHooks):
     """Mixed precision for the Lightning ``Trainer``: ``Trainer(plugins=[MixedPrecisionPlugin()])``.
 
     Works with ``lightning.pytorch`` and ``pytorch_lightning`` alike.
@@ -121,6 +119,7 @@ class MixedPrecisionPlugin(Precision):
         skip_lr_on_overflow: bool = True,
         fp8: Fp8Recipe | dict[str, Any] | None = None,
     ) -> None:
+        super().__init__()  # the optimizer step's state (lightning/step.py)
         self.settings = PrecisionSettings.build(
             precision,
             master_weights,
@@ -133,21 +132,14 @@ class MixedPrecisionPlugin(Precision):
         self.fp8_layers: Fp8Layers | None = None
         # what Lightning's `trainer.precision` reports ("32-true", "16-mixed", "bf16-true", ...)
         self.precision = cast("_PRECISION_INPUT_STR", self.settings.lightning_precision)
-        self.last_nonfinite_params: list[tuple[str, int]] = []
         self.emulating = False
         self.compute_path = ""
         self.sharded = False
         self._bf16_moment_params: list[Tensor] = []  # FSDP2 with moments="bf16": the half-gathered shards
         self._device_type = "cpu"
         self._module: Any = None
-        self._pending_update = False
-        self._unscaled: set[int] = set()  # optimizers unscaled in this iteration (by clipping or their step)
-        self._stepped: set[int] = set()  # optimizers stepped in this iteration (manual optimization)
         self._emulation_hold: Any = None
-        self._hooks_read_model_grads: bool | None = None  # worked out at the first step of a fit
-        self._shown: dict[int, model_grads.ShownGrads] = {}  # optimizer -> its grads shown in the module's p.grad
         self._described = False
-        self._lr_hold = LRHold()
         self._finetuning = FinetuningAdapter()
 
     @classmethod
@@ -159,15 +151,6 @@ class MixedPrecisionPlugin(Precision):
         return plugin
 
     # ------------------------------------------------------------------ settings
-    @property
-    def scaler(self) -> LossScaler:
-        return self.settings.scaler
-
-    @scaler.setter
-    def scaler(self, scaler: LossScaler | None) -> None:
-        # One scaler for unscale, step and update: replacing it replaces it everywhere.
-        self.settings = self.settings.with_scaler(scaler)
-
     @property
     def amp_precision(self) -> str:
         """``"fp16"``, ``"bf16"`` or ``"fp32"``."""
@@ -229,44 +212,12 @@ class MixedPrecisionPlugin(Precision):
     def connect(
         self, model: torch.nn.Module, optimizers: list[Optimizer], lr_schedulers: list[Any]
     ) -> tuple[torch.nn.Module, list[Optimizer], list[Any]]:
-        if self.amp_precision != "fp32" and any(isinstance(getattr(o, "optimizer", o), LBFGS) for o in optimizers):
-            raise ValueError(
-                f"LBFGS cannot be used with precision={self.settings.preset!r}: it re-evaluates the closure "
-                "several times inside one step(), so a loss-scale skip or an FP32 master copy cannot be "
-                "applied per step. Train with precision='fp32', or use another optimizer."
-            )
-        if self.sharded and any(isinstance(o, MasterWeightOptimizer) for o in optimizers):
-            raise TypeError(
-                "MasterWeightOptimizer cannot be used with FSDP2: the sharded FP32 parameters already are the "
-                "master weights. Return an optimizer over the module's parameters from configure_optimizers."
-            )
-        if self.sharded and self.settings.moments == "bf16":
-            # FSDP2: the FP32 shards are the masters; only the moments change dtype (fsdp_moments.py)
-            optimizers = [
-                o if isinstance(o, Bf16MomentsAdam) else Bf16MomentsAdam(o, self._bf16_moment_params)
-                for o in optimizers
-            ]
-        if self.master_weights and not self.sharded:
-            master, moments = self.settings.master, self.settings.moments_dtype
-            for o in optimizers:
-                if o in WRAPPED and not isinstance(o, MasterWeightOptimizer):
-                    raise ValueError(_wrapped_again(type(o).__name__, self.settings.preset))
-            # one backward per step (automatic optimization, no accumulation): no FP32 accumulation hooks
-            trainer = getattr(model, "_trainer", None)
-            single = (
-                getattr(model, "automatic_optimization", False) and getattr(trainer, "accumulate_grad_batches", 0) == 1
-            )
-            optimizers = [
-                o
-                if isinstance(o, MasterWeightOptimizer)
-                else MasterWeightOptimizer(o, master=master, moments_dtype=moments, accumulate_fp32=not single)
-                for o in optimizers
-            ]
+        optimizers = wrap_optimizers(model, optimizers, self.settings, self.sharded, self._bf16_moment_params)
         param = next(model.parameters(), None)
         self._device_type = param.device.type if param is not None else "cpu"
-        if self.emulate == "on" or (self.emulate == "auto" and should_emulate(self._device_type, self.compute_dtype)):
+        if wants_emulation(self.emulate, self._device_type, self.compute_dtype):
             self.emulating = self.amp_precision != "fp32"
-        self.compute_path = self._compute_path()
+        self.compute_path = compute_path(self.settings, self._device_type, self.emulating)
         if self.emulating and self._emulation_hold is None:
             # Keep the emulation kernels registered for the whole run: each forward/backward
             # context then costs a counter update instead of a kernel registration.
@@ -302,20 +253,6 @@ class MixedPrecisionPlugin(Precision):
         what = self.settings.describe(sharded=self.sharded)
         return f"precision={self.settings.preset}: {what}; loss scaler={scaler}; {self.compute_path}"
 
-    def _compute_path(self) -> str:
-        """``"<dtype>: native|emulated (why)"`` for this run's device and settings."""
-        dtype = self.amp_precision
-        if dtype == "fp32":
-            return "fp32"
-        if self._device_type != "cpu":
-            return f"{dtype}: native ({self._device_type})"
-        if self.emulate != "auto":
-            how = "emulated (FP32 matmuls rounded once)" if self.emulating else "native CPU kernels"
-            return (
-                f"{dtype}: {how}, forced by emulate={self.emulate!r} (auto: {cpu_half_path(self.compute_dtype).reason})"
-            )
-        return f"{dtype}: {cpu_half_path(self.compute_dtype).reason}"
-
     @override
     def tensor_init_context(self) -> contextlib.AbstractContextManager:
         """Pure half presets create tensors (and ``configure_model``'s modules) in the half dtype, as
@@ -323,7 +260,7 @@ class MixedPrecisionPlugin(Precision):
         FP32 tensors: the masters, and the FP32 parameters under autocast, start from FP32 values."""
         if self.amp_precision == "fp32" or self.master_weights or self.autocast:
             return contextlib.nullcontext()
-        return _default_dtype(self.compute_dtype)
+        return default_dtype(self.compute_dtype)
 
     @override
     def module_init_context(self) -> contextlib.AbstractContextManager:
@@ -364,187 +301,6 @@ class MixedPrecisionPlugin(Precision):
     ) -> None:
         with self._emulation():
             super().backward(tensor, model, optimizer, *args, **kwargs)
-
-    # ------------------------------------------------------------------ the optimizer step
-    @override
-    def optimizer_step(  # type: ignore[override]
-        self, optimizer: Optimizable, model: pl.LightningModule, closure: Callable[[], Any], **kwargs: Any
-    ) -> Any:
-        if not (self.scaler.retries and self.scaler.is_enabled() and model.automatic_optimization):
-            return self._optimizer_step_once(optimizer, model, closure, **kwargs)
-        # DynamicLossScaler(retries=N): an overflowing step runs the closure (the same batch) again.
-        accumulate = getattr(model.trainer, "accumulate_grad_batches", 1)
-        if accumulate != 1:
-            raise ValueError(
-                f"DynamicLossScaler(retries={self.scaler.retries}) cannot retry with accumulate_grad_batches="
-                f"{accumulate}: Lightning ran the window's earlier micro-batches before this step, so only the "
-                "last one could run again, and the window's gradients would mix two scales. Use retries=0 with "
-                "gradient accumulation, or accumulate in manual optimization inside plugin.attempts()."
-            )
-        result = None
-        for _ in self.scaler.attempts():
-            result = self._optimizer_step_once(optimizer, model, closure, **kwargs)
-        return result
-
-    def attempts(self) -> Generator[int, None, None]:
-        """Manual optimization: run a batch's steps again at a lower scale when they overflowed.
-
-        ``DynamicLossScaler(retries=N)``; see :meth:`~amp_plugin.LossScaler.attempts`. In
-        ``training_step``::
-
-            for _ in self.trainer.precision_plugin.attempts():
-                opt.zero_grad()
-                self.manual_backward(self.loss(batch))
-                opt.step()
-
-        The scale update that would come after ``training_step`` runs at the end of each
-        attempt instead, so the next attempt knows whether to run. A retried attempt's
-        ``opt.step()`` calls do not count in ``trainer.global_step``.
-        """
-        trainer = self._module.trainer if self._module is not None else None
-        loop = getattr(getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None), "manual_optimization", None)
-        progress = getattr(loop, "optim_step_progress", None)
-        for attempt in self.scaler.attempts():
-            counted = progress.state_dict() if progress is not None else None
-            yield attempt
-            if self._pending_update:
-                self._pending_update = False
-                self._update(trainer)
-            if self.scaler.retrying and progress is not None:
-                progress.load_state_dict(counted)  # the attempt's steps are taken again
-
-    def _optimizer_step_once(
-        self, optimizer: Optimizable, model: pl.LightningModule, closure: Callable[[], Any], **kwargs: Any
-    ) -> Any:
-        if self.amp_precision == "fp32":
-            return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
-        key = id(_unwrap(optimizer))
-        if key in self._stepped:  # the same optimizer again in one manual step: a new iteration
-            self._pending_update = False
-            self._update(model.trainer)
-        closure_result = closure()
-        if closure_result is None and model.automatic_optimization:
-            return None  # training_step returned None: no backward ran, nothing to step
-        self._unscale_once(optimizer)
-        shown = self._show_unscaled_model_grads(model, optimizer)
-        if shown is None:
-            self._after_closure(model, optimizer)
-        else:
-            self._shown[key] = shown
-            try:
-                self._after_closure(model, optimizer)  # the hooks, then _clip_gradients
-            finally:
-                del self._shown[key]
-            shown.take_edits()  # made by configure_gradient_clipping after it clipped
-        scaler = self.scaler
-        result = scaler.step(optimizer, **kwargs)  # type: ignore[arg-type]
-        self._stepped.add(key)
-        self._note_step(model, optimizer)
-        self.last_nonfinite_params = self._nonfinite_params(model) if scaler.last_step_skipped else []
-        if model.automatic_optimization:
-            self._update(model.trainer)
-        else:
-            self._pending_update = True
-        return result
-
-    def _note_step(self, model: Any, optimizer: Any) -> None:
-        """Tell the LR hold whether this optimizer's step was taken (:mod:`~amp_plugin.lightning.lr_hold`)."""
-        skipped = self.scaler.step_skipped(optimizer)
-        trainer = getattr(model, "_trainer", None)
-        if model.automatic_optimization and trainer is not None:
-            batch_end = trainer.fit_loop.epoch_loop.batch_idx + 1
-            self._lr_hold.note_step(optimizer, skipped, trainer.current_epoch, batch_end)
-        else:
-            self._lr_hold.note_step(optimizer, skipped)
-
-    def _unscale_once(self, optimizer: Any) -> None:
-        """Unscale ``optimizer``'s gradients into what its step will use, once per iteration.
-
-        Called before clipping (which may come first, from a manual ``self.clip_gradients``)
-        and before the step. A disabled scaler still gives master weights their FP32 grads.
-        """
-        optimizer = _unwrap(optimizer)
-        if id(optimizer) not in self._unscaled:
-            self._unscaled.add(id(optimizer))
-            self.scaler.unscale_(optimizer)
-
-    def _show_unscaled_model_grads(self, model: Any, optimizer: Any) -> model_grads.ShownGrads | None:
-        """With master weights, when a hook may read the module's ``p.grad``, the unscaled
-        gradients written there (:mod:`amp_plugin.lightning.model_grads`)."""
-        optimizer = _unwrap(optimizer)
-        if not isinstance(optimizer, MasterWeightOptimizer):
-            return None  # FP32 or pure-half parameters: their own gradients were unscaled in place
-        if self._hooks_read_model_grads is None:
-            self._hooks_read_model_grads = model_grads.hooks_may_read_grads(model)
-        return model_grads.show_unscaled(optimizer) if self._hooks_read_model_grads else None
-
-    @override
-    def clip_gradients(self, optimizer: Optimizer, clip_val: float = 0.0, gradient_clip_algorithm: Any = None) -> None:
-        """Clip the gradients the step will use: unscaled, and the FP32 masters' with master weights.
-
-        In manual optimization ``self.clip_gradients(opt, ...)`` comes before ``opt.step()``:
-        the gradients are unscaled here first (as ``scaler.unscale_`` before clipping in a plain
-        loop), and the step does not unscale them again. Where the module's ``p.grad`` shows
-        the gradients (a hook may read them), what a hook changed there is taken first, and
-        the clipped gradients are shown there after.
-        """
-        if clip_val > 0 and self.amp_precision != "fp32":
-            self._unscale_once(optimizer)
-        shown = self._shown.get(id(_unwrap(optimizer)))
-        if shown is not None:
-            shown.take_edits()  # made in configure_gradient_clipping before it called clip_gradients
-        if gradient_clip_algorithm is None:
-            super().clip_gradients(optimizer, clip_val)
-        else:
-            super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm)
-        if shown is not None and clip_val > 0:
-            shown.show_again()  # the module's p.grad shows the clipped gradients, as in an FP32 run
-
-    @override
-    def _clip_gradients(
-        self, model: Any, optimizer: Any, clip_val: float | None = None, gradient_clip_algorithm: Any = None
-    ) -> None:
-        # Lightning's own version checks for its namespace's LightningModule only; the
-        # plugin serves both namespaces (amp_plugin.lightning._namespace).
-        if not isinstance(model, LIGHTNING_MODULES) or not model.automatic_optimization:
-            return
-        shown = self._shown.get(id(_unwrap(optimizer)))
-        if shown is not None:
-            shown.take_edits()  # made by the on_before_optimizer_step hooks, before Lightning clips
-        trainer_calls(model)._call_lightning_module_hook(
-            model.trainer,
-            "configure_gradient_clipping",
-            optimizer,
-            gradient_clip_val=clip_val,
-            gradient_clip_algorithm=gradient_clip_algorithm,
-        )
-
-    def _update(self, trainer: pl.Trainer | None) -> None:
-        """``scaler.update()``; if the scale collapses, save the last good state first."""
-        self._unscaled.clear()
-        self._stepped.clear()
-        if self.fp8_layers is not None:
-            self.fp8_layers.update()  # delayed scales, amax histories, fallback counters
-        try:
-            self.scaler.update()
-        except LossScaleCollapseError as err:
-            if trainer is None:
-                raise
-            path = save_last_good(trainer)
-            raise LossScaleCollapseError(err.scale, err.iteration, err.consecutive_skips, path) from None
-
-    def _nonfinite_params(self, model: torch.nn.Module, top: int = 5) -> list[tuple[str, int]]:
-        """Names and counts of parameters with inf/NaN gradients (only run on skipped steps).
-
-        Counts are over whole tensors: under FSDP2 they are summed across the shards (a
-        collective on every rank, which all skip together)."""
-        named = [(name, p.grad) for name, p in model.named_parameters() if p.grad is not None]
-        if not named:
-            return []
-        local = torch.stack([(~torch.isfinite(fsdp.local_grad(g))).sum().double() for _, g in named])
-        bad = fsdp.reduce_stats([g for _, g in named], local.unsqueeze(1), sum_cols=1)[:, 0].tolist()  # one sync
-        counts = sorted(((name, int(n)) for (name, _), n in zip(named, bad) if n), key=lambda item: -item[1])
-        return counts[:top]
 
     # ------------------------------------------------------------------ checkpoints
     @override
@@ -587,30 +343,3 @@ class MixedPrecisionPlugin(Precision):
             f"{type(self).__name__}(precision={self.settings.preset!r}, scaler={self.scaler!r}, "
             f"emulate={self.emulate!r}, skip_lr_on_overflow={self.skip_lr_on_overflow})"
         )
-
-
-def _unwrap(optimizer: Any) -> Any:
-    """The optimizer inside a ``LightningOptimizer`` (what ``self.optimizers()`` returns)."""
-    return getattr(optimizer, "_optimizer", optimizer)
-
-
-@contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype) -> Generator[None, None, None]:
-    """``torch.set_default_dtype(dtype)`` inside the block, the previous default after it."""
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(previous)
-
-
-def _wrapped_again(name: str, preset: str) -> str:
-    return (
-        f"configure_optimizers returned a {name} that is already wrapped by a MasterWeightOptimizer: precision="
-        f"{preset!r} wraps the optimizer in place (its param groups then hold the FP32 masters), so the same "
-        "optimizer object cannot be given to a second fit or a second plugin. If you built the "
-        "MasterWeightOptimizer yourself, return it from configure_optimizers instead of its .optimizer; "
-        "otherwise build the optimizer inside configure_optimizers, so that each fit gets a new one "
-        "(see docs/lightning_differences.md)."
-    )

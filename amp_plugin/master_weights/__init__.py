@@ -29,6 +29,12 @@ Modules: ``_parameter`` (the master and its record), ``_grads`` (one step's grad
 from amp_plugin.master_weights._checkpoint import MasterRoundingWarning
 from amp_plugin.master_weights._grads import MasterGradWarning
 from amp_plugin.master_weights._optimizer import MasterWeightOptimizer
-from amp_plugin.master_weights._parameter import MasterParameter
+from amp_plugin.master_weights._parameter import MasterParameter, is_wrapped
 
-__all__ = ["MasterGradWarning", "MasterParameter", "MasterRoundingWarning", "MasterWeightOptimizer"]
+__all__ = [
+    "MasterGradWarning",
+    "MasterParameter",
+    "MasterRoundingWarning",
+    "MasterWeightOptimizer",
+    "is_wrapped",
+]

@@ -21,7 +21,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from amp_plugin.dtypes import HALF_DTYPES
 
-__all__ = ["MasterParameter"]
+__all__ = ["MasterParameter", "is_wrapped"]
 
 _T = TypeVar("_T")
 
@@ -226,6 +226,12 @@ MASTERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 # Every master made here, and every optimizer wrapped: what a second wrapper must refuse.
 MASTER_TENSORS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 WRAPPED: weakref.WeakSet = weakref.WeakSet()
+
+
+def is_wrapped(optimizer: Any) -> bool:
+    """Whether ``optimizer`` is the inner optimizer of a :class:`~amp_plugin.MasterWeightOptimizer`
+    (its param groups hold FP32 masters), which no second wrapper may take."""
+    return optimizer in WRAPPED
 
 
 def refresh(model_p: torch.Tensor, record: Record) -> None:
