@@ -18,8 +18,10 @@ from typing import Any
 import torch
 
 from amp_plugin.checks import check_choice, check_int, check_number, check_scale
-from amp_plugin.scaler import LossScaler, ScaleUpdate, _state_int, to_float32
+from amp_plugin.loss_scaler import LossScaler
+from amp_plugin.scale_update import ScaleUpdate, to_float32
 from amp_plugin.scaler_settings import Setting, check_settings
+from amp_plugin.scaler_state import state_int
 
 __all__ = ["DynamicLossScaler", "HysteresisReset", "LossScaleCollapseError", "OnMinScale"]
 
@@ -285,10 +287,10 @@ class DynamicLossScaler(LossScaler):
     def _checked_state(self, state_dict: dict[str, Any], settings: dict[str, Any]) -> dict[str, Any]:
         values = super()._checked_state(state_dict, settings)
         _check_in_limits("scale", values["scale"], settings["min_scale"], settings["max_scale"])
-        values["_growth_tracker"] = _state_int(state_dict, "_growth_tracker", 0)
+        values["_growth_tracker"] = state_int(state_dict, "_growth_tracker", 0)
         # A hysteresis lowered since the save (settings changed on resume) caps the tracker.
         hysteresis = settings["hysteresis"]
-        values["_hysteresis_tracker"] = min(_state_int(state_dict, "_hysteresis_tracker", hysteresis), hysteresis)
+        values["_hysteresis_tracker"] = min(state_int(state_dict, "_hysteresis_tracker", hysteresis), hysteresis)
         return values
 
     def _load_trackers(self, values: dict[str, Any]) -> None:

@@ -480,7 +480,7 @@ def test_fully_shard_mixed_rejects_other_policies():
 
 def test_the_scaler_unscales_plain_gradients_as_before():
     """Without DTensors the scaler's in-place unscale is unchanged (what FSDP2 adds is the local shard)."""
-    from amp_plugin.scaler import _unscale_in_place
+    from amp_plugin.unscale import unscale_in_place
 
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(5)) for _ in range(3)]
@@ -488,7 +488,7 @@ def test_the_scaler_unscales_plain_gradients_as_before():
     grads[1][2] = math.inf
     for p, g in zip(params, grads):
         p.grad = g.clone()
-    found = _unscale_in_place(torch.optim.SGD(params, lr=0.1), lambda d: torch.full((), 1 / 1024.0, device=d))
+    found = unscale_in_place(torch.optim.SGD(params, lr=0.1), lambda d: torch.full((), 1 / 1024.0, device=d))
     assert {k: v.item() for k, v in found.items()} == {torch.device("cpu"): 1.0}
     for p, g in zip(params, grads):
         torch.testing.assert_close(p.grad, g / 1024, equal_nan=True)
