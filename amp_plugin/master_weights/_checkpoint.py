@@ -11,12 +11,15 @@ BF16 ones; FP32 masters into ``stochastic``, which keeps only the BF16 weight), 
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.optim import Optimizer
 
-__all__ = ["MasterRoundingWarning", "restore_moments", "warn_rounded"]
+if TYPE_CHECKING:
+    from amp_plugin.master_weights._optimizer import MasterWeightOptimizer
+
+__all__ = ["MasterRoundingWarning", "load_state_dict", "restore_moments", "state_dict", "warn_rounded"]
 
 
 class MasterRoundingWarning(UserWarning):
@@ -60,5 +63,43 @@ def warn_rounded(rounded: set[str], master: str, moments_dtype: torch.dtype) -> 
         warnings.warn(
             "Loading the optimizer state: " + "; ".join(parts) + ". Training continues from the rounded values.",
             MasterRoundingWarning,
-            stacklevel=3,
+            stacklevel=4,  # the caller of MasterWeightOptimizer.load_state_dict
         )
+
+
+def state_dict(opt: MasterWeightOptimizer) -> dict[str, Any]:
+    """What :meth:`~amp_plugin.MasterWeightOptimizer.state_dict` returns."""
+    opt._refresh_masters()
+    state = opt.optimizer.state_dict()
+    state["master_params"] = opt.fp32_masters()
+    state["master_kind"] = opt.master
+    if opt._sr is not None:
+        state["sr_generator"] = opt._sr.state_dict()
+    return state
+
+
+def load_state_dict(opt: MasterWeightOptimizer, state_dict: dict[str, Any]) -> None:
+    """What :meth:`~amp_plugin.MasterWeightOptimizer.load_state_dict` does."""
+    state_dict = dict(state_dict)
+    masters = state_dict.pop("master_params", None)
+    state_dict.pop("master_kind", None)
+    generator = state_dict.pop("sr_generator", None)
+    if masters is not None and len(masters) != len(opt._half_models):
+        raise ValueError(
+            f"master_params has {len(masters)} tensors but this optimizer has "
+            f"{len(opt._half_models)} half-precision parameters: the checkpoint belongs to another model."
+        )
+    opt._end_session()
+    opt.optimizer.load_state_dict(state_dict)
+    rounded = restore_moments(opt.optimizer, state_dict, set(opt._index_of), opt.moments_dtype)
+    if masters is None:
+        opt.sync_masters()
+    else:
+        with torch.no_grad():
+            for model_p, record, saved in zip(opt._half_models, opt._records, masters):
+                if opt._kind.load(model_p, record, saved):
+                    rounded.add("master values")
+                record.version, record.ptr = model_p._version, model_p.data_ptr()
+    if generator is not None and opt._sr is not None:
+        opt._sr.load_state_dict(generator)
+    warn_rounded(rounded, opt.master, opt.moments_dtype)

@@ -3,7 +3,6 @@ FP32 masters (see the package docstring)."""
 
 from __future__ import annotations
 
-import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import Any, cast
@@ -15,33 +14,30 @@ from amp_plugin import fused as _fused
 from amp_plugin.dtypes import HALF_DTYPES
 from amp_plugin.fused import adam as _adam
 from amp_plugin.master_weights import _accumulate, _checkpoint
+from amp_plugin.master_weights._adopt import adopt_group
 from amp_plugin.master_weights._grads import (
     GradSession,
     eager_unscale,
     unscaled_copy,
     warn_grads_changed,
 )
-from amp_plugin.master_weights._kernels import StepCall, StepKernel, choose
-from amp_plugin.master_weights._kinds import KINDS
+from amp_plugin.master_weights._kernels import StepKernel
 from amp_plugin.master_weights._parameter import (
     MASTER_TENSORS,
-    MASTERS,
     WRAPPED,
     Record,
-    refresh,
     resync,
     set_grad,
 )
 from amp_plugin.master_weights._refusals import (
     already_wrapped,
     by_device_dtype,
-    check_fused_possible,
     check_kind_possible,
-    check_moments_dtype,
+    check_wrappable,
     flag,
     refuse_dtensors,
-    upcast_state,
 )
+from amp_plugin.master_weights._step import run_step
 from amp_plugin.master_weights._stochastic import SRGenerator
 from amp_plugin.scaler import unscale_grouped
 
@@ -186,32 +182,7 @@ class MasterWeightOptimizer(Optimizer):
     ) -> None:
         if not any(fused is mode or (isinstance(mode, str) and fused == mode) for mode in FUSED_MODES):
             raise TypeError(f"fused={fused!r} is not allowed: fused must be None (automatic), True, False or 'torch'.")
-        if not isinstance(master, str) or master not in KINDS:
-            allowed = ", ".join(repr(k) for k in KINDS)
-            raise ValueError(f"master={master!r} is not allowed: master must be one of {allowed}.")
-        moments = check_moments_dtype(moments_dtype)
-        if not isinstance(optimizer, Optimizer):
-            raise TypeError(
-                f"optimizer={type(optimizer).__name__} is not allowed: MasterWeightOptimizer wraps a "
-                "torch.optim.Optimizer."
-            )
-        if isinstance(optimizer, MasterWeightOptimizer):
-            raise TypeError("optimizer is already a MasterWeightOptimizer: wrap the inner optimizer once.")
-        if isinstance(optimizer, torch.optim.LBFGS):
-            raise TypeError(
-                "optimizer=LBFGS is not allowed: LBFGS evaluates its closure several times inside one "
-                "step() and updates the parameters between evaluations, but MasterWeightOptimizer copies "
-                "the FP32 masters into the model once per step, so every evaluation would see stale "
-                "weights. Run LBFGS on an FP32 model without MasterWeightOptimizer, or use a first-order "
-                "optimizer (SGD, Adam, AdamW) with master weights."
-            )
-        refuse_dtensors(optimizer)
-        if optimizer in WRAPPED or any(p in MASTER_TENSORS for g in optimizer.param_groups for p in g["params"]):
-            raise ValueError(already_wrapped(type(optimizer).__name__))
-        kind = KINDS[master]
-        if fused is True or fused == "torch":  # checked before the optimizer's parameters are swapped for masters
-            check_fused_possible(optimizer, fused)
-        check_kind_possible(optimizer, kind, moments, fused)
+        kind, moments = check_wrappable(optimizer, fused, master, moments_dtype)
         # torch.optim.Optimizer.__init__ would rebuild param_groups; share the inner ones instead.
         self.optimizer = optimizer
         self.defaults = optimizer.defaults
@@ -255,7 +226,7 @@ class MasterWeightOptimizer(Optimizer):
             setattr(self, name, OrderedDict())
         self._patch_step_function()
         for group in optimizer.param_groups:
-            self._adopt_group(group)
+            adopt_group(self, group)
         WRAPPED.add(optimizer)
 
     # ------------------------------------------------------------------ shared state
@@ -330,7 +301,7 @@ class MasterWeightOptimizer(Optimizer):
         except (TypeError, ValueError):
             self.optimizer.param_groups.pop()
             raise
-        self._adopt_group(group)
+        adopt_group(self, group)
         self._chosen = None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -445,7 +416,7 @@ class MasterWeightOptimizer(Optimizer):
         if self._session is not None and self._session.auto:
             self._session.renew_all()  # a master gradient was read, then backward ran again: take the new ones
         try:
-            result = self._step(self._session or self._begin_session(None), kwargs)
+            result = run_step(self, self._session or self._begin_session(None), kwargs)
         finally:
             self._end_session()
         return loss if closure is not None else result
@@ -455,13 +426,7 @@ class MasterWeightOptimizer(Optimizer):
         (the FP32 values of the half-precision parameters' masters, in model order, whatever
         the kind), ``"master_kind"``, and with ``master="stochastic"`` ``"sr_generator"`` (the
         rounding's seed and step counter)."""
-        self._refresh_masters()
-        state = self.optimizer.state_dict()
-        state["master_params"] = self.fp32_masters()
-        state["master_kind"] = self.master
-        if self._sr is not None:
-            state["sr_generator"] = self._sr.state_dict()
-        return state
+        return _checkpoint.state_dict(self)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict from :meth:`state_dict` (of any ``master`` kind and moments dtype),
@@ -469,73 +434,13 @@ class MasterWeightOptimizer(Optimizer):
         model's weights). FP32 values this optimizer cannot hold exactly (FP32 moments into BF16
         ones, FP32 masters into ``master="stochastic"``) are rounded to nearest, with a
         :class:`~amp_plugin.master_weights.MasterRoundingWarning` that names them."""
-        state_dict = dict(state_dict)
-        masters = state_dict.pop("master_params", None)
-        state_dict.pop("master_kind", None)
-        generator = state_dict.pop("sr_generator", None)
-        if masters is not None and len(masters) != len(self._half_models):
-            raise ValueError(
-                f"master_params has {len(masters)} tensors but this optimizer has "
-                f"{len(self._half_models)} half-precision parameters: the checkpoint belongs to another model."
-            )
-        self._end_session()
-        self.optimizer.load_state_dict(state_dict)
-        rounded = _checkpoint.restore_moments(self.optimizer, state_dict, set(self._index_of), self.moments_dtype)
-        if masters is None:
-            self.sync_masters()
-        else:
-            with torch.no_grad():
-                for model_p, record, saved in zip(self._half_models, self._records, masters):
-                    if self._kind.load(model_p, record, saved):
-                        rounded.add("master values")
-                    record.version, record.ptr = model_p._version, model_p.data_ptr()
-        if generator is not None and self._sr is not None:
-            self._sr.load_state_dict(generator)
-        _checkpoint.warn_rounded(rounded, self.master, self.moments_dtype)
+        _checkpoint.load_state_dict(self, state_dict)
 
     def __repr__(self) -> str:
         return f"MasterWeightOptimizer({self.optimizer!r})"
 
     def __getstate__(self) -> dict[str, Any]:
         return self.__dict__.copy()
-
-    # ------------------------------------------------------------------ internals: setup
-    def _adopt_group(self, group: dict[str, Any]) -> None:
-        params = group["params"]
-        kind = self._kind
-        for i, p in enumerate(params):
-            if p.dtype in HALF_DTYPES:
-                record = MASTERS.get(p)
-                if record is None:
-                    record = MASTERS[p] = kind.new_record(p)
-                    MASTER_TENSORS[record.master] = True
-                else:  # another wrapper holds this parameter: share its master
-                    if record.kind != kind.name:
-                        raise ValueError(
-                            f"master={self.master!r} is not possible for a parameter another MasterWeightOptimizer "
-                            f"holds with master={record.kind!r}: one master per parameter. Give every optimizer "
-                            "over it the same master kind."
-                        )
-                    refresh(p, record)
-                master = record.master
-                if p in self.optimizer.state:  # move existing state over, upcast (moments: to their dtype)
-                    self.optimizer.state[master] = self.optimizer.state.pop(p)
-                if master in self.optimizer.state:
-                    old = self.optimizer.state[master]
-                    self.optimizer.state[master] = {k: upcast_state(v, p, self.moments_dtype) for k, v in old.items()}
-                params[i] = master
-                master._amp_owner = weakref.ref(self)
-                if self._accumulate_fp32:
-                    _accumulate.attach(p, record, self, self._accumulators)
-                self._half_models.append(p)
-                self._half_masters.append(master)
-                self._records.append(record)
-                self._index_of[id(master)] = len(self._half_models) - 1
-            else:
-                master = p
-                self._own.append(p)
-            self._model_params.append(p)
-            self._master_params.append(master)
 
     # ------------------------------------------------------------------ internals: gradients
     def _begin_session(self, inv_scale_on: InvScaleOn | None) -> GradSession:
@@ -579,139 +484,7 @@ class MasterWeightOptimizer(Optimizer):
                 grads.append(g._values() if g.is_sparse else g)
         return grads
 
-    def _step_grads(self, session: GradSession) -> tuple[list[torch.Tensor | None], list[int]]:
-        """What the step uses per half parameter (by index): an FP32 gradient (materialized,
-        set, computed ahead) or, for the pending ones, the model's half gradient; ``None``:
-        not stepped. And the indices of the pending ones."""
-        grads: list[torch.Tensor | None] = []
-        pending: list[int] = []
-        touched, seen, versions, eager = session.touched, session.grads, session.versions, session.eager
-        for i, (model, master) in enumerate(zip(self._half_models, self._half_masters)):
-            slot = master._amp_grad
-            if slot is not None or seen[i] is None or i in touched:
-                grads.append(slot)
-                continue
-            grad = model.grad
-            # seen[i] is not None here, so `grad is None` adds no case to `grad is not seen[i]`: it only
-            # narrows grad for the type checker (cheaper than a cast() call per parameter)
-            if grad is None or grad is not seen[i] or grad._version != versions[i]:
-                self._warn_grads_changed()
-                if grad is not None:
-                    pending.append(i)
-            elif i in eager:
-                grad = eager[i]
-            else:
-                pending.append(i)
-            grads.append(grad)
-        return grads, pending
-
-    def _to_fp32(
-        self, session: GradSession, grads: list[torch.Tensor | None], pending: list[int], only_unreadable: bool = False
-    ) -> None:
-        """Replace the pending half gradients in ``grads`` by FP32 master gradients: one
-        multi-tensor copy (and unscale) per device, sparse or strided ones one by one
-        (``only_unreadable``: just those the CPU kernel cannot read)."""
-        batch: list[int] = []
-        present = cast("list[torch.Tensor]", grads)  # the same list: not None at the indices in pending
-        for i in pending:
-            grad = present[i]
-            if (
-                grad.is_sparse
-                or not grad.is_contiguous()
-                or grad.dtype not in HALF_DTYPES
-                or (only_unreadable and not grad.is_cpu)
-            ):
-                grads[i] = unscaled_copy(grad, session.inv_on(grad.device), session.ops)
-            elif not only_unreadable:
-                batch.append(i)
-        for device in {present[i].device for i in batch}:
-            index = [i for i in batch if present[i].device == device]
-            copies = eager_unscale([present[i] for i in index], session.inv_on(device), None, session.ops)
-            for i, copy in zip(index, copies):
-                grads[i] = copy
-
-    # ------------------------------------------------------------------ internals: the step
-    def _step(self, session: GradSession, kwargs: dict[str, Any]) -> Any:
-        grads, pending = self._step_grads(session)
-        masters, models = self._half_masters, self._half_models
-        kernels = self._kernels(kwargs)
-        if kernels:
-            keys = self._sr.keys(list(range(len(models)))) if self._sr is not None else [0] * len(models)
-        for kernel in kernels:
-            self._to_fp32(session, grads, pending, only_unreadable=not kernel.needs_half_grads_in_fp32)
-            inv = session.inv_on(torch.device("cpu")) if not kernel.needs_half_grads_in_fp32 else None
-            call = StepCall(
-                self.optimizer,
-                grads,
-                self._index_of,
-                models,
-                self._records,
-                self._kind,
-                keys,
-                None if inv is None else float(inv),
-                self.moments_dtype,
-                self._kernel_ops(),
-            )
-            if kernel.run(call):
-                # what an LR scheduler's step tracking records (torch's private flag, not in the stubs)
-                self.optimizer._opt_called = True  # type: ignore[attr-defined]
-                self._record_versions(grads)
-                return None
-            pending = [i for i in pending if (g := grads[i]) is not None and g.dtype in HALF_DTYPES]
-        self._to_fp32(session, grads, pending)
-        touched = session.touched  # the wrapped optimizer's own step reads the masters' .grad
-        for i, (master, grad) in enumerate(zip(masters, grads)):
-            if grad is not None and master._amp_grad is not grad:
-                set_grad(master, grad)
-                touched.add(i)
-        result = self.optimizer.step(**kwargs)
-        self._copy_into_model([(models[i], masters[i]) for i, grad in enumerate(grads) if grad is not None])
-        self._record_versions(grads)
-        return result
-
-    def _kernels(self, kwargs: dict[str, Any]) -> list[StepKernel]:
-        """The step kernels that may run this step, in order; empty: the wrapped optimizer's own step."""
-        stock = self._kind.has_fp32_tensor and self.moments_dtype is torch.float32
-        if kwargs or _adam.has_step_hooks(self.optimizer):
-            if stock:
-                return []
-            what = f"master={self.master!r}" if not self._kind.has_fp32_tensor else "moments_dtype=torch.bfloat16"
-            if kwargs:
-                raise TypeError(
-                    f"step() got keyword arguments {sorted(kwargs)}, but with {what} the wrapped optimizer's "
-                    "step() is not called (amp_plugin's Adam step runs instead), so there is nothing to pass them to."
-                )
-            raise RuntimeError(
-                f"The wrapped optimizer has step hooks, but with {what} its step() is not called, so they would "
-                "not run: register them on the MasterWeightOptimizer instead (opt.register_step_pre_hook / "
-                "register_step_post_hook)."
-            )
-        if self._chosen is None:
-            all_cpu = self._all_cpu()
-            if stock and self.fused is None and not all(g.get("fused") for g in self.param_groups):
-                self._chosen = []  # the user chose torch's for-loop/foreach Adam (or another optimizer)
-            else:
-                self._chosen = choose(self.optimizer, self.master, self.fused, all_cpu, stock, _fused.kernels())
-        if not self._chosen and not stock:
-            raise RuntimeError(
-                f"No step kernel can run master={self.master!r} with moments_dtype={self.moments_dtype} for "
-                f"{type(self.optimizer).__name__} here (fused={self.fused!r})."
-            )
-        if self._kernel_ops() is None:
-            return [k for k in self._chosen if k.name != "amp_plugin"]
-        return self._chosen
-
-    def _copy_into_model(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        if pairs:
-            models, masters = zip(*pairs)
-            with torch.no_grad():
-                torch._foreach_copy_(list(models), list(masters))
-
-    def _record_versions(self, grads: list[torch.Tensor | None]) -> None:
-        for model_p, grad, record in zip(self._half_models, grads, self._records):
-            if grad is not None:
-                record.version, record.ptr = model_p._version, model_p.data_ptr()
-
+    # ------------------------------------------------------------------ internals: the step (_step.py)
     def _all_cpu(self) -> bool:
         return all(p.device.type == "cpu" for p in self._model_params)
 

@@ -11,6 +11,8 @@ from torch.optim import Optimizer
 from amp_plugin import fused as _fused
 from amp_plugin.dtypes import HALF_DTYPES
 from amp_plugin.fused import adam as _adam
+from amp_plugin.master_weights._kinds import KINDS
+from amp_plugin.master_weights._parameter import MASTER_TENSORS, WRAPPED
 
 __all__ = [
     "already_wrapped",
@@ -18,6 +20,7 @@ __all__ = [
     "check_fused_possible",
     "check_kind_possible",
     "check_moments_dtype",
+    "check_wrappable",
     "flag",
     "refuse_dtensors",
     "upcast_state",
@@ -136,3 +139,38 @@ def by_device_dtype(grads: list[torch.Tensor]) -> dict[tuple[torch.device, torch
     for grad in grads:
         groups.setdefault((grad.device, grad.dtype), []).append(grad)
     return groups
+
+
+def check_wrappable(
+    optimizer: Optimizer, fused: bool | str | None, master: str, moments_dtype: torch.dtype | None
+) -> tuple[Any, torch.dtype]:
+    """Refuse what ``MasterWeightOptimizer(optimizer, fused, master, moments_dtype)`` cannot wrap
+    (``TypeError``/``ValueError`` that say why); returns the master kind and the moments dtype."""
+    from amp_plugin.master_weights._optimizer import MasterWeightOptimizer
+
+    if not isinstance(master, str) or master not in KINDS:
+        allowed = ", ".join(repr(k) for k in KINDS)
+        raise ValueError(f"master={master!r} is not allowed: master must be one of {allowed}.")
+    moments = check_moments_dtype(moments_dtype)
+    if not isinstance(optimizer, Optimizer):
+        raise TypeError(
+            f"optimizer={type(optimizer).__name__} is not allowed: MasterWeightOptimizer wraps a torch.optim.Optimizer."
+        )
+    if isinstance(optimizer, MasterWeightOptimizer):
+        raise TypeError("optimizer is already a MasterWeightOptimizer: wrap the inner optimizer once.")
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise TypeError(
+            "optimizer=LBFGS is not allowed: LBFGS evaluates its closure several times inside one "
+            "step() and updates the parameters between evaluations, but MasterWeightOptimizer copies "
+            "the FP32 masters into the model once per step, so every evaluation would see stale "
+            "weights. Run LBFGS on an FP32 model without MasterWeightOptimizer, or use a first-order "
+            "optimizer (SGD, Adam, AdamW) with master weights."
+        )
+    refuse_dtensors(optimizer)
+    if optimizer in WRAPPED or any(p in MASTER_TENSORS for g in optimizer.param_groups for p in g["params"]):
+        raise ValueError(already_wrapped(type(optimizer).__name__))
+    kind = KINDS[master]
+    if fused is True or fused == "torch":  # checked before the optimizer's parameters are swapped for masters
+        check_fused_possible(optimizer, fused)
+    check_kind_possible(optimizer, kind, moments, fused)
+    return kind, moments

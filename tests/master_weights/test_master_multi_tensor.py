@@ -9,6 +9,7 @@ import torch
 
 from amp_plugin import DynamicLossScaler, MasterWeightOptimizer
 from amp_plugin.master_weights import _multi_tensor
+from amp_plugin.master_weights._step import step_kernels
 
 CONFIGS = {
     "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, fused=True),
@@ -142,7 +143,7 @@ def test_parameters_off_the_cpu_select_the_multi_tensor_path(monkeypatch):
     """fused=None picks torch's kernels for non-CPU parameters (seen here by pretending)."""
     model = model_for()
     opt = MasterWeightOptimizer(torch.optim.AdamW(model.parameters(), fused=True))
-    names = lambda: [k.name for k in opt._kernels({})]  # noqa: E731
+    names = lambda: [k.name for k in step_kernels(opt, {})]  # noqa: E731
     assert names() == ["amp_plugin"]
     opt._chosen = None  # the choice is cached from the first step
     monkeypatch.setattr(opt, "_all_cpu", lambda: False)

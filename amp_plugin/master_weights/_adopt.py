@@ -1,0 +1,63 @@
+"""How a :class:`~amp_plugin.MasterWeightOptimizer` takes a param group of the optimizer it wraps.
+
+Each half-precision parameter gets its master (one per parameter: a second wrapper over it shares
+the first one's, and must keep the same master kind), the master takes the parameter's place in
+the group, existing optimizer state moves over to it (upcast; the moments to their dtype), and,
+with FP32 accumulation, the parameter's accumulation hooks are attached
+(:mod:`amp_plugin.master_weights._accumulate`). FP32 parameters are their own master.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING, Any
+
+from amp_plugin.dtypes import HALF_DTYPES
+from amp_plugin.master_weights import _accumulate
+from amp_plugin.master_weights._parameter import MASTER_TENSORS, MASTERS, refresh
+from amp_plugin.master_weights._refusals import upcast_state
+
+if TYPE_CHECKING:
+    from amp_plugin.master_weights._optimizer import MasterWeightOptimizer
+
+__all__ = ["adopt_group"]
+
+
+def adopt_group(opt: MasterWeightOptimizer, group: dict[str, Any]) -> None:
+    """Put the masters of ``group``'s half-precision parameters in their place in the group (see the
+    module docstring) and note every parameter in ``opt``'s lists, in order."""
+    params = group["params"]
+    kind = opt._kind
+    for i, p in enumerate(params):
+        if p.dtype in HALF_DTYPES:
+            record = MASTERS.get(p)
+            if record is None:
+                record = MASTERS[p] = kind.new_record(p)
+                MASTER_TENSORS[record.master] = True
+            else:  # another wrapper holds this parameter: share its master
+                if record.kind != kind.name:
+                    raise ValueError(
+                        f"master={opt.master!r} is not possible for a parameter another MasterWeightOptimizer "
+                        f"holds with master={record.kind!r}: one master per parameter. Give every optimizer "
+                        "over it the same master kind."
+                    )
+                refresh(p, record)
+            master = record.master
+            if p in opt.optimizer.state:  # move existing state over, upcast (moments: to their dtype)
+                opt.optimizer.state[master] = opt.optimizer.state.pop(p)
+            if master in opt.optimizer.state:
+                old = opt.optimizer.state[master]
+                opt.optimizer.state[master] = {k: upcast_state(v, p, opt.moments_dtype) for k, v in old.items()}
+            params[i] = master
+            master._amp_owner = weakref.ref(opt)
+            if opt._accumulate_fp32:
+                _accumulate.attach(p, record, opt, opt._accumulators)
+            opt._half_models.append(p)
+            opt._half_masters.append(master)
+            opt._records.append(record)
+            opt._index_of[id(master)] = len(opt._half_models) - 1
+        else:
+            master = p
+            opt._own.append(p)
+        opt._model_params.append(p)
+        opt._master_params.append(master)
