@@ -28,7 +28,7 @@ from typing import cast
 
 import torch
 
-from amp_plugin.emulation._common import _PASS, _give_scratch, _state, _take_scratch, _upcast
+from amp_plugin.emulation._common import PASS, give_scratch, take_scratch, thread_state, upcast
 
 __all__ = ["sdpa_backward", "sdpa_forward"]
 
@@ -44,14 +44,14 @@ def _rows_per_block(batch_heads: int, keys: int, rows: int) -> int:
 
 
 def _float_mask(mask, dt):
-    """The additive FP32 mask, or None; _PASS for a mask the native kernel rejects (it takes
+    """The additive FP32 mask, or None; PASS for a mask the native kernel rejects (it takes
     masks of the query's dtype or FP32; ``F.scaled_dot_product_attention`` turns boolean
     masks into additive ones before calling it)."""
     if mask is None:
         return None
     if mask.dtype is dt or mask.dtype is torch.float32:
         return mask.float()
-    return _PASS
+    return PASS
 
 
 def _scores(q_rows, k_t, scale, mask, row0, is_causal):
@@ -68,7 +68,7 @@ def _scores(q_rows, k_t, scale, mask, row0, is_causal):
 
 def _check(tensors, dt):
     """True when every tensor is a 4-d CPU tensor of the emulated dtype ``dt``."""
-    if dt not in _state.emulated:
+    if dt not in thread_state.emulated:
         return False
     return all(t.dtype is dt and t.is_cpu and t.dim() == 4 and t.layout is torch.strided for t in tensors)
 
@@ -81,20 +81,20 @@ def sdpa_forward(call, args, kwargs):
     is_causal = args[4] if len(args) > 4 else kwargs.get("is_causal", False)
     dt = q.dtype
     if dropout_p or not _check((q, k, v), dt):
-        return _PASS
+        return PASS
     (bq, hq, n_q, e), (bk, hk, n_k, ek), (bv, hv, nv, ev) = q.shape, k.shape, v.shape
     if (bk, hk, ek) != (bq, hq, e) or (bv, hv, nv) != (bq, hq, n_k) or ev != e:
-        return _PASS  # the native kernel raises its own error
+        return PASS  # the native kernel raises its own error
     mask = _float_mask(kwargs.get("attn_mask"), dt)
-    if mask is _PASS:
-        return _PASS
+    if mask is PASS:
+        return PASS
     scale = kwargs.get("scale")
     scale = 1.0 / math.sqrt(e) if scale is None else scale
 
     outs, lses = [], []
-    scratch = _take_scratch()
+    scratch = take_scratch()
     try:
-        q32, k32, v32 = _upcast(q, 0, scratch), _upcast(k, 1, scratch), _upcast(v, 2, scratch)
+        q32, k32, v32 = upcast(q, 0, scratch), upcast(k, 1, scratch), upcast(v, 2, scratch)
         k32_t = k32.transpose(-2, -1)
         step = _rows_per_block(bq * hq, n_k, n_q)
         for r0 in range(0, n_q, step):
@@ -109,7 +109,7 @@ def sdpa_forward(call, args, kwargs):
             outs.append(o.to(dt))
             lses.append(row_max.add_(row_sum.log_()).squeeze(-1))
     finally:
-        _give_scratch(scratch)
+        give_scratch(scratch)
     out = outs[0] if len(outs) == 1 else torch.cat(outs, 2)
     lse = torch.empty((bq, n_q, hq), dtype=torch.float32).transpose(1, 2)  # the native kernel's layout
     lse.copy_(lses[0] if len(lses) == 1 else torch.cat(lses, 2))
@@ -124,25 +124,25 @@ def sdpa_backward(call, args, kwargs):
     is_causal = args[7] if len(args) > 7 else kwargs.get("is_causal", False)
     dt = q.dtype
     if grad_out is None or dropout_p or not _check((grad_out, q, k, v, out), dt):
-        return _PASS
+        return PASS
     if lse.dtype is not torch.float32 or q.shape[-1] != k.shape[-1] or k.shape != v.shape:
-        return _PASS
+        return PASS
     mask = _float_mask(kwargs.get("attn_mask"), dt)
-    if mask is _PASS:
-        return _PASS
+    if mask is PASS:
+        return PASS
     b, h, n_q, e = q.shape
     n_k = k.shape[2]
     scale = kwargs.get("scale")
     scale = 1.0 / math.sqrt(e) if scale is None else scale
 
     grad_q, grad_k, grad_v = [], None, None
-    scratch = _take_scratch()
+    scratch = take_scratch()
     try:
-        q32, k32, v32 = _upcast(q, 0, scratch), _upcast(k, 1, scratch), _upcast(v, 2, scratch)
-        g32 = _upcast(grad_out, 3, scratch)
+        q32, k32, v32 = upcast(q, 0, scratch), upcast(k, 1, scratch), upcast(v, 2, scratch)
+        g32 = upcast(grad_out, 3, scratch)
         k32_t, v32_t = k32.transpose(-2, -1), v32.transpose(-2, -1)
         # D = rowsum(dO * O), from the stored half output
-        d = (g32 * _upcast(out, 4, scratch)).sum(-1, keepdim=True)
+        d = (g32 * upcast(out, 4, scratch)).sum(-1, keepdim=True)
         step = _rows_per_block(b * h, n_k, n_q)
         for r0 in range(0, n_q, step):
             r1 = min(n_q, r0 + step)
@@ -157,7 +157,7 @@ def sdpa_backward(call, args, kwargs):
             grad_k = dk if grad_k is None else grad_k.add_(dk)
             grad_v = dv if grad_v is None else grad_v.add_(dv)
     finally:
-        _give_scratch(scratch)
+        give_scratch(scratch)
     dq = grad_q[0] if len(grad_q) == 1 else torch.cat(grad_q, 2)
     # grad_k and grad_v are set: the loop ran (n_q > 0, or torch.cat above raised)
     return dq, cast(torch.Tensor, grad_k).mul_(scale).to(dt), cast(torch.Tensor, grad_v).to(dt)

@@ -5,7 +5,7 @@ The "kernel" backend registers Python kernels, except for ``mm``, ``addmm``, ``b
 C++ kernels of ``amp_plugin/fused/emulate.cpp`` when :mod:`amp_plugin.fused` is built: the same
 computation without entering Python on every call (a 64x64 by 64x128 ``F.linear`` costs about
 30 us emulated instead of 95, against 25 in FP32). Each thread's emulated dtypes (a mask) and
-call counts then live in C++ too; :func:`native_sync` brings them in line with ``_state``.
+call counts then live in C++ too; :func:`native_sync` brings them in line with ``thread_state``.
 """
 
 from __future__ import annotations
@@ -18,15 +18,15 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
-from amp_plugin.emulation._common import _PASS, _count, _state
-from amp_plugin.emulation._ops import _OPS, _Op, _transparent
+from amp_plugin.emulation._common import PASS, count, thread_state
+from amp_plugin.emulation._ops import OPS, Op, transparent
 
 # ----------------------------------------------------------------------------
 # backend "mode": a TorchDispatchMode
 # ----------------------------------------------------------------------------
 
 
-class _EmulationMode(TorchDispatchMode):
+class EmulationMode(TorchDispatchMode):
     """The per-thread dispatch mode behind ``CpuHalfEmulation(backend="mode")``."""
 
     @classmethod
@@ -40,15 +40,15 @@ class _EmulationMode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if kwargs is None:
             kwargs = {}
-        op = _OPS.get(func)
+        op = OPS.get(func)
         if op is not None:
-            if op.handler is _transparent:
-                res = _transparent(func, args, kwargs)  # the matmuls inside count themselves
+            if op.handler is transparent:
+                res = transparent(func, args, kwargs)  # the matmuls inside count themselves
             else:
                 res = op.handler(op.base, args, kwargs)
-                if res is not _PASS:
-                    _count(op.name)
-            if res is not _PASS:
+                if res is not PASS:
+                    count(op.name)
+            if res is not PASS:
                 return res
         elif _is_composite(func):
             # Without autograd (inference_mode) composite ops such as matmul, linear and
@@ -72,8 +72,8 @@ def _is_composite(func) -> bool:
     return known
 
 
-def _active_mode() -> _EmulationMode | None:
-    mode = _state.mode
+def active_mode() -> EmulationMode | None:
+    mode = thread_state.mode
     if mode is not None and any(m is mode for m in _get_current_dispatch_mode_stack()):
         return mode
     return None
@@ -83,19 +83,19 @@ def _active_mode() -> _EmulationMode | None:
 # backend "kernel": Python kernels for the CPU dispatch key, while in use
 # ----------------------------------------------------------------------------
 
-_KERNEL_BACKEND_AVAILABLE = hasattr(torch.library, "get_kernel") and hasattr(
+KERNEL_BACKEND_AVAILABLE = hasattr(torch.library, "get_kernel") and hasattr(
     torch._C, "_dispatch_get_computed_kernel_for_dispatch_key"
 )
 
 
-def _make_kernel(op: _Op, original, original_base):
+def _make_kernel(op: Op, original, original_base):
     handler, name = op.handler, op.name
-    state = _state
+    state = thread_state
 
     def kernel(keyset, *args, **kwargs):
         if state.kernel_depth:
             res = handler(functools.partial(original_base.call_boxed, keyset), args, kwargs)
-            if res is not _PASS:
+            if res is not PASS:
                 counts = state.counts
                 counts[name] = counts.get(name, 0) + 1
                 return res
@@ -118,7 +118,7 @@ _NATIVE_NAMES = (
     "aten.bmm.default",
     "aten.baddbmm.default",
 )  # emulate.cpp's order
-NATIVE_OPS = frozenset(op for op in _OPS if str(op) in _NATIVE_NAMES)
+NATIVE_OPS = frozenset(op for op in OPS if str(op) in _NATIVE_NAMES)
 
 
 def _native_ops() -> Any:
@@ -131,21 +131,21 @@ def _native_ops() -> Any:
 
 
 def native_sync(mask: int | None = None) -> None:
-    """Add the C++ kernels' call counts in this thread to ``_state.counts`` (and reset them);
-    ``mask`` sets the dtypes they emulate in this thread (``_state.native_mask()``: 1 FP16,
+    """Add the C++ kernels' call counts in this thread to ``thread_state.counts`` (and reset them);
+    ``mask`` sets the dtypes they emulate in this thread (``thread_state.native_mask()``: 1 FP16,
     2 BF16, 0 none: off). A no-op without them."""
-    ops = _KernelOverrides.native
+    ops = KernelOverrides.native
     if ops is None:
         return
     counts = ops.emulation_sync(mask)[: len(_NATIVE_NAMES)]  # then the number of buffers held
     if any(counts):
-        into = _state.counts
+        into = thread_state.counts
         for name, n in zip(_NATIVE_NAMES, counts):
             if n:
                 into[name] = into.get(name, 0) + n
 
 
-class _KernelOverrides:
+class KernelOverrides:
     """Process-wide registration of the emulating CPU kernels, reference counted
     over the threads that have an active "kernel" context."""
 
@@ -179,7 +179,7 @@ class _KernelOverrides:
     def _build_kernels(cls) -> list:
         if cls._kernels is None:
             kernels = []
-            for op in _OPS.values():
+            for op in OPS.values():
                 if not op.kernel:
                     continue
                 original = torch.library.get_kernel(op.overload, "CPU")
@@ -209,19 +209,19 @@ class _KernelOverrides:
         return lib
 
 
-class _KeepInstalled:
+class KeepInstalled:
     """See :meth:`CpuHalfEmulation.keep_installed`."""
 
     def __init__(self) -> None:
         self._held = False
 
-    def __enter__(self) -> _KeepInstalled:
-        if _KERNEL_BACKEND_AVAILABLE and not self._held:
-            _KernelOverrides.acquire()
+    def __enter__(self) -> KeepInstalled:
+        if KERNEL_BACKEND_AVAILABLE and not self._held:
+            KernelOverrides.acquire()
             self._held = True
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if self._held:
             self._held = False
-            _KernelOverrides.release()
+            KernelOverrides.release()

@@ -9,18 +9,18 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from amp_plugin.emulation._backends import _EmulationMode
+    from amp_plugin.emulation._backends import EmulationMode
 
 __all__ = ["Handler"]
 
 
-_PASS = object()  # handler result meaning "not emulated, run the native kernel"
-_CPU_KEYSET = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
+PASS = object()  # handler result meaning "not emulated, run the native kernel"
+CPU_KEYSET = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
 # bit of each dtype in the mask the C++ kernels get (emulate.cpp's kHalfBit / kBFloat16Bit)
 _DTYPE_BITS = {torch.float16: 1, torch.bfloat16: 2}
 
 # the precision strings accepted wherever a dtype is (should_emulate, CpuHalfEmulation(dtypes=))
-_DTYPE_ALIASES = {
+DTYPE_ALIASES = {
     "fp16": torch.float16,
     "float16": torch.float16,
     "half": torch.float16,
@@ -44,7 +44,7 @@ _DTYPE_ALIASES = {
 }
 
 # A handler gets ``call`` (runs the functional base op natively), the op's args and
-# kwargs, and returns the emulated result, or _PASS to let the native kernel run.
+# kwargs, and returns the emulated result, or PASS to let the native kernel run.
 Handler = Callable[[Callable[..., Any], tuple, dict], Any]
 
 
@@ -56,10 +56,10 @@ Handler = Callable[[Callable[..., Any], tuple, dict], Any]
 class _ThreadState(threading.local):
     def __init__(self) -> None:
         self.kernel_depth = 0  # active "kernel" backend contexts in this thread
-        self.mode: _EmulationMode | None = None  # mode pushed by the outermost "mode" context
+        self.mode: EmulationMode | None = None  # mode pushed by the outermost "mode" context
         self.prev_modes: list = []
         self.counts: dict[str, int] = {}  # op name -> emulated calls in this thread
-        self.scratch: dict[int, torch.Tensor] = {}  # slot -> FP32 buffer, see _upcast
+        self.scratch: dict[int, torch.Tensor] = {}  # slot -> FP32 buffer, see upcast
         self.scratch_busy = False
         self.dtype_depth: dict[torch.dtype, int] = {}  # dtype -> active contexts that emulate it
         self.emulated: frozenset = frozenset()  # the dtypes emulated now in this thread (checked by every handler)
@@ -84,11 +84,11 @@ class _ThreadState(threading.local):
             self.scratch = {}
 
 
-_state = _ThreadState()
+thread_state = _ThreadState()
 
 
-def _count(name: str) -> None:
-    counts = _state.counts
+def count(name: str) -> None:
+    counts = thread_state.counts
     counts[name] = counts.get(name, 0) + 1
 
 
@@ -101,17 +101,17 @@ def _count(name: str) -> None:
 # allocation for every upcast costs more than the conversion itself (the memory
 # comes back from the OS zeroed page by page); below this size the allocator's
 # free lists make a fresh tensor cheap.
-_SCRATCH_MIN_NUMEL = 32768
+SCRATCH_MIN_NUMEL = 32768
 
 
-def _upcast(t: torch.Tensor, slot: int, scratch: dict | None) -> torch.Tensor:
+def upcast(t: torch.Tensor, slot: int, scratch: dict | None) -> torch.Tensor:
     """``t.float()``, with the same strides, written into ``scratch[slot]`` when
     ``t`` is large and dense (contiguous, or contiguous but for its last two dims
     being swapped); the caller must be done with the result before the next call."""
     n = t.numel()
     if (
         scratch is None
-        or n < _SCRATCH_MIN_NUMEL
+        or n < SCRATCH_MIN_NUMEL
         or not (t.is_contiguous() or (t.dim() >= 2 and t.transpose(-1, -2).is_contiguous()))
     ):
         return t.float()
@@ -123,14 +123,14 @@ def _upcast(t: torch.Tensor, slot: int, scratch: dict | None) -> torch.Tensor:
     return view
 
 
-def _take_scratch() -> dict | None:
-    state = _state
+def take_scratch() -> dict | None:
+    state = thread_state
     if state.scratch_busy:  # an emulated op inside an emulated op: plain upcasts
         return None
     state.scratch_busy = True
     return state.scratch
 
 
-def _give_scratch(scratch: dict | None) -> None:
+def give_scratch(scratch: dict | None) -> None:
     if scratch is not None:
-        _state.scratch_busy = False
+        thread_state.scratch_busy = False

@@ -9,15 +9,15 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from amp_plugin.dtypes import HALF_DTYPES
 from amp_plugin.emulation._backends import (
-    _KERNEL_BACKEND_AVAILABLE,
-    _active_mode,
-    _EmulationMode,
-    _KeepInstalled,
-    _KernelOverrides,
+    KERNEL_BACKEND_AVAILABLE,
+    EmulationMode,
+    KeepInstalled,
+    KernelOverrides,
+    active_mode,
     native_sync,
 )
-from amp_plugin.emulation._common import _DTYPE_ALIASES, _state
-from amp_plugin.emulation._cpu import _as_half_dtype, cpu_half_path
+from amp_plugin.emulation._common import DTYPE_ALIASES, thread_state
+from amp_plugin.emulation._cpu import as_half_dtype, cpu_half_path
 
 __all__ = ["CpuHalfEmulation", "should_emulate"]
 
@@ -70,8 +70,8 @@ class CpuHalfEmulation:
         if backend not in _BACKENDS:
             raise ValueError(f"backend={backend!r} is not allowed; expected one of {list(_BACKENDS)}")
         if backend == "auto":
-            backend = "kernel" if _KERNEL_BACKEND_AVAILABLE else "mode"
-        elif backend == "kernel" and not _KERNEL_BACKEND_AVAILABLE:
+            backend = "kernel" if KERNEL_BACKEND_AVAILABLE else "mode"
+        elif backend == "kernel" and not KERNEL_BACKEND_AVAILABLE:
             raise RuntimeError(
                 f"backend='kernel' needs torch.library.get_kernel (torch {torch.__version__} lacks it); "
                 "use backend='mode'"
@@ -88,7 +88,7 @@ class CpuHalfEmulation:
         if not self.enabled:
             self._frames.append((None, None, None))
             return self
-        state = _state
+        state = thread_state
         if state.kernel_depth:
             native_sync()
         # the first active frame of this instance takes the counts snapshot
@@ -96,15 +96,15 @@ class CpuHalfEmulation:
         state.add_dtypes(self.dtypes, +1)
         if self.backend == "kernel":
             if state.kernel_depth == 0:
-                _KernelOverrides.acquire()
+                KernelOverrides.acquire()
             state.kernel_depth += 1
             native_sync(state.native_mask())
             self._frames.append(("kernel", None, snapshot))
             return self
         native_sync(state.native_mask())
         pushed = None
-        if _active_mode() is None:
-            pushed = _EmulationMode()
+        if active_mode() is None:
+            pushed = EmulationMode()
             pushed.__enter__()
             state.prev_modes.append(state.mode)
             state.mode = pushed
@@ -115,7 +115,7 @@ class CpuHalfEmulation:
         kind, pushed, snapshot = self._frames.pop()
         if kind is None:
             return None
-        state = _state
+        state = thread_state
         if state.kernel_depth:
             native_sync()
         if snapshot is not None:
@@ -126,7 +126,7 @@ class CpuHalfEmulation:
         native_sync(state.native_mask())  # off in this thread once the last kernel context exits
         if kind == "kernel":
             if state.kernel_depth == 0:
-                _KernelOverrides.release()
+                KernelOverrides.release()
         elif pushed is not None:
             stack = _get_current_dispatch_mode_stack()
             if not stack or stack[-1] is not pushed:
@@ -155,10 +155,10 @@ class CpuHalfEmulation:
     @staticmethod
     def is_active() -> bool:
         """True when emulation is on in the current thread (any instance, any backend)."""
-        return _state.kernel_depth > 0 or _active_mode() is not None
+        return thread_state.kernel_depth > 0 or active_mode() is not None
 
     @staticmethod
-    def keep_installed() -> _KeepInstalled:
+    def keep_installed() -> KeepInstalled:
         """Keep the "kernel" backend's CPU kernels registered while this is held.
 
         Emulation itself stays off outside a ``CpuHalfEmulation`` context; what
@@ -182,25 +182,25 @@ class CpuHalfEmulation:
         a few microseconds of Python per call otherwise. A no-op where the "kernel"
         backend is unavailable.
         """
-        return _KeepInstalled()
+        return KeepInstalled()
 
     @property
     def emulated_calls(self) -> dict[str, int]:
         """``{"aten.mm.default": n, ...}``: ops this instance emulated so far."""
-        if _state.kernel_depth:
+        if thread_state.kernel_depth:
             native_sync()
         calls = dict(self._calls)
         for _kind, _, snapshot in self._frames:
             if snapshot is not None:
-                self._accumulate(_state.counts, snapshot, calls)
+                self._accumulate(thread_state.counts, snapshot, calls)
         return calls
 
     def reset_counts(self) -> None:
         """Forget :attr:`emulated_calls` (restarts counting from now)."""
         self._calls.clear()
-        if _state.kernel_depth:
+        if thread_state.kernel_depth:
             native_sync()
-        now = dict(_state.counts)
+        now = dict(thread_state.counts)
         self._frames = [
             (kind, pushed, now if snapshot is not None else None) for kind, pushed, snapshot in self._frames
         ]
@@ -231,15 +231,15 @@ def _parse_dtypes(dtypes) -> frozenset:
             f"dtypes={dtypes!r} is not allowed: expected torch.float16 and/or torch.bfloat16 "
             "(a dtype, a precision string, a list of them) or 'auto'"
         ) from None
-    return frozenset(_as_half_dtype(d, "dtypes") for d in items)
+    return frozenset(as_half_dtype(d, "dtypes") for d in items)
 
 
 def _resolve_precision(dtype: torch.dtype | str) -> torch.dtype:
     if isinstance(dtype, str):
         key = dtype.strip().lower()
-        if key not in _DTYPE_ALIASES:
-            raise ValueError(f"unknown precision {dtype!r}; expected a torch.dtype or one of {sorted(_DTYPE_ALIASES)}")
-        return _DTYPE_ALIASES[key]
+        if key not in DTYPE_ALIASES:
+            raise ValueError(f"unknown precision {dtype!r}; expected a torch.dtype or one of {sorted(DTYPE_ALIASES)}")
+        return DTYPE_ALIASES[key]
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype or a string, got {type(dtype).__name__}")
     return dtype

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from amp_plugin.emulation._common import _DTYPE_ALIASES
+from amp_plugin.emulation._common import DTYPE_ALIASES
 
 __all__ = ["CpuFeatures", "CpuPath", "cpu_features", "cpu_half_path"]
 
@@ -173,8 +173,8 @@ def _decide(dtype: torch.dtype, mkldnn_enabled: bool) -> CpuPath:
     return CpuPath(dtype, True, f"native ({units[0]})")
 
 
-def _as_half_dtype(dtype: torch.dtype | str, argument: str = "dtype") -> torch.dtype:
-    resolved = _DTYPE_ALIASES.get(dtype.strip().lower()) if isinstance(dtype, str) else dtype
+def as_half_dtype(dtype: torch.dtype | str, argument: str = "dtype") -> torch.dtype:
+    resolved = DTYPE_ALIASES.get(dtype.strip().lower()) if isinstance(dtype, str) else dtype
     if resolved not in _NAMES:
         raise ValueError(
             f"{argument}={dtype!r} is not allowed: expected torch.float16 or torch.bfloat16 "
@@ -191,7 +191,7 @@ def cpu_half_path(dtype: torch.dtype | str) -> CpuPath:
     ``torch.backends.mkldnn`` is enabled; emulated otherwise. Decided once per process (and
     per state of ``torch.backends.mkldnn.enabled``).
     """
-    return _decide(_as_half_dtype(dtype), bool(torch.backends.mkldnn.enabled))
+    return _decide(as_half_dtype(dtype), bool(torch.backends.mkldnn.enabled))
 
 
 def _clear_cache() -> None:

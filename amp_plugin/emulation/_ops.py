@@ -8,15 +8,15 @@ import torch
 
 from amp_plugin.emulation._attention import sdpa_backward, sdpa_forward
 from amp_plugin.emulation._common import (  # noqa: F401  (re-exported for the backends and tests)
-    _CPU_KEYSET,
-    _PASS,
-    _SCRATCH_MIN_NUMEL,
+    CPU_KEYSET,
+    PASS,
+    SCRATCH_MIN_NUMEL,
     Handler,
-    _count,
-    _give_scratch,
-    _state,
-    _take_scratch,
-    _upcast,
+    count,
+    give_scratch,
+    take_scratch,
+    thread_state,
+    upcast,
 )
 
 aten = torch.ops.aten
@@ -31,26 +31,26 @@ def _binary(call, args, kwargs):
     """mm, bmm, mv, dot: ``(a, b)``."""
     a, b = args
     dt = a.dtype
-    if dt in _state.emulated and a.is_cpu and b.dtype is dt and not kwargs:
-        scratch = _take_scratch()
+    if dt in thread_state.emulated and a.is_cpu and b.dtype is dt and not kwargs:
+        scratch = take_scratch()
         try:
-            return call(_upcast(a, 0, scratch), _upcast(b, 1, scratch)).to(dt)
+            return call(upcast(a, 0, scratch), upcast(b, 1, scratch)).to(dt)
         finally:
-            _give_scratch(scratch)
-    return _PASS
+            give_scratch(scratch)
+    return PASS
 
 
 def _ternary(call, args, kwargs):
     """addmm, baddbmm, addmv, _addmm_activation: ``(self, m1, m2, *, beta, alpha)``."""
     c, a, b = args
     dt = a.dtype
-    if dt in _state.emulated and a.is_cpu and b.dtype is dt and c.dtype is dt:
-        scratch = _take_scratch()
+    if dt in thread_state.emulated and a.is_cpu and b.dtype is dt and c.dtype is dt:
+        scratch = take_scratch()
         try:
-            return call(_upcast(c, 2, scratch), _upcast(a, 0, scratch), _upcast(b, 1, scratch), **kwargs).to(dt)
+            return call(upcast(c, 2, scratch), upcast(a, 0, scratch), upcast(b, 1, scratch), **kwargs).to(dt)
         finally:
-            _give_scratch(scratch)
-    return _PASS
+            give_scratch(scratch)
+    return PASS
 
 
 def _generic(operands: tuple[int, ...], round_outputs: tuple[int, ...]) -> Handler:
@@ -65,21 +65,21 @@ def _generic(operands: tuple[int, ...], round_outputs: tuple[int, ...]) -> Handl
     def handler(call, args, kwargs):
         x = args[first]
         dt = x.dtype
-        if dt not in _state.emulated or not x.is_cpu:
-            return _PASS
+        if dt not in thread_state.emulated or not x.is_cpu:
+            return PASS
         for i in operands:
             t = args[i]
             if t is not None and t.dtype is not dt:
-                return _PASS
-        scratch = _take_scratch()
+                return PASS
+        scratch = take_scratch()
         try:
             new_args = list(args)
             for i in operands:
                 if args[i] is not None:
-                    new_args[i] = _upcast(args[i], i, scratch)
+                    new_args[i] = upcast(args[i], i, scratch)
             out = list(call(*new_args, **kwargs))
         finally:
-            _give_scratch(scratch)
+            give_scratch(scratch)
         for i in round_outputs:
             if out[i] is not None:
                 out[i] = out[i].to(dt)
@@ -95,13 +95,13 @@ def _convolution(call, args, kwargs):
     add of two half tensors, correctly rounded, as the GPU's ``output.add_(bias)``)."""
     x, w, b = args[0], args[1], args[2]
     dt = x.dtype
-    if dt not in _state.emulated or not x.is_cpu or w.dtype is not dt or (b is not None and b.dtype is not dt):
-        return _PASS
-    scratch = _take_scratch()
+    if dt not in thread_state.emulated or not x.is_cpu or w.dtype is not dt or (b is not None and b.dtype is not dt):
+        return PASS
+    scratch = take_scratch()
     try:
-        out = call(_upcast(x, 0, scratch), _upcast(w, 1, scratch), None, *args[3:], **kwargs).to(dt)
+        out = call(upcast(x, 0, scratch), upcast(w, 1, scratch), None, *args[3:], **kwargs).to(dt)
     finally:
-        _give_scratch(scratch)
+        give_scratch(scratch)
     if b is not None:
         out.add_(b.reshape((1, -1) + (1,) * (out.dim() - 2)))
     return out
@@ -113,11 +113,11 @@ def _out_variant(base_handler: Handler) -> Handler:
     def handler(call, args, kwargs):
         out = kwargs.get("out")
         if out is None:
-            return _PASS
+            return PASS
         rest = {k: v for k, v in kwargs.items() if k != "out"}
         res = base_handler(call, args, rest)
-        if res is _PASS or out.dtype is not res.dtype or not out.is_cpu:
-            return _PASS
+        if res is PASS or out.dtype is not res.dtype or not out.is_cpu:
+            return PASS
         if out.shape != res.shape:
             out.resize_(res.shape)
         out.copy_(res)
@@ -131,27 +131,29 @@ def _inplace_variant(base_handler: Handler) -> Handler:
 
     def handler(call, args, kwargs):
         res = base_handler(call, args, kwargs)
-        if res is _PASS or args[0].dtype is not res.dtype:
-            return _PASS
+        if res is PASS or args[0].dtype is not res.dtype:
+            return PASS
         args[0].copy_(res)
         return args[0]
 
     return handler
 
 
-def _transparent(call, args, kwargs):
+def transparent(call, args, kwargs):
     """(mode backend) Fused CPU kernels that call matmuls internally: run the CPU
     kernel with the mode re-entered, so the matmuls inside are emulated and the
     rest runs natively. ``call`` is the op itself here."""
     x = args[0]
-    mode = _state.mode
-    if mode is None or x.dtype not in _state.emulated or not x.is_cpu or x.is_nested or x.layout is not torch.strided:
-        return _PASS
+    mode = thread_state.mode
+    if mode is None or x.dtype not in thread_state.emulated or not x.is_cpu:
+        return PASS
+    if x.is_nested or x.layout is not torch.strided:
+        return PASS
     with mode:
-        return call.redispatch(_CPU_KEYSET, *args, **kwargs)
+        return call.redispatch(CPU_KEYSET, *args, **kwargs)
 
 
-class _Op:
+class Op:
     """One intercepted aten overload."""
 
     __slots__ = ("base", "handler", "kernel", "name", "overload")
@@ -164,8 +166,8 @@ class _Op:
         self.kernel = kernel  # registered by the "kernel" backend
 
 
-def _build_ops() -> dict[Any, _Op]:
-    ops: dict[Any, _Op] = {}
+def _build_ops() -> dict[Any, Op]:
+    ops: dict[Any, Op] = {}
 
     def overload(packet: str, name: str):
         pk = getattr(aten, packet, None)
@@ -181,7 +183,7 @@ def _build_ops() -> dict[Any, _Op]:
         if inplace and (op := overload(packet + "_", "default")) is not None:
             variants.append((op, _inplace_variant(handler)))
         for op, h in variants:
-            ops[op] = _Op(str(op), op, base, h, kernel)
+            ops[op] = Op(str(op), op, base, h, kernel)
 
     # out= forms only where PyTorch's own C++ code uses them (bmm.out: fused attention)
     for name in ("mm", "bmm"):
@@ -204,12 +206,12 @@ def _build_ops() -> dict[Any, _Op]:
     # The kernel backend sees the matmuls inside these directly (they go through the
     # dispatcher to the CPU kernels); the mode backend has to re-dispatch them.
     for name in ("_transformer_encoder_layer_fwd", "_native_multi_head_attention", "_trilinear"):
-        add(name, _transparent, out=False, kernel=False)
+        add(name, transparent, out=False, kernel=False)
     return ops
 
 
-_OPS: dict[Any, _Op] = _build_ops()
+OPS: dict[Any, Op] = _build_ops()
 
-EMULATED_OPS: frozenset = frozenset(op.name for op in _OPS.values() if op.handler is not _transparent)
+EMULATED_OPS: frozenset = frozenset(op.name for op in OPS.values() if op.handler is not transparent)
 """Names (``"aten.mm.default"`` style) of the aten overloads that
 :class:`CpuHalfEmulation` computes in FP32 and rounds."""

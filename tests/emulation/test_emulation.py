@@ -159,13 +159,13 @@ def test_large_operands_reuse_fp32_buffers(dtype, backend):
     from amp_plugin.emulation import _ops as emulation
 
     def buffers_held() -> int:
-        held = len(emulation._state.scratch)  # the Python kernels' buffers, then the C++ kernels'
+        held = len(emulation.thread_state.scratch)  # the Python kernels' buffers, then the C++ kernels'
         return held + (
             torch.ops.amp_plugin.emulation_sync(None)[-1] if hasattr(torch.ops.amp_plugin, "emulation_sync") else 0
         )
 
     x, w, b = rnd(200, 192, dtype=dtype, seed=80), rnd(176, 192, dtype=dtype, seed=81), rnd(176, dtype=dtype, seed=82)
-    assert x.numel() >= emulation._SCRATCH_MIN_NUMEL and w.numel() >= emulation._SCRATCH_MIN_NUMEL
+    assert x.numel() >= emulation.SCRATCH_MIN_NUMEL and w.numel() >= emulation.SCRATCH_MIN_NUMEL
     half, full = leaves([x, w, b])
     g = rnd(200, 176, dtype=dtype, seed=83)
     with CpuHalfEmulation(backend=backend) as emu:
@@ -173,7 +173,7 @@ def test_large_operands_reuse_fp32_buffers(dtype, backend):
         out.backward(g)
         out2 = half[0].detach() @ half[1].detach().t()  # buffers reused by a second call
         _backends.native_sync()  # fold the C++ kernels' counts in before reading the buffers
-        native = _backends._KernelOverrides.native is not None
+        native = _backends.KernelOverrides.native is not None
         # held while the context is on: x's and w's (b is too small), and in C++ the FP32 result's
         assert buffers_held() == (3 if native else 2)
     assert buffers_held() == 0  # and dropped when it ends
