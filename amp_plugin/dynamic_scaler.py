@@ -5,7 +5,9 @@ a floor (``min_scale``) and a ceiling (``max_scale``); :class:`DynamicLossScaler
 when the trajectories agree. ``hysteresis=N`` is the DeepSpeed/Megatron rule: every
 overflowing step is skipped, but the scale backs off only once N overflows have been seen;
 the counter refills when the scale grows (``"growth"``) or after every clean step
-(``"finite"``).
+(``"finite"``). Two options, off by default: ``retries=N`` runs an overflowing batch again at
+a lower scale, and ``early_growth_interval=N`` grows the scale before ``growth_interval``
+when the gradients' amax shows headroom below FP16's largest value.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 import torch
 
 from amp_plugin.checks import check_choice, check_int, check_number, check_scale
+from amp_plugin.dtypes import FP16_MAX
 from amp_plugin.loss_scaler import LossScaler
 from amp_plugin.scale_update import ScaleUpdate, to_float32
 from amp_plugin.scaler_settings import Setting, check_settings
@@ -122,7 +125,21 @@ class DynamicLossScaler(LossScaler):
             ``backoff_factor`` (whatever the hysteresis; ``reason="retry"``, counted in
             ``retried_steps``, not in ``skipped_steps``) and the same batch runs again; the
             overflow that spends the last retry is a skip under the rules above. No retry at
-            ``min_scale``, where it would overflow again.
+            ``min_scale``, where it would overflow again. The scale stays where the batch fitted.
+            With ``retries >= retries_to_floor`` (24 with the defaults) a batch runs until it
+            fits or the scale reaches ``min_scale``: no batch is lost unless it overflows there.
+        early_growth_interval: ``0`` (default: off) or N >= 1: grow early, from the gradients'
+            telemetry. Each step's scaled gradients' amax (measured in ``unscale_``, read with
+            the found-inf flag: no extra host sync) gives the headroom ``log2(65504 / amax)``,
+            in bits below FP16's largest value. After N clean steps in a row whose headroom is
+            at least ``early_growth_margin + log2(growth_factor)``, the scale grows by
+            ``growth_factor`` as many times as the run's smallest headroom allows while keeping
+            ``early_growth_margin`` bits (``floor((headroom - margin) / log2(growth_factor))``
+            times, capped at ``max_scale``), without waiting for ``growth_interval``. It is a
+            growth (``reason="growth"``): every tracker resets. Off, the rule is unchanged.
+        early_growth_margin: the headroom in bits (> 0) an early growth keeps below FP16's
+            largest value; gradients inside the backward pass can be larger than the
+            parameters' gradients it measures.
         enabled: ``False`` makes every method a pass-through (a bool).
 
     Every scale (``init_scale``, ``min_scale``, ``max_scale``, ``update(new_scale)``, a loaded
@@ -138,6 +155,8 @@ class DynamicLossScaler(LossScaler):
     hysteresis_reset: str
     on_min_scale: str
     retries: int
+    early_growth_interval: int
+    early_growth_margin: float
     _SETTINGS = (
         Setting("growth_factor", lambda name, value: check_number(name, value, gt=1.0), "g"),
         Setting("backoff_factor", lambda name, value: check_number(name, value, gt=0.0, lt=1.0), "g"),
@@ -148,6 +167,8 @@ class DynamicLossScaler(LossScaler):
         Setting("max_scale", check_scale, "g"),
         Setting("on_min_scale", partial(check_choice, choices=_ON_MIN_SCALE)),
         Setting("retries", partial(check_int, ge=0), "d"),
+        Setting("early_growth_interval", partial(check_int, ge=0), "d"),
+        Setting("early_growth_margin", lambda name, value: check_number(name, value, gt=0.0), "g"),
     )
 
     def __init__(
@@ -162,6 +183,8 @@ class DynamicLossScaler(LossScaler):
         max_scale: float = 2.0**24,
         on_min_scale: str = "raise",
         retries: int = 0,
+        early_growth_interval: int = 0,
+        early_growth_margin: float = 4.0,
         enabled: bool = True,
     ) -> None:
         given = dict(
@@ -174,6 +197,8 @@ class DynamicLossScaler(LossScaler):
             max_scale=max_scale,
             on_min_scale=on_min_scale,
             retries=retries,
+            early_growth_interval=early_growth_interval,
+            early_growth_margin=early_growth_margin,
         )
         settings = check_settings(self._SETTINGS, given)
         self._check_together(settings)
@@ -184,6 +209,8 @@ class DynamicLossScaler(LossScaler):
         self._scale_value = self._clamp(self._scale_value)
         self._growth_tracker = 0
         self._hysteresis_tracker = self.hysteresis
+        self._headroom_run = 0  # clean steps in a row with headroom for an early growth
+        self._headroom_amax = 0.0  # the largest scaled gradient amax of that run
 
     # ------------------------------------------------------------------ GradScaler's getters/setters
     def get_growth_factor(self) -> float:
@@ -215,10 +242,19 @@ class DynamicLossScaler(LossScaler):
         """``value`` checked as the constructor checks ``setting``, errors naming ``name``."""
         return next(s for s in self._SETTINGS if s.name == setting).check(name, value)
 
+    @property
+    def retries_to_floor(self) -> int:
+        """Backoffs from ``max_scale`` down to ``min_scale``:
+        ``ceil(log(max_scale / min_scale) / log(1 / backoff_factor))``, 24 with the defaults.
+        With ``retries`` at least this, every batch runs until it fits or reaches ``min_scale``."""
+        ratio = math.log(self._max32 / self._min32) / math.log(1.0 / self.backoff_factor)
+        return math.ceil(round(ratio, 9))
+
     def _policy(self, found_inf: bool) -> tuple[float, str | None]:
         scale = self._scale_value
         if found_inf:
             self._growth_tracker = 0
+            self._headroom_run = 0
             self._hysteresis_tracker = max(self._hysteresis_tracker - 1, 0)
             if self._hysteresis_tracker > 0:
                 return scale, "hysteresis"
@@ -228,22 +264,64 @@ class DynamicLossScaler(LossScaler):
         if self.hysteresis_reset == "finite":
             self._hysteresis_tracker = self.hysteresis
         self._growth_tracker += 1
-        if self._growth_tracker < self.growth_interval:
-            return scale, None
+        if self._growth_tracker >= self.growth_interval:
+            return self._grow(1), "growth"
+        early = self._early_growths()
+        if early:
+            return self._grow(early), "growth"
+        return scale, None
+
+    def _grow(self, times: int) -> float:
+        """The scale after ``times`` growths (a growth: every tracker resets)."""
         self._growth_tracker = 0
+        self._headroom_run = 0
         self._hysteresis_tracker = self.hysteresis
-        grown = to_float32(scale * self.growth_factor)
-        # Like GradScaler, a growth that would overflow float32 keeps the scale.
-        return (min(grown, self._max32) if math.isfinite(grown) else scale), "growth"
+        scale = self._scale_value
+        for _ in range(times):
+            grown = to_float32(scale * self.growth_factor)
+            if not math.isfinite(grown):
+                break  # like GradScaler, a growth that would overflow float32 keeps the scale
+            scale = min(grown, self._max32)
+            if scale >= self._max32:
+                break
+        return scale
+
+    def _early_growths(self) -> int:
+        """Track the clean step's headroom; the growths an early growth makes now (0: none)."""
+        amax = self.last_grad_amax
+        if self.early_growth_interval == 0 or amax is None or not math.isfinite(amax):
+            self._headroom_run = 0
+            return 0
+        if self._growths_below_margin(amax) < 1:
+            self._headroom_run = 0
+            return 0
+        self._headroom_amax = amax if self._headroom_run == 0 else max(self._headroom_amax, amax)
+        self._headroom_run += 1
+        if self._headroom_run < self.early_growth_interval:
+            return 0
+        return self._growths_below_margin(self._headroom_amax)
+
+    def _growths_below_margin(self, amax: float) -> int:
+        """How many growths leave a scaled amax ``early_growth_margin`` bits below FP16's max."""
+        step = math.log2(self.growth_factor)
+        if amax == 0.0:  # no gradient at all: as far as max_scale
+            return max(1, math.ceil(math.log2(self._max32 / self._scale_value) / step))
+        return max(0, math.floor((math.log2(FP16_MAX / amax) - self.early_growth_margin) / step))
 
     def _after_update(self, update: ScaleUpdate) -> None:
+        if update.reason == "manual":
+            self._headroom_run = 0  # the run's amax was measured at another scale
         if update.reason == "min_scale" and self.on_min_scale == "raise":
             raise LossScaleCollapseError(update.old_scale, update.iteration, self.consecutive_skips)
+
+    def _wants_amax(self) -> bool:
+        return self.early_growth_interval > 0
 
     def _retry_scale(self) -> float | None:
         if self.retries == 0 or self._scale_value <= self.min_scale:
             return None  # at the floor a retry would overflow the same way: skip as usual
         self._growth_tracker = 0
+        self._headroom_run = 0
         return max(to_float32(self._scale_value * self.backoff_factor), self._min32)
 
     def state_dict(self) -> dict[str, Any]:
@@ -251,6 +329,7 @@ class DynamicLossScaler(LossScaler):
         if not state:
             return state
         state.update(_growth_tracker=self._growth_tracker, _hysteresis_tracker=self._hysteresis_tracker)
+        state.update(_headroom_run=self._headroom_run, _headroom_amax=self._headroom_amax)
         return state
 
     def resume_from(self, state_dict: dict[str, Any]) -> list[str]:
@@ -262,8 +341,15 @@ class DynamicLossScaler(LossScaler):
         return changed
 
     def restarted(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        """See :meth:`LossScaler.restarted`: also no clean steps counted and a full hysteresis."""
-        return {**super().restarted(state_dict), "_growth_tracker": 0, "_hysteresis_tracker": self.hysteresis}
+        """See :meth:`LossScaler.restarted`: also no clean steps counted (for a growth or an
+        early growth) and a full hysteresis."""
+        return {
+            **super().restarted(state_dict),
+            "_growth_tracker": 0,
+            "_hysteresis_tracker": self.hysteresis,
+            "_headroom_run": 0,
+            "_headroom_amax": 0.0,
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore every tracker.
@@ -291,11 +377,19 @@ class DynamicLossScaler(LossScaler):
         # A hysteresis lowered since the save (settings changed on resume) caps the tracker.
         hysteresis = settings["hysteresis"]
         values["_hysteresis_tracker"] = min(state_int(state_dict, "_hysteresis_tracker", hysteresis), hysteresis)
+        values["_headroom_run"] = state_int(state_dict, "_headroom_run", 0)
+        amax = state_dict.get("_headroom_amax", 0.0)
+        try:
+            values["_headroom_amax"] = check_number("_headroom_amax", amax, ge=0.0)
+        except TypeError as err:
+            raise ValueError(str(err)) from None
         return values
 
     def _load_trackers(self, values: dict[str, Any]) -> None:
         self._growth_tracker = values["_growth_tracker"]
         self._hysteresis_tracker = values["_hysteresis_tracker"]
+        self._headroom_run = values["_headroom_run"]
+        self._headroom_amax = values["_headroom_amax"]
 
     def _check_manual_scale(self, value: Any) -> float:
         return self._clamp(to_float32(_check_in_limits("new_scale", value, self.min_scale, self.max_scale)))

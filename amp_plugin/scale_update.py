@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import math
+import struct
 from dataclasses import dataclass
-
-import torch
 
 __all__ = ["ScaleUpdate", "to_float32"]
 
 
 def to_float32(value: float) -> float:
-    """Round a Python float to the nearest float32, as torch's scale kernels store it."""
-    return float(torch.tensor(value, dtype=torch.float64).to(torch.float32))
+    """Round a Python float to the nearest float32, as torch's scale kernels store it (ties to
+    even; beyond float32's range, inf). Host arithmetic only: no tensor, no device."""
+    try:
+        return struct.unpack("f", struct.pack("f", value))[0]
+    except OverflowError:  # rounds to inf in float32 (struct refuses instead)
+        return math.copysign(math.inf, value)
 
 
 @dataclass(frozen=True)

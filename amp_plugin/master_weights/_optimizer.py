@@ -40,6 +40,7 @@ from amp_plugin.master_weights._refusals import (
 from amp_plugin.master_weights._step import run_step
 from amp_plugin.master_weights._stochastic import SRGenerator
 from amp_plugin.scaler import unscale_grouped
+from amp_plugin.unscale import record_amax
 
 __all__ = ["FUSED_MODES", "MASTER_KINDS", "MasterWeightOptimizer"]
 
@@ -329,7 +330,9 @@ class MasterWeightOptimizer(Optimizer):
             torch._foreach_zero_(dense)
 
     @torch.no_grad()
-    def unscale_grads_(self, inv_scale_on: InvScaleOn) -> dict[torch.device, torch.Tensor]:
+    def unscale_grads_(
+        self, inv_scale_on: InvScaleOn, amax: dict[torch.device, torch.Tensor] | None = None
+    ) -> dict[torch.device, torch.Tensor]:
         """Check the model's gradients for inf/NaN and make ``model_grad * inv_scale`` the
         masters' gradients (see the class docstring); unscale FP32 parameters' gradients in
         place. Called by a loss scaler's ``unscale_``. Returns one found-inf tensor per device.
@@ -339,8 +342,13 @@ class MasterWeightOptimizer(Optimizer):
         The others (another device, ``fused=False`` or ``"torch"``) are copied into FP32 and
         unscaled with torch's multi-tensor ops (two per device), freed after the step; sparse
         or strided ones one by one (sparse ones upcast and coalesced first). No host sync.
+        With ``amax`` given, the largest magnitude of the still scaled gradients is folded into
+        it (one tensor per device, :func:`amp_plugin.unscale.record_amax`).
         """
         session = self._begin_session(inv_scale_on)
+        if amax is not None:
+            held = [g for i, g in enumerate(session.grads) if g is not None and i not in session.eager]
+            record_amax([*self._own_grads(), *session.eager.values(), *held], amax)
         found = unscale_grouped(by_device_dtype(self._own_grads()), inv_scale_on)
         ops = self._kernel_ops()
         checked, eager, single = [], [], []

@@ -459,7 +459,7 @@ def test_every_setting_is_in_settings_state_dict_and_repr():
     assert repr(scaler) == (
         "DynamicLossScaler(scale=65536, growth_factor=2, backoff_factor=0.5, growth_interval=7, hysteresis=3, "
         "hysteresis_reset='growth', min_scale=0.5, max_scale=1.67772e+07, on_min_scale='skip', retries=2, "
-        "enabled=True)"
+        "early_growth_interval=0, early_growth_margin=4, enabled=True)"
     )
     assert repr(StaticLossScaler(8.0, enabled=False)) == "StaticLossScaler(scale=8, enabled=False)"
     assert StaticLossScaler(8.0).settings() == {"scale": 8.0}
