@@ -25,7 +25,6 @@ import datetime
 import functools
 import inspect
 import os
-import re
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,6 +35,7 @@ import hydra
 from hydra.errors import InstantiationException
 from omegaconf import DictConfig, OmegaConf
 
+from amp_plugin.app.config_nodes import entries, naming_key, plain
 from amp_plugin.app.rundir import read_run_id
 from amp_plugin.app.validation import ConfigError, process_count, show, validate
 from amp_plugin.scaler import LossScaler
@@ -54,7 +54,7 @@ def construct(key: str, factory: Callable[..., Any], node: Any, **extra: Any) ->
     config; ``extra`` the ones the app adds, which replace a node key of the same name.
     Nested ``_target_`` nodes are instantiated first.
     """
-    config = _plain(node)
+    config = plain(node)
     config.pop("_target_", None)
     _check_keys(key, config, factory, extra)
     try:
@@ -64,7 +64,7 @@ def construct(key: str, factory: Callable[..., Any], node: Any, **extra: Any) ->
         raise
     except Exception as err:  # whatever a constructor raises about its input
         cause = err.__cause__ if isinstance(err, InstantiationException) and err.__cause__ else err
-        raise ConfigError(_naming_key(key, config, cause)) from err
+        raise ConfigError(naming_key(key, config, cause)) from err
 
 
 def instantiate(key: str, node: Any, *, namespace: str | None = None, **extra: Any) -> Any:
@@ -79,7 +79,7 @@ def instantiate(key: str, node: Any, *, namespace: str | None = None, **extra: A
             f"{key}={show(node)} is not allowed: {key} must be a config with a _target_ naming the class to build "
             f"(see configs/{group}/)."
         )
-    config = _plain(node)
+    config = plain(node)
     if namespace is not None:
         config = retarget(config, namespace)
     target = config["_target_"]
@@ -107,13 +107,6 @@ def retarget(config: Any, namespace: str) -> Any:
     return moved
 
 
-def _plain(node: Any) -> dict[str, Any]:
-    """A resolved, plain copy of a config node (Enum choices as their strings)."""
-    if OmegaConf.is_config(node):
-        return OmegaConf.to_container(node, resolve=True, enum_to_str=True)  # type: ignore[return-value]
-    return dict(node)
-
-
 def _check_keys(key: str, config: dict[str, Any], factory: Callable[..., Any], extra: dict[str, Any]) -> None:
     """Reject a key the constructor does not take (say ``+recipe.lrr=0.1``), listing those it does."""
     try:
@@ -129,19 +122,6 @@ def _check_keys(key: str, config: dict[str, Any], factory: Callable[..., Any], e
         raise ConfigError(
             f"{key}.{unknown[0]} is not a setting of {factory.__qualname__}: the allowed keys are {allowed}."
         )
-
-
-def _naming_key(key: str, config: dict[str, Any], err: BaseException) -> str:
-    """``err``'s message, with the config key in front: ``lr=-1.0 ...`` -> ``recipe.lr=-1.0 ...``."""
-    text = " ".join(str(err).split()) or type(err).__name__
-    leading = re.match(r"(\w+)=", text)
-    if leading:  # our constructors: "name=value is not allowed: ..."
-        return f"{key}.{text}" if leading.group(1) in config else text
-    # Other messages (Lightning's "`max_steps` must be ...") name the argument somewhere.
-    named = next((word for word in re.findall(r"\w+", text) if word in config and not word.startswith("_")), None)
-    if named is not None:
-        return f"{key}.{named}={show(config[named])} is not allowed: {text}"
-    return f"{key}: {text}"
 
 
 # ---------------------------------------------------------------------------------- phase 1: no Lightning
@@ -239,13 +219,13 @@ def build(cfg: DictConfig, settings: PrecisionSettings | None = None, output_dir
         check_fits(module, checkpoint, cfg.ckpt_path)
         resume_step = int(checkpoint.get("global_step", 0))
     plugin = MixedPrecisionPlugin.from_settings(settings)
-    callbacks = [make(f"callbacks.{name}", node) for name, node in _entries(cfg.callbacks)]
+    callbacks = [make(f"callbacks.{name}", node) for name, node in entries(cfg.callbacks)]
     if settings.fp8 is not None and callbacks and not any(isinstance(c, FP8Monitor) for c in callbacks):
         callbacks.append(FP8Monitor(every_n_steps=log_every_n_steps(cfg.trainer)))  # fp8: in the defaults
     in_place = resumes_in_place(cfg.ckpt_path, output_dir)
     loggers = [
         make(f"logger.{name}" if name else "logger", node, **_logger_extra(node, in_place, resume_step))
-        for name, node in _entries(cfg.logger)
+        for name, node in entries(cfg.logger)
     ]
     fault = cfg.get("fault") or {}
     injector = construct("fault", FaultInjector, fault) if any(v is not None for v in fault.values()) else None
@@ -272,7 +252,7 @@ def build(cfg: DictConfig, settings: PrecisionSettings | None = None, output_dir
         try:
             injector.setup(trainer, module, "fit")  # its checks of param and rank, before the first step
         except ValueError as err:
-            raise ConfigError(_naming_key("fault", _plain(fault), err)) from err
+            raise ConfigError(naming_key("fault", plain(fault), err)) from err
     return Run(
         trainer=trainer,
         module=module,
@@ -321,13 +301,13 @@ def _check_float_inputs(module: Any, fault: Any) -> None:
     """``fault.nan_input_at`` writes a NaN into the batch's first float tensor: the recipe must have one."""
     import torch
 
-    from amp_plugin.lightning.callbacks.fault_injection import _first_floating
+    from amp_plugin.lightning.callbacks.fault_injection import first_floating
 
     try:
         batch = next(iter(module.train_dataloader()))
     except Exception:  # the recipe needs its trainer to build data: the injector says it at the step
         return
-    if _first_floating(batch) is None:
+    if first_floating(batch) is None:
         dtypes = sorted({str(t.dtype) for t in _tensors(batch, torch)})
         raise ConfigError(
             f"fault.nan_input_at={show(fault.nan_input_at)} is not allowed: recipe {type(module).__name__}'s "
@@ -348,15 +328,6 @@ def log_every_n_steps(trainer: DictConfig) -> int:
     if trainer.log_every_n_steps is not None:
         return trainer.log_every_n_steps
     return 1 if 0 < trainer.max_steps <= 100 else 10
-
-
-def _entries(node: Any) -> list[tuple[str, Any]]:
-    """A group's nodes to instantiate: one ``_target_`` node, or a dict of them by name (nulls dropped)."""
-    if node is None:
-        return []
-    if not OmegaConf.is_dict(node) or "_target_" in node:
-        return [("", node)]
-    return [(name, entry) for name, entry in node.items() if entry is not None]
 
 
 def resolve_output_dir(cfg: DictConfig) -> Path:

@@ -36,7 +36,8 @@ import torch
 from omegaconf import DictConfig
 
 from amp_plugin.app import rundir
-from amp_plugin.app.build import Run, _entries, _naming_key, _plain, build, resolve_output_dir
+from amp_plugin.app.build import Run, build, resolve_output_dir
+from amp_plugin.app.config_nodes import entries, naming_key, plain
 from amp_plugin.app.outcome import RunFailed
 from amp_plugin.app.report import FAILED_FILE, format_summary, mark_failed, summarize, write_outputs
 from amp_plugin.app.resume import keep_history
@@ -194,8 +195,8 @@ def _setup_error(err: BaseException, run: Run, cfg: DictConfig) -> ConfigError |
     an epoch."""
     if run.recorder.started or not isinstance(err, (ValueError, TypeError)) or isinstance(err, ConfigError):
         return None
-    trainer = _plain(cfg.trainer)
-    message = _naming_key("trainer", trainer, err)
+    trainer = plain(cfg.trainer)
+    message = naming_key("trainer", trainer, err)
     return ConfigError(message) if message.startswith("trainer.") and "=" in message.split()[0] else None
 
 
@@ -209,7 +210,7 @@ def check_writable(run: Run, cfg: DictConfig) -> None:
     for logger in run.loggers:
         if getattr(logger, "log_dir", None):
             targets.append(("logger.save_dir", Path(logger.log_dir)))
-    names = [name for name, _ in _entries(cfg.callbacks)]
+    names = [name for name, _ in entries(cfg.callbacks)]
     for name, callback in zip(names, run.callbacks):
         if isinstance(callback, pl.callbacks.ModelCheckpoint) and callback.dirpath:
             targets.append((f"callbacks.{name}.dirpath", Path(callback.dirpath)))

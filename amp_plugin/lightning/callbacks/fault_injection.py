@@ -19,7 +19,7 @@ from amp_plugin.lightning._namespace import Callback
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["FaultInjector"]
+__all__ = ["FaultInjector", "first_floating"]
 
 
 def _steps(name: str, value: Sequence[int] | None) -> frozenset[int]:
@@ -94,7 +94,7 @@ class FaultInjector(Callback):
     ) -> None:
         if not self._active(trainer, self.nan_input_at):
             return
-        tensor = _first_floating(batch)
+        tensor = first_floating(batch)
         if tensor is None:
             raise ValueError(
                 "nan_input_at needs a floating-point tensor in the batch; this recipe's batches hold "
@@ -139,12 +139,14 @@ class FaultInjector(Callback):
             )
 
 
-def _first_floating(batch: Any) -> torch.Tensor | None:
+def first_floating(batch: Any) -> torch.Tensor | None:
+    """The batch's first floating-point tensor (depth first through dicts, lists and tuples), which
+    ``nan_input_at`` writes a NaN into; ``None`` when there is none."""
     if isinstance(batch, torch.Tensor):
         return batch if batch.is_floating_point() else None
     items = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else ()
     for item in items:
-        found = _first_floating(item)
+        found = first_floating(item)
         if found is not None:
             return found
     return None
