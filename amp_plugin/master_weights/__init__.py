@@ -21,9 +21,10 @@ weight into the model. Elsewhere (CUDA), torch's multi-tensor kernels end to end
 (:mod:`amp_plugin.master_weights._multi_tensor`). Every path gives the masters the bits of
 torch's own fused Adam on FP32 parameters fed the same gradients.
 
-Modules: ``_parameter`` (the master and its record), ``_grads`` (one step's gradients),
-``_multi_tensor`` (the torch-kernel step), ``_split`` (BF16 masters in two halves),
-``_optimizer`` (the wrapper).
+Modules: ``_parameter`` (the master and its record), ``_adopt`` (a param group taken over),
+``_grads`` (one step's gradients), ``_step`` (the step path: gradients used, kernel chosen, copy
+back), ``_multi_tensor`` (the torch-kernel step), ``_split`` (BF16 masters in two halves),
+``_checkpoint`` (state dicts across kinds), ``_optimizer`` (the wrapper).
 """
 
 from amp_plugin.master_weights._checkpoint import MasterRoundingWarning
