@@ -39,6 +39,7 @@ def training_rows(path: str | Path) -> list[dict[str, str]]:
         return [row for row in csv.DictReader(f) if row.get("train/loss")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", sorted(PRESETS))
 def test_every_preset_trains_and_writes_its_outputs(tmp_path, preset, capsys, compose_config):
     # fp16_pure needs an eps FP16 can hold (the digits recipe's 1e-8 is 0 in FP16: NaN weights, a failed run)
@@ -144,6 +145,7 @@ def test_no_callbacks_still_summarizes_and_plots(tmp_path, compose_config):
     assert (tmp_path / "training_curves.png").is_file()
 
 
+@pytest.mark.slow
 def test_resume_from_checkpoint_continues_step_count_and_loss_scale(tmp_path, compose_config):
     # growth_interval=2 makes the scale move, so a resume that forgot it would show.
     first = train(

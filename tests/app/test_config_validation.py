@@ -359,6 +359,7 @@ def cli_results(tmp_path_factory):
     return [results[f"run{i}"] for i in range(len(CLI_CASES))]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("index", range(len(CLI_CASES)), ids=[" ".join(a) for a, _ in CLI_CASES])
 def test_bad_input_through_the_cli_exits_nonzero_with_a_short_message(cli_results, index):
     result, expected = cli_results[index], CLI_CASES[index][1]
@@ -387,6 +388,7 @@ def run_cli(args: list[str], cwd: Path, **env: str) -> subprocess.CompletedProce
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "args, expected",
     [
@@ -402,6 +404,7 @@ def test_cli_process_exits_with_status_1(tmp_path, args, expected):
     assert not run_dir.exists() or sorted(p.name for p in run_dir.iterdir()) == [".hydra", "FAILED", "train.log"]
 
 
+@pytest.mark.slow
 def test_hydra_full_error_shows_the_traceback(tmp_path):
     proc = run_cli(["scaler.hysteresis=0", f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, HYDRA_FULL_ERROR="1")
     assert proc.returncode != 0
@@ -446,6 +449,7 @@ print("lightning", sorted(m for m in sys.modules if m.split(".")[0] in ("lightni
 """
 
 
+@pytest.mark.slow
 def test_a_bad_command_line_fails_before_lightning_is_imported(tmp_path):
     """The scaler and the precision settings are built, and checked, before Lightning is imported."""
     proc = subprocess.run(

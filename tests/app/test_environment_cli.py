@@ -85,6 +85,7 @@ def read_only(path: Path):
         subprocess.run(["chattr", "-i", str(path)], check=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "sub, key", [("logs", "logger.save_dir"), ("checkpoints", "callbacks.model_checkpoint.dirpath")]
 )
@@ -100,6 +101,7 @@ def test_a_read_only_log_or_checkpoint_directory_is_found_before_training(tmp_pa
 
 
 # ---------------------------------------------------------------------------------- the environment
+@pytest.mark.slow
 def test_a_stray_local_rank_is_refused_instead_of_dropping_the_metrics(tmp_path):
     proc = run([*TINY, f"hydra.run.dir={tmp_path / 'run'}"], tmp_path, extra_env={"LOCAL_RANK": "1"})
     assert proc.returncode == 1
@@ -108,6 +110,7 @@ def test_a_stray_local_rank_is_refused_instead_of_dropping_the_metrics(tmp_path)
     assert "Unset LOCAL_RANK" in proc.stderr
 
 
+@pytest.mark.slow
 def test_a_config_dir_that_does_not_exist_is_an_error(tmp_path):
     missing = tmp_path / "no_such_dir"
     proc = run(
@@ -157,6 +160,7 @@ def compare(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 def test_compare_names_damaged_files_and_refuses_a_file_as_out(tmp_path):
     sweep = tmp_path / "sweep"
     for name in ("0", "1", "2"):

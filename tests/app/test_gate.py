@@ -48,6 +48,7 @@ def test_bad_arguments_exit_2_with_one_line_naming_them(tmp_path, capsys, argv, 
     assert not (tmp_path / "g").exists()  # nothing trained or written
 
 
+@pytest.mark.slow
 def test_overrides_that_do_not_compose_or_are_rejected_exit_2_before_training(tmp_path, capsys):
     assert main(["precision=fp16", "--against", "bf16", "recipe=nope", "--dir", str(tmp_path)]) == 2
     line = _error(capsys)
@@ -82,6 +83,7 @@ def _fake_runs(monkeypatch, losses: dict[str, list[float]], fail: str | None = N
     return asked
 
 
+@pytest.mark.slow
 def test_within_noise_exits_0_and_writes_the_report(tmp_path, monkeypatch, capsys):
     asked = _fake_runs(monkeypatch, {"bf16": [1.0, 2.0, 3.0, 4.0], "bf16_split": [1.1, 1.9, 3.2, 4.1]})
     status = main(["precision=bf16_split", "--against", "bf16", "--seeds", "4", *TINY, "--dir", str(tmp_path)])
@@ -100,6 +102,7 @@ def test_within_noise_exits_0_and_writes_the_report(tmp_path, monkeypatch, capsy
     assert re.search(r"val/loss +2\.575 +2\.5 +\+0\.075 +0\.06292 +0\.1258 +within noise", out)
 
 
+@pytest.mark.slow
 def test_worse_exits_1_and_says_by_how_much(tmp_path, monkeypatch, capsys):
     _fake_runs(monkeypatch, {"bf16": [1.0, 1.0], "bf16_autocast": [1.1, 1.1]})
     assert main(["precision=bf16_autocast", "--against", "bf16", "--seeds", "2", *TINY, "--dir", str(tmp_path)]) == 1
@@ -112,6 +115,7 @@ def test_worse_exits_1_and_says_by_how_much(tmp_path, monkeypatch, capsys):
     assert json.loads(json_path.read_text())["metrics"][0]["band"] == pytest.approx(0.15)
 
 
+@pytest.mark.slow
 def test_a_failed_run_fails_the_gate(tmp_path, monkeypatch, capsys):
     asked = _fake_runs(monkeypatch, {"bf16": [1.0, 1.0, 1.0]}, fail="fp16")
     assert main(["precision=fp16", "--against", "bf16", "--seeds", "3", *TINY, "--dir", str(tmp_path)]) == 1
@@ -122,6 +126,7 @@ def test_a_failed_run_fails_the_gate(tmp_path, monkeypatch, capsys):
     assert "verdict: failed (exit 1)" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_no_judged_metric_fails_the_gate(tmp_path, monkeypatch):
     _fake_runs(monkeypatch, {"bf16": [1.0, 1.0], "fp16": [1.0, 1.0]})
     monkeypatch.setattr(gate, "DIRECTIONS", {"val/ppl": "lower"})

@@ -200,6 +200,7 @@ def assert_same_weights(a: dict, b: dict) -> None:
 
 
 # ---------------------------------------------------------------------------------- faults
+@pytest.mark.slow
 def test_injected_faults_are_skipped_counted_and_logged(runs):
     run = ok(runs["faults"])
     summary = json.loads((run / "summary.json").read_text())

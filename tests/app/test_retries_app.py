@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from test_app import QUICK
 
 from amp_plugin.app.compare import collect_runs, format_table
@@ -12,6 +13,7 @@ from amp_plugin.app.report import format_summary
 from amp_plugin.app.run import train
 
 
+@pytest.mark.slow
 def test_a_retried_then_skipped_batch_is_counted_everywhere(tmp_path, capsys, compose_config):
     # the injected inf comes back on the retry too: one retry, then the skip
     result = train(compose_config("scaler.retries=1", "+fault.inject_inf_at=[1]", *QUICK, output_dir=tmp_path))

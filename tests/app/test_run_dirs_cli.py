@@ -92,6 +92,7 @@ def test_a_run_into_a_directory_in_use_is_refused_and_a_killed_run_leaves_no_sta
     assert json.loads((run_dir / "summary.json").read_text())["global_step"] == step + 2
 
 
+@pytest.mark.slow
 def test_a_finished_run_is_never_overwritten_silently(tmp_path):
     results = run_batch(
         tmp_path,
@@ -134,6 +135,7 @@ def test_a_finished_run_is_never_overwritten_silently(tmp_path):
     assert torch.load(summary["paths"]["last_checkpoint"], weights_only=False)["global_step"] == 4
 
 
+@pytest.mark.slow
 def test_tensorboard_resumed_in_place_hides_what_the_interrupted_run_logged_after_the_checkpoint(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

@@ -190,6 +190,7 @@ def test_a_run_whose_last_steps_were_all_skipped_fails(runs):
 
 
 # ---------------------------------------------------------------------------------- run directories
+@pytest.mark.slow
 def test_an_empty_run_directory_is_refused(tmp_path):
     result = run([*TINY, "hydra.run.dir="], tmp_path)
     assert result.returncode == 1 and "Traceback" not in result.stderr
@@ -211,6 +212,7 @@ def _writable(path: Path) -> None:
         subprocess.run(["chattr", "-i", str(path)], capture_output=True)
 
 
+@pytest.mark.slow
 def test_a_read_only_run_directory_is_refused_with_one_line(tmp_path):
     target = tmp_path / "ro"
     target.mkdir()

@@ -87,6 +87,7 @@ def project_plugin(*overrides: str) -> MixedPrecisionPlugin:
     return hydra.utils.instantiate(cfg.trainer.plugins[0])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", sorted(PRESETS))
 def test_one_project_trainer_config_serves_every_preset(preset):
     scaler = project_plugin(f"trainer.plugins.0.precision={preset}").scaler

@@ -162,6 +162,7 @@ def _fresh_process(code: str, tmp_path: Path, **extra: str) -> subprocess.Comple
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=environment, timeout=120)
 
 
+@pytest.mark.slow
 def test_the_first_build_is_announced_once_and_timed(tmp_path):
     result = _fresh_process(_FIRST_BUILD, tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -173,6 +174,7 @@ def test_the_first_build_is_announced_once_and_timed(tmp_path):
     assert 1.0 <= seconds < 30  # what a run leaves out of its wall time
 
 
+@pytest.mark.slow
 def test_without_a_compiler_the_stock_path_runs_with_one_warning(tmp_path):
     code = _FIRST_BUILD.replace("cpp.load = slow_load", "")
     result = _fresh_process(code, tmp_path, CXX=str(tmp_path / "no-such-compiler"))
@@ -194,6 +196,7 @@ def test_a_stale_torch_build_lock_is_removed_and_named(tmp_path, capsys):
     assert f"removed {entry / 'lock'}, a build lock left behind by a build that was killed" in err
 
 
+@pytest.mark.slow
 def test_a_live_builder_is_waited_for_with_a_time_limit_naming_the_file(tmp_path, capsys):
     from amp_plugin.fused import _first_build
 
@@ -218,6 +221,7 @@ def test_a_live_builder_is_waited_for_with_a_time_limit_naming_the_file(tmp_path
     assert f"waiting for pid {holder.pid}" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_the_build_is_not_counted_in_a_runs_wall_time(tmp_path, monkeypatch):
     """A build (here: 1.5 s) that happens inside ``fit`` is not training time."""
     import time

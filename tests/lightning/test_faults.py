@@ -79,6 +79,7 @@ def test_fault_is_skipped_counted_and_changes_nothing(pl, faults, kind):
     assert plugin.scaler.get_scale() == 2.0**12 / 2 * 2 / 2 * 2**5
 
 
+@pytest.mark.slow
 def test_training_recovers_close_to_an_unfaulted_run(pl):
     clean, *_ = run(pl, {})
     faulted, *_ = run(pl, dict(inject_inf_at=[3, 9], nan_loss_at=[15], nan_input_at=[20]))

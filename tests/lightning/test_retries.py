@@ -221,6 +221,7 @@ def assert_same_run(first, second):
     assert s1.get_scale() == s2.get_scale()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("manual", [False, True], ids=["automatic", "manual"])
 def test_a_lightning_run_with_a_retry_equals_a_run_started_at_the_lower_scale(pl, manual):
     retried = lightning_run(pl, 2.0**16, 1, {0: 2.0**15}, manual=manual)

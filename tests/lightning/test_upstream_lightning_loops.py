@@ -179,6 +179,7 @@ def manual_schedule_steps(pl, precision, overflow_at=()):
     return [c.scheduler.last_epoch for c in trainer.lr_scheduler_configs]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", ["fp16", "fp32", "bf16"])
 def test_manual_schedulers_step_as_with_lightnings_precision_when_nothing_skips(pl, precision):
     assert manual_schedule_steps(pl, precision) == manual_schedule_steps(pl, "32-true") == [4, 4]

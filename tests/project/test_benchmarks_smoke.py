@@ -59,6 +59,7 @@ def table_rows(text: str) -> list[list[str]]:
     return rows
 
 
+@pytest.mark.slow
 def test_bench_step_prints_the_paths_the_traffic_floor_and_the_stages():
     out = run("bench_step.py", "--params", "0.2", "--chunks", "4", "--repeats", "2", "--threads", "1", "--stages")
     names = [row[0] for row in table_rows(out)]
@@ -180,6 +181,7 @@ def test_bench_convergence_quick_writes_table_csv_json_and_plots(tmp_path):
     assert again.split("\n", 1)[1].rstrip() == tables.rstrip()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
 def test_gpu_script_declines_politely_without_a_gpu():
     out = run("gpu.py", timeout=120)
@@ -216,6 +218,7 @@ def test_gpu_script_runs_its_code_path_on_cpu():
     assert "aten::" in profile and "Self CPU time total" in profile
 
 
+@pytest.mark.slow
 def test_gpu_and_step_scripts_refuse_unknown_names_and_missing_devices():
     out = run("gpu.py", "--cpu-dry-run", "--profile", "ours fp64", check=False)
     assert "unknown configs ['ours fp64']" in out
