@@ -83,6 +83,7 @@ def test_precision_keys_follow_the_library_rules(overrides, preset, compose_conf
     assert prepare(compose_config(*overrides)).preset == preset
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("preset", sorted(PRESETS))
 def test_every_preset_and_recipe_instantiates(preset, recipe, compose_config):
@@ -221,6 +222,7 @@ BAD_VALUES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overrides, expected", BAD_VALUES, ids=[" ".join(o) for o, _ in BAD_VALUES])
 def test_bad_values_are_rejected_with_the_key_and_what_is_allowed(overrides, expected, compose_config):
     with pytest.raises(ConfigError) as info:

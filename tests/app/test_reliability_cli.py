@@ -18,6 +18,9 @@ import torch
 from _cli_batch import run_batch
 from omegaconf import OmegaConf
 
+# Every test here reads the runs of one batch of CLI processes (a few minutes on 2 cores).
+pytestmark = pytest.mark.slow
+
 QUICK = ["trainer.enable_progress_bar=false", "trainer.limit_val_batches=1", "plot=false"]
 FAULTS = [
     "+fault.inject_inf_at=[3,7]",
@@ -200,7 +203,6 @@ def assert_same_weights(a: dict, b: dict) -> None:
 
 
 # ---------------------------------------------------------------------------------- faults
-@pytest.mark.slow
 def test_injected_faults_are_skipped_counted_and_logged(runs):
     run = ok(runs["faults"])
     summary = json.loads((run / "summary.json").read_text())

@@ -135,6 +135,7 @@ ADAM_CONFIGS = [  # adamw, betas, weight_decay, maximize
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("adamw,betas,weight_decay,maximize", ADAM_CONFIGS)
 def test_adam_step_equals_torch_fused_adam_on_every_element_tail_included(
@@ -193,6 +194,7 @@ def test_nonfinite_check_flags_any_inf_or_nan_and_only_reads(ops, dtype):
         ops.nonfinite_check_([torch.ones(3)], torch.zeros(()))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("grad_dtype", HALF)
 @pytest.mark.parametrize("inv_scale", [2.0**-10, 1.0, 1 / 3])
 @pytest.mark.parametrize("adamw,betas,weight_decay,maximize", ADAM_CONFIGS)
@@ -255,6 +257,7 @@ def reference_bf16_moments(master, grads, adamw, betas=(0.9, 0.999), weight_deca
     return p, m, v
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("adamw,betas,weight_decay,maximize", ADAM_CONFIGS)
 @pytest.mark.parametrize("moments", [torch.float32, torch.bfloat16])

@@ -58,6 +58,7 @@ def run(pl, faults, steps=30):
     return model, plugin, snaps, injector, trainer
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "faults, kind",
     [

@@ -420,6 +420,7 @@ def test_assigning_another_scaler_replaces_it_everywhere(pl):
     assert not plugin.scaler.is_enabled()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", sorted(PRESETS))
 def test_a_module_with_torchmetrics_trains_under_every_preset(pl, preset):
     torchmetrics = pytest.importorskip("torchmetrics")
@@ -673,6 +674,7 @@ class EveryOtherStep(TinyClassifier):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step", "frequency": 2}}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "overflow_at, accumulate, steps",
     [

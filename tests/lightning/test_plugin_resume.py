@@ -42,6 +42,7 @@ def assert_same(a, b):
             assert torch.equal(torch.as_tensor(sa[k]), torch.as_tensor(sb[k])), k
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "precision, kwargs",
     [

@@ -52,6 +52,7 @@ def train(mode, config, dtype=torch.float16, steps=8, inf_at=(3,), frozen_at=(5,
     return model, opt, scaler
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("config", sorted(CONFIGS))
 def test_the_multi_tensor_path_equals_the_stock_and_kernel_paths_bit_for_bit(config, dtype):
