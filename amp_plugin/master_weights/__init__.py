@@ -22,7 +22,8 @@ weight into the model. Elsewhere (CUDA), torch's multi-tensor kernels end to end
 torch's own fused Adam on FP32 parameters fed the same gradients.
 
 Modules: ``_parameter`` (the master and its record), ``_adopt`` (a param group taken over),
-``_grads`` (one step's gradients), ``_step`` (the step path: gradients used, kernel chosen, copy
+``_grads`` (one step's gradients), ``_unscale`` (a loss scaler's ``unscale_``: the inf check and
+the unscaled master gradients), ``_step`` (the step path: gradients used, kernel chosen, copy
 back), ``_multi_tensor`` (the torch-kernel step), ``_split`` (BF16 masters in two halves),
 ``_checkpoint`` (state dicts across kinds), ``_optimizer`` (the wrapper).
 """

@@ -15,12 +15,37 @@ from typing import TYPE_CHECKING, Any
 from amp_plugin.dtypes import HALF_DTYPES
 from amp_plugin.master_weights import _accumulate
 from amp_plugin.master_weights._parameter import MASTER_TENSORS, MASTERS, refresh
-from amp_plugin.master_weights._refusals import upcast_state
+from amp_plugin.master_weights._refusals import already_wrapped, check_kind_possible, refuse_dtensors, upcast_state
 
 if TYPE_CHECKING:
     from amp_plugin.master_weights._optimizer import MasterWeightOptimizer
 
-__all__ = ["adopt_group"]
+__all__ = ["add_group", "adopt_group"]
+
+
+def add_group(opt: MasterWeightOptimizer, param_group: dict[str, Any]) -> None:
+    """What :meth:`~amp_plugin.MasterWeightOptimizer.add_param_group` does: add the group to the
+    wrapped optimizer, refuse it (and take it out again) if ``opt`` cannot hold it, adopt it."""
+    opt.optimizer.add_param_group(param_group)
+    group = opt.optimizer.param_groups[-1]
+    held = {id(t) for t in (*opt._model_params, *opt._master_params)}
+    if any(id(p) in held for p in group["params"]):
+        opt.optimizer.param_groups.pop()
+        raise ValueError(
+            "some parameters appear in more than one parameter group: the new group repeats a parameter "
+            "this MasterWeightOptimizer already holds (as a model parameter or as its FP32 master). Give "
+            "each parameter to one group only."
+        )
+    if any(p in MASTER_TENSORS for p in group["params"]):
+        opt.optimizer.param_groups.pop()
+        raise ValueError(already_wrapped("the new group"))
+    try:
+        refuse_dtensors(opt.optimizer)
+        check_kind_possible(opt.optimizer, opt._kind, opt.moments_dtype, opt.fused)
+    except (TypeError, ValueError):
+        opt.optimizer.param_groups.pop()
+        raise
+    adopt_group(opt, group)
 
 
 def adopt_group(opt: MasterWeightOptimizer, group: dict[str, Any]) -> None:

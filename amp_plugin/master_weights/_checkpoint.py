@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.optim import Optimizer
 
+from amp_plugin.master_weights._grads import end_session
+
 if TYPE_CHECKING:
     from amp_plugin.master_weights._optimizer import MasterWeightOptimizer
 
@@ -89,7 +91,7 @@ def load_state_dict(opt: MasterWeightOptimizer, state_dict: dict[str, Any]) -> N
             f"master_params has {len(masters)} tensors but this optimizer has "
             f"{len(opt._half_models)} half-precision parameters: the checkpoint belongs to another model."
         )
-    opt._end_session()
+    end_session(opt)
     opt.optimizer.load_state_dict(state_dict)
     rounded = restore_moments(opt.optimizer, state_dict, set(opt._index_of), opt.moments_dtype)
     if masters is None:

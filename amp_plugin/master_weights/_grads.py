@@ -24,12 +24,23 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from amp_plugin.dtypes import HALF_DTYPES
+from amp_plugin.master_weights import _accumulate
 from amp_plugin.master_weights._parameter import set_grad
 
 if TYPE_CHECKING:
     from amp_plugin.master_weights._optimizer import MasterWeightOptimizer
 
-__all__ = ["GradSession", "MasterGradWarning", "eager_unscale", "unscaled_copy"]
+__all__ = [
+    "GradSession",
+    "MasterGradWarning",
+    "begin_session",
+    "clear_grads",
+    "eager_unscale",
+    "end_session",
+    "take_sum",
+    "unscaled_copy",
+    "warn_grads_changed",
+]
 
 
 class MasterGradWarning(UserWarning):
@@ -153,7 +164,7 @@ class GradSession:
         self.grads[index] = grad
         self.versions[index] = 0 if grad is None else grad._version
         master._amp_pending = None if grad is None else (self, index)
-        self.owner._take_sum(self, index, grad)
+        take_sum(self, index, grad)
 
     def renew_all(self) -> None:
         for index in range(len(self.grads)):
@@ -214,3 +225,60 @@ class GradSession:
 
 def warn_grads_changed(stacklevel: int) -> None:
     warnings.warn(_CHANGED_MESSAGE, MasterGradWarning, stacklevel=stacklevel)
+
+
+def begin_session(
+    opt: MasterWeightOptimizer, inv_scale_on: Callable[[torch.device], torch.Tensor] | None
+) -> GradSession:
+    """Start ``opt``'s step gradients: note the model's, make each master's pending."""
+    end_session(opt)
+    grads = [p.grad for p in opt._half_models]
+    session = opt._session = GradSession(opt, inv_scale_on, grads, opt._kernel_ops())
+    for i, (master, grad) in enumerate(zip(opt._half_masters, grads)):
+        if master._amp_grad is not None:  # set outside a step: the model's gradient replaces it
+            set_grad(master, None)
+        master._amp_pending = None if grad is None else (session, i)
+        take_sum(session, i, grad)
+    return session
+
+
+def take_sum(session: GradSession, index: int, grad: torch.Tensor | None) -> None:
+    """Gradients accumulated over several backward passes: their FP32 sum is the master
+    gradient (still scaled: ``unscale_grads_`` unscales it in place)."""
+    record = session.owner._records[index]
+    if record.acc is not None and grad is not None:
+        summed = _accumulate.sum_for(record, grad)
+        if summed is not None:
+            session.eager[index] = summed
+
+
+def end_session(opt: MasterWeightOptimizer) -> None:
+    """End ``opt``'s step gradients, if a session is under way (see :meth:`GradSession.end`)."""
+    session, opt._session = opt._session, None
+    if session is not None:
+        session.end()
+
+
+def clear_grads(opt: MasterWeightOptimizer, set_to_none: bool) -> None:
+    """What :meth:`~amp_plugin.MasterWeightOptimizer.zero_grad` does: end the session, drop the
+    FP32 accumulation sums, and clear the model's gradients (set to ``None``, or zeroed in place)."""
+    end_session(opt)
+    for record in opt._records:
+        if record.acc is not None:
+            _accumulate.detach_sum(record)
+    if set_to_none:
+        for p in opt._model_params:
+            p.grad = None
+        return
+    dense = []
+    for p in opt._model_params:
+        g = p.grad
+        if g is None:
+            continue
+        g.detach_()
+        if g.is_sparse:
+            g.zero_()
+        else:
+            dense.append(g)
+    if dense:
+        torch._foreach_zero_(dense)

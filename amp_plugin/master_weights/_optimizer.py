@@ -5,48 +5,27 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch.optim import Optimizer
 
 from amp_plugin import fused as _fused
-from amp_plugin.dtypes import HALF_DTYPES
-from amp_plugin.fused import adam as _adam
-from amp_plugin.master_weights import _accumulate, _checkpoint
-from amp_plugin.master_weights._adopt import adopt_group
-from amp_plugin.master_weights._grads import (
-    GradSession,
-    eager_unscale,
-    unscaled_copy,
-    warn_grads_changed,
-)
+from amp_plugin.master_weights import _checkpoint
+from amp_plugin.master_weights._adopt import add_group, adopt_group
+from amp_plugin.master_weights._grads import GradSession, begin_session, clear_grads, end_session, warn_grads_changed
 from amp_plugin.master_weights._kernels import StepKernel
-from amp_plugin.master_weights._parameter import (
-    MASTER_TENSORS,
-    WRAPPED,
-    Record,
-    resync,
-    set_grad,
-)
-from amp_plugin.master_weights._refusals import (
-    already_wrapped,
-    by_device_dtype,
-    check_kind_possible,
-    check_wrappable,
-    flag,
-    refuse_dtensors,
-)
+from amp_plugin.master_weights._parameter import WRAPPED, Record, resync
+from amp_plugin.master_weights._refusals import check_wrappable
 from amp_plugin.master_weights._step import run_step
 from amp_plugin.master_weights._stochastic import SRGenerator
-from amp_plugin.scaler import unscale_grouped
-from amp_plugin.unscale import record_amax
+from amp_plugin.master_weights._unscale import unscale_grads
+from amp_plugin.unscale import InvScaleOn
 
 __all__ = ["FUSED_MODES", "MASTER_KINDS", "MasterWeightOptimizer"]
 
 MASTER_KINDS = ("fp32", "bf16_split", "stochastic")  # the built-in kinds (_kinds.KINDS may hold more)
 FUSED_MODES = (None, True, False, "torch")
-InvScaleOn = Callable[[torch.device], torch.Tensor]
 
 
 class MasterWeightOptimizer(Optimizer):
@@ -283,51 +262,13 @@ class MasterWeightOptimizer(Optimizer):
             ValueError: a parameter is already in this optimizer (as torch raises for a
                 parameter in two groups), or is a master of a MasterWeightOptimizer.
         """
-        self.optimizer.add_param_group(param_group)
-        group = self.optimizer.param_groups[-1]
-        held = {id(t) for t in (*self._model_params, *self._master_params)}
-        if any(id(p) in held for p in group["params"]):
-            self.optimizer.param_groups.pop()
-            raise ValueError(
-                "some parameters appear in more than one parameter group: the new group repeats a parameter "
-                "this MasterWeightOptimizer already holds (as a model parameter or as its FP32 master). Give "
-                "each parameter to one group only."
-            )
-        if any(p in MASTER_TENSORS for p in group["params"]):
-            self.optimizer.param_groups.pop()
-            raise ValueError(already_wrapped("the new group"))
-        try:
-            refuse_dtensors(self.optimizer)
-            check_kind_possible(self.optimizer, self._kind, self.moments_dtype, self.fused)
-        except (TypeError, ValueError):
-            self.optimizer.param_groups.pop()
-            raise
-        adopt_group(self, group)
+        add_group(self, param_group)
         self._chosen = None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the model's gradients (set to ``None``, or zeroed in place) and drop the
         masters' (transient) gradients."""
-        self._end_session()
-        for record in self._records:
-            if record.acc is not None:
-                _accumulate.detach_sum(record)
-        if set_to_none:
-            for p in self._model_params:
-                p.grad = None
-            return
-        dense = []
-        for p in self._model_params:
-            g = p.grad
-            if g is None:
-                continue
-            g.detach_()
-            if g.is_sparse:
-                g.zero_()
-            else:
-                dense.append(g)
-        if dense:
-            torch._foreach_zero_(dense)
+        clear_grads(self, set_to_none)
 
     @torch.no_grad()
     def unscale_grads_(
@@ -345,50 +286,14 @@ class MasterWeightOptimizer(Optimizer):
         With ``amax`` given, the largest magnitude of the still scaled gradients is folded into
         it (one tensor per device, :func:`amp_plugin.unscale.record_amax`).
         """
-        session = self._begin_session(inv_scale_on)
-        if amax is not None:
-            held = [g for i, g in enumerate(session.grads) if g is not None and i not in session.eager]
-            record_amax([*self._own_grads(), *session.eager.values(), *held], amax)
-        found = unscale_grouped(by_device_dtype(self._own_grads()), inv_scale_on)
-        ops = self._kernel_ops()
-        checked, eager, single = [], [], []
-        summed = dict(session.eager)  # FP32 sums of accumulated gradients, ours to unscale in place
-        for device in {t.device for t in summed.values()}:
-            torch._amp_foreach_non_finite_check_and_unscale_(
-                [t for t in summed.values() if t.device == device], flag(found, device), inv_scale_on(device)
-            )
-        for i, grad in enumerate(session.grads):
-            if grad is None or i in summed:
-                continue
-            if grad.is_sparse or not grad.is_contiguous():
-                single.append(i)  # one by one: a coalesced sparse copy, or a contiguous one
-            elif ops is not None and grad.is_cpu and grad.dtype in HALF_DTYPES:
-                checked.append(grad)  # stays pending: the step reads it
-            else:
-                eager.append(i)
-        if checked:
-            _adam.nonfinite_check(ops, checked, flag(found, torch.device("cpu")))
-        grads = cast("list[torch.Tensor]", session.grads)  # at the indices in eager and single: not None
-        devices = {grads[i].device for i in eager}
-        for device in devices:
-            index = eager if len(devices) == 1 else [i for i in eager if grads[i].device == device]
-            copies = eager_unscale([grads[i] for i in index], inv_scale_on(device), flag(found, device), ops)
-            session.eager.update(zip(index, copies))
-        for i in single:
-            grad = grads[i]
-            out = unscaled_copy(grad, None)
-            torch._amp_foreach_non_finite_check_and_unscale_(
-                [out._values() if out.is_sparse else out], flag(found, grad.device), inv_scale_on(grad.device)
-            )
-            session.eager[i] = out
-        return found
+        return unscale_grads(self, inv_scale_on, amax)
 
     def sync_grads(self) -> None:
         """Make the model's gradients the masters' gradients (no scaling, no inf check): read
         ``master.grad`` for FP32 copies. ``step()`` does this itself when needed; call it to
         inspect or clip the master gradients before stepping without a loss scaler (a
         disabled scaler's ``unscale_`` calls it)."""
-        self._begin_session(None)
+        begin_session(self, None)
 
     @torch.no_grad()
     def sync_masters(self, params: Iterable[torch.Tensor] | None = None) -> None:
@@ -419,14 +324,14 @@ class MasterWeightOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-            self._end_session()  # the closure's backward wrote new gradients
+            end_session(self)  # the closure's backward wrote new gradients
         self._refresh_masters()
         if self._session is not None and self._session.auto:
             self._session.renew_all()  # a master gradient was read, then backward ran again: take the new ones
         try:
-            result = run_step(self, self._session or self._begin_session(None), kwargs)
+            result = run_step(self, self._session or begin_session(self, None), kwargs)
         finally:
-            self._end_session()
+            end_session(self)
         return loss if closure is not None else result
 
     def state_dict(self) -> dict[str, Any]:
@@ -450,47 +355,11 @@ class MasterWeightOptimizer(Optimizer):
     def __getstate__(self) -> dict[str, Any]:
         return self.__dict__.copy()
 
-    # ------------------------------------------------------------------ internals: gradients
-    def _begin_session(self, inv_scale_on: InvScaleOn | None) -> GradSession:
-        """Start a step's gradients: note the model's, make each master's pending."""
-        self._end_session()
-        grads = [p.grad for p in self._half_models]
-        session = self._session = GradSession(self, inv_scale_on, grads, self._kernel_ops())
-        for i, (master, grad) in enumerate(zip(self._half_masters, grads)):
-            if master._amp_grad is not None:  # set outside a step: the model's gradient replaces it
-                set_grad(master, None)
-            master._amp_pending = None if grad is None else (session, i)
-            self._take_sum(session, i, grad)
-        return session
-
-    def _take_sum(self, session: GradSession, index: int, grad: torch.Tensor | None) -> None:
-        """Gradients accumulated over several backward passes: their FP32 sum is the master
-        gradient (still scaled: ``unscale_grads_`` unscales it in place)."""
-        record = self._records[index]
-        if record.acc is not None and grad is not None:
-            summed = _accumulate.sum_for(record, grad)
-            if summed is not None:
-                session.eager[index] = summed
-
-    def _end_session(self) -> None:
-        session, self._session = self._session, None
-        if session is not None:
-            session.end()
-
+    # ------------------------------------------------------------------ internals: gradients (_grads.py, _unscale.py)
     def _warn_grads_changed(self) -> None:
         if not self._warned_grads:
             self._warned_grads = True
             warn_grads_changed(stacklevel=5)
-
-    def _own_grads(self) -> list[torch.Tensor]:
-        """The gradients of the FP32 parameters (their own master) to unscale in place: the
-        values of a sparse one (as torch.amp.GradScaler unscales them)."""
-        grads = []
-        for p in self._own:
-            g = p.grad
-            if g is not None:
-                grads.append(g._values() if g.is_sparse else g)
-        return grads
 
     # ------------------------------------------------------------------ internals: the step (_step.py)
     def _all_cpu(self) -> bool:
