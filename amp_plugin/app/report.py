@@ -22,7 +22,7 @@ from typing_extensions import override
 
 from amp_plugin.app import plots
 from amp_plugin.app.rundir import FAILED_FILE, mark_failed
-from amp_plugin.lightning._namespace import Callback
+from amp_plugin.lightning.namespace import Callback
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl

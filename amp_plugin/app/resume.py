@@ -28,8 +28,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from amp_plugin.app.validation import ConfigError, forget_checkpoints, load_checkpoint, show
-from amp_plugin.lightning._namespace import Callback, rank_zero_info
 from amp_plugin.lightning.checkpoint_state import CHECKPOINT_KEY
+from amp_plugin.lightning.namespace import Callback, rank_zero_info
 from amp_plugin.lightning.recovery import is_recovery_checkpoint
 
 if TYPE_CHECKING:

@@ -1,7 +1,7 @@
 """The Lightning layer: ``MixedPrecisionPlugin`` and the callbacks that make it visible.
 
 Every class here works with both Lightning packages, ``lightning`` (``lightning.pytorch``)
-and ``pytorch_lightning``, whichever is installed (see :mod:`amp_plugin.lightning._namespace`)::
+and ``pytorch_lightning``, whichever is installed (see :mod:`amp_plugin.lightning.namespace`)::
 
     import lightning as L
     from amp_plugin.lightning import LossScaleMonitor, MixedPrecisionPlugin
@@ -11,7 +11,6 @@ and ``pytorch_lightning``, whichever is installed (see :mod:`amp_plugin.lightnin
 The numerics core (:mod:`amp_plugin`) never imports this package.
 """
 
-from amp_plugin.lightning._namespace import NAMESPACES, pl
 from amp_plugin.lightning.callbacks import (
     FaultInjector,
     GradientHealthMonitor,
@@ -21,6 +20,7 @@ from amp_plugin.lightning.callbacks import (
     ScaleEvent,
 )
 from amp_plugin.lightning.checkpoint_io import AtomicCheckpointIO
+from amp_plugin.lightning.namespace import NAMESPACES, pl
 from amp_plugin.lightning.plugin import CHECKPOINT_KEY, MixedPrecisionPlugin
 
 __all__ = [

@@ -40,7 +40,7 @@ from fsspec.implementations.local import LocalFileSystem
 from typing_extensions import override
 
 from amp_plugin._checksum import CHECKSUM_KEY, content_digest, verify_checksum, with_checksum
-from amp_plugin.lightning._namespace import TorchCheckpointIO
+from amp_plugin.lightning.namespace import TorchCheckpointIO
 
 __all__ = [
     "CHECKSUM_KEY",

@@ -18,7 +18,7 @@ from typing import Any
 
 from lightning_utilities.core.rank_zero import rank_zero_warn
 
-from amp_plugin.lightning._namespace import NAMESPACES
+from amp_plugin.lightning.namespace import NAMESPACES
 from amp_plugin.master_weights import MasterParameter, MasterWeightOptimizer
 
 __all__ = ["FinetuningAdapter"]

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from typing_extensions import override
 
-from amp_plugin.lightning._namespace import Callback
+from amp_plugin.lightning.namespace import Callback
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl

@@ -45,10 +45,10 @@ from amp_plugin.emulation import CpuHalfEmulation
 from amp_plugin.fp8 import Fp8Layers, Fp8Recipe, convert_to_fp8
 from amp_plugin.half_module import cast_floating, cast_module
 from amp_plugin.lightning import checkpoint_state
-from amp_plugin.lightning._namespace import LIGHTNING_MODULES, rank_zero_info, rank_zero_warn
 from amp_plugin.lightning.checkpoint_state import CHECKPOINT_KEY
 from amp_plugin.lightning.compute import compute_path, default_dtype, wants_emulation
 from amp_plugin.lightning.finetuning import FinetuningAdapter
+from amp_plugin.lightning.namespace import LIGHTNING_MODULES, rank_zero_info, rank_zero_warn
 from amp_plugin.lightning.optimizers import wrap_optimizers
 from amp_plugin.lightning.step import OptimizerStepHooks
 from amp_plugin.master_weights import MasterWeightOptimizer

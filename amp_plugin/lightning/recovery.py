@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from typing_extensions import override
 
-from amp_plugin.lightning._namespace import Callback, rank_zero_info
+from amp_plugin.lightning.namespace import Callback, rank_zero_info
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl

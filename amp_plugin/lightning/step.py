@@ -23,8 +23,8 @@ from amp_plugin import fsdp
 from amp_plugin.dynamic_scaler import LossScaleCollapseError
 from amp_plugin.fp8 import Fp8Layers
 from amp_plugin.lightning import model_grads
-from amp_plugin.lightning._namespace import LIGHTNING_MODULES, Precision, trainer_calls
 from amp_plugin.lightning.lr_hold import LRHold
+from amp_plugin.lightning.namespace import LIGHTNING_MODULES, Precision, trainer_calls
 from amp_plugin.lightning.optimizers import unwrap
 from amp_plugin.lightning.recovery import save_last_good
 from amp_plugin.lightning.retry import manual_attempts, retried_step, retries_on
@@ -192,7 +192,7 @@ class OptimizerStepHooks(Precision):
         self, model: Any, optimizer: Any, clip_val: float | None = None, gradient_clip_algorithm: Any = None
     ) -> None:
         # Lightning's own version checks for its namespace's LightningModule only; the
-        # plugin serves both namespaces (amp_plugin.lightning._namespace).
+        # plugin serves both namespaces (amp_plugin.lightning.namespace).
         if not isinstance(model, LIGHTNING_MODULES) or not model.automatic_optimization:
             return
         shown = self._shown.get(id(unwrap(optimizer)))

@@ -10,7 +10,7 @@ from _models import TinyClassifier, as_lightning, quiet_trainer
 
 from amp_plugin import DynamicLossScaler, MixedPrecisionPlugin
 from amp_plugin.callbacks import FaultInjector
-from amp_plugin.lightning._namespace import Callback
+from amp_plugin.lightning.namespace import Callback
 
 
 class FullSnapshots(Callback):

@@ -14,8 +14,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from amp_plugin import DynamicLossScaler
 from amp_plugin.callbacks import GradientHealthMonitor
-from amp_plugin.lightning._namespace import Callback
 from amp_plugin.lightning.callbacks import grad_health
+from amp_plugin.lightning.namespace import Callback
 from amp_plugin.lightning.plugin import MixedPrecisionPlugin
 from amp_plugin.master_weights import MasterWeightOptimizer
 

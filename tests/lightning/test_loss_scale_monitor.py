@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from amp_plugin import DynamicLossScaler, LossScaleCollapseError, StaticLossScaler
 from amp_plugin.callbacks import LossScaleMonitor, ScaleEvent
-from amp_plugin.lightning._namespace import Callback
+from amp_plugin.lightning.namespace import Callback
 from amp_plugin.lightning.plugin import MixedPrecisionPlugin
 
 pytestmark = [

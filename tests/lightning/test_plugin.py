@@ -19,7 +19,7 @@ from amp_plugin import (
     MixedPrecisionPlugin,
     StaticLossScaler,
 )
-from amp_plugin.lightning._namespace import Callback
+from amp_plugin.lightning.namespace import Callback
 from amp_plugin.settings import PRESETS
 
 

@@ -11,7 +11,7 @@ import os
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from amp_plugin.lightning._namespace import rank_zero_warn
+from amp_plugin.lightning.namespace import rank_zero_warn
 from amp_plugin.lightning.plugin import MixedPrecisionPlugin
 
 if TYPE_CHECKING:

@@ -14,7 +14,7 @@ import torch
 from typing_extensions import override
 
 from amp_plugin.fsdp import local_grad
-from amp_plugin.lightning._namespace import Callback
+from amp_plugin.lightning.namespace import Callback
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl

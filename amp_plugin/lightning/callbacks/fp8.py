@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING, Any
 from typing_extensions import override
 
 from amp_plugin.fp8 import Fp8Stat
-from amp_plugin.lightning._namespace import Callback, rank_zero_info
 from amp_plugin.lightning.callbacks._common import CsvLog, find_plugin
+from amp_plugin.lightning.namespace import Callback, rank_zero_info
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl

@@ -12,8 +12,8 @@ from typing_extensions import override
 
 from amp_plugin.dtypes import FP16_MAX, FP16_MIN_NORMAL
 from amp_plugin.fsdp import local_grad, reduce_stats
-from amp_plugin.lightning._namespace import Callback, rank_zero_info
 from amp_plugin.lightning.callbacks._common import CsvLog, find_plugin
+from amp_plugin.lightning.namespace import Callback, rank_zero_info
 from amp_plugin.lightning.plugin import MixedPrecisionPlugin
 from amp_plugin.master_weights import MasterWeightOptimizer
 

@@ -11,7 +11,7 @@ from typing_extensions import override
 from amp_plugin.checks import check_choice, check_number
 from amp_plugin.dynamic_scaler import DynamicLossScaler
 from amp_plugin.half_module import NORM_TYPES
-from amp_plugin.lightning._namespace import LIGHTNING_AUTOCAST_PLUGINS, Callback, rank_zero_warn
+from amp_plugin.lightning.namespace import LIGHTNING_AUTOCAST_PLUGINS, Callback, rank_zero_warn
 from amp_plugin.lightning.plugin import MixedPrecisionPlugin
 from amp_plugin.preflight import (
     CHECKS,

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ENV_CHOICE",
+    "LIGHTNING_AUTOCAST_PLUGINS",
     "LIGHTNING_MODULES",
     "NAMESPACES",
     "TRAINERS",
@@ -35,6 +36,8 @@ __all__ = [
     "TorchCheckpointIO",
     "namespace_of",
     "pl",
+    "rank_zero_info",
+    "rank_zero_warn",
     "trainer_calls",
 ]
 
