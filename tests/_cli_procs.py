@@ -18,6 +18,7 @@ from amp_plugin.lightning import pl
 
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
+CLI_TESTS = TESTS / "app"  # the CLI test modules, whose callbacks a child names with _target_
 QUIET = ["trainer.enable_progress_bar=false", "plot=false"]
 
 
@@ -53,9 +54,9 @@ def throttle(after_step: int, seconds: float) -> list[str]:
 
 
 def env(**extra: str) -> dict[str, str]:
-    """The environment without HYDRA_FULL_ERROR, with this directory on PYTHONPATH."""
+    """The environment without HYDRA_FULL_ERROR, with this directory and the CLI tests' on PYTHONPATH."""
     out = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
-    out["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS), out.get("PYTHONPATH")]))
+    out["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS), str(CLI_TESTS), out.get("PYTHONPATH")]))
     return out | extra
 
 

@@ -295,7 +295,7 @@ def test_the_cli_runs_on_pytorch_lightning(tmp_path):
     run_dir = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
     env["AMP_PLUGIN_LIGHTNING"] = "pytorch_lightning"
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parent), env.get("PYTHONPATH")]))
     proc = subprocess.run(
         [
             sys.executable,

@@ -20,7 +20,7 @@ import torch
 from amp_plugin.lightning import pl
 
 ROOT = Path(__file__).resolve().parents[2]
-TESTS = Path(__file__).resolve().parents[1]
+TESTS = Path(__file__).resolve().parent
 
 
 class SaveRankState(pl.Callback):
