@@ -17,12 +17,11 @@ from enum import Enum
 from functools import partial
 from typing import Any
 
-import torch
-
 from amp_plugin.checks import check_choice, check_int, check_number, check_scale
-from amp_plugin.dtypes import FP16_MAX
+from amp_plugin.headroom import HeadroomRun
+from amp_plugin.loss_scale_collapse import LossScaleCollapseError
 from amp_plugin.loss_scaler import LossScaler
-from amp_plugin.scale_update import ScaleUpdate, to_float32
+from amp_plugin.scale_update import ScaleUpdate, float32_at_least, float32_at_most, to_float32
 from amp_plugin.scaler_settings import Setting, check_settings
 from amp_plugin.scaler_state import state_int
 
@@ -45,33 +44,6 @@ class OnMinScale(str, Enum):
 
 _HYSTERESIS_RESETS = tuple(m.value for m in HysteresisReset)
 _ON_MIN_SCALE = tuple(m.value for m in OnMinScale)
-
-
-class LossScaleCollapseError(FloatingPointError):
-    """The loss scale is at ``min_scale`` and the gradients still overflow.
-
-    Attributes:
-        scale: the scale at which it happened.
-        iteration: the 0-based update index.
-        consecutive_skips: how many steps in a row were skipped, this one included.
-        checkpoint_path: where the last good state was saved before stopping, if it was.
-    """
-
-    def __init__(
-        self, scale: float, iteration: int, consecutive_skips: int, checkpoint_path: str | None = None
-    ) -> None:
-        self.scale = scale
-        self.iteration = iteration
-        self.consecutive_skips = consecutive_skips
-        self.checkpoint_path = checkpoint_path
-        saved = f" The last healthy state is in {checkpoint_path}." if checkpoint_path else ""
-        super().__init__(
-            f"Loss scale collapsed: gradients are still inf/NaN at the minimum scale {scale:g} "
-            f"(step {iteration}, {consecutive_skips} steps skipped in a row). Training cannot make "
-            "progress. Try: a lower learning rate or gradient clipping; checking the data and the "
-            "loss for NaN/inf; bf16 instead of fp16 (same range as fp32, common for weights "
-            "pretrained in bf16); or on_min_scale='skip' to keep skipping instead of stopping." + saved
-        )
 
 
 class DynamicLossScaler(LossScaler):
@@ -209,8 +181,7 @@ class DynamicLossScaler(LossScaler):
         self._scale_value = self._clamp(self._scale_value)
         self._growth_tracker = 0
         self._hysteresis_tracker = self.hysteresis
-        self._headroom_run = 0  # clean steps in a row with headroom for an early growth
-        self._headroom_amax = 0.0  # the largest scaled gradient amax of that run
+        self._headroom = HeadroomRun()  # clean steps in a row with room for an early growth
 
     # ------------------------------------------------------------------ GradScaler's getters/setters
     def get_growth_factor(self) -> float:
@@ -254,7 +225,7 @@ class DynamicLossScaler(LossScaler):
         scale = self._scale_value
         if found_inf:
             self._growth_tracker = 0
-            self._headroom_run = 0
+            self._headroom.steps = 0
             self._hysteresis_tracker = max(self._hysteresis_tracker - 1, 0)
             if self._hysteresis_tracker > 0:
                 return scale, "hysteresis"
@@ -274,9 +245,11 @@ class DynamicLossScaler(LossScaler):
     def _grow(self, times: int) -> float:
         """The scale after ``times`` growths (a growth: every tracker resets)."""
         self._growth_tracker = 0
-        self._headroom_run = 0
+        self._headroom.steps = 0
         self._hysteresis_tracker = self.hysteresis
         scale = self._scale_value
+        if times > 1:  # no more than the ceiling needs
+            times = min(times, 1 + math.ceil(math.log(self._max32 / scale) / math.log(self.growth_factor)))
         for _ in range(times):
             grown = to_float32(scale * self.growth_factor)
             if not math.isfinite(grown):
@@ -287,30 +260,17 @@ class DynamicLossScaler(LossScaler):
         return scale
 
     def _early_growths(self) -> int:
-        """Track the clean step's headroom; the growths an early growth makes now (0: none)."""
-        amax = self.last_grad_amax
-        if self.early_growth_interval == 0 or amax is None or not math.isfinite(amax):
-            self._headroom_run = 0
+        """Add the clean step to the headroom run; the growths an early growth makes now (0: none)."""
+        if self.early_growth_interval == 0:
             return 0
-        if self._growths_below_margin(amax) < 1:
-            self._headroom_run = 0
+        self._headroom.observe(self.last_grad_amax, self.early_growth_margin, self.growth_factor)
+        if self._headroom.steps < self.early_growth_interval:
             return 0
-        self._headroom_amax = amax if self._headroom_run == 0 else max(self._headroom_amax, amax)
-        self._headroom_run += 1
-        if self._headroom_run < self.early_growth_interval:
-            return 0
-        return self._growths_below_margin(self._headroom_amax)
-
-    def _growths_below_margin(self, amax: float) -> int:
-        """How many growths leave a scaled amax ``early_growth_margin`` bits below FP16's max."""
-        step = math.log2(self.growth_factor)
-        if amax == 0.0:  # no gradient at all: as far as max_scale
-            return max(1, math.ceil(math.log2(self._max32 / self._scale_value) / step))
-        return max(0, math.floor((math.log2(FP16_MAX / amax) - self.early_growth_margin) / step))
+        return self._headroom.growths(self.early_growth_margin, self.growth_factor)
 
     def _after_update(self, update: ScaleUpdate) -> None:
         if update.reason == "manual":
-            self._headroom_run = 0  # the run's amax was measured at another scale
+            self._headroom.steps = 0  # the run's amax was measured at another scale
         if update.reason == "min_scale" and self.on_min_scale == "raise":
             raise LossScaleCollapseError(update.old_scale, update.iteration, self.consecutive_skips)
 
@@ -321,7 +281,7 @@ class DynamicLossScaler(LossScaler):
         if self.retries == 0 or self._scale_value <= self.min_scale:
             return None  # at the floor a retry would overflow the same way: skip as usual
         self._growth_tracker = 0
-        self._headroom_run = 0
+        self._headroom.steps = 0
         return max(to_float32(self._scale_value * self.backoff_factor), self._min32)
 
     def state_dict(self) -> dict[str, Any]:
@@ -329,7 +289,7 @@ class DynamicLossScaler(LossScaler):
         if not state:
             return state
         state.update(_growth_tracker=self._growth_tracker, _hysteresis_tracker=self._hysteresis_tracker)
-        state.update(_headroom_run=self._headroom_run, _headroom_amax=self._headroom_amax)
+        state.update(self._headroom.state())
         return state
 
     def resume_from(self, state_dict: dict[str, Any]) -> list[str]:
@@ -347,8 +307,7 @@ class DynamicLossScaler(LossScaler):
             **super().restarted(state_dict),
             "_growth_tracker": 0,
             "_hysteresis_tracker": self.hysteresis,
-            "_headroom_run": 0,
-            "_headroom_amax": 0.0,
+            **HeadroomRun().state(),
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -377,19 +336,13 @@ class DynamicLossScaler(LossScaler):
         # A hysteresis lowered since the save (settings changed on resume) caps the tracker.
         hysteresis = settings["hysteresis"]
         values["_hysteresis_tracker"] = min(state_int(state_dict, "_hysteresis_tracker", hysteresis), hysteresis)
-        values["_headroom_run"] = state_int(state_dict, "_headroom_run", 0)
-        amax = state_dict.get("_headroom_amax", 0.0)
-        try:
-            values["_headroom_amax"] = check_number("_headroom_amax", amax, ge=0.0)
-        except TypeError as err:
-            raise ValueError(str(err)) from None
+        values["_headroom"] = HeadroomRun.from_state(state_dict)
         return values
 
     def _load_trackers(self, values: dict[str, Any]) -> None:
         self._growth_tracker = values["_growth_tracker"]
         self._hysteresis_tracker = values["_hysteresis_tracker"]
-        self._headroom_run = values["_headroom_run"]
-        self._headroom_amax = values["_headroom_amax"]
+        self._headroom = values["_headroom"]
 
     def _check_manual_scale(self, value: Any) -> float:
         return self._clamp(to_float32(_check_in_limits("new_scale", value, self.min_scale, self.max_scale)))
@@ -406,7 +359,7 @@ class DynamicLossScaler(LossScaler):
     @min_scale.setter
     def min_scale(self, value: float) -> None:
         self._min_scale = value
-        self._min32 = _float32_at_least(value)
+        self._min32 = float32_at_least(value)
 
     @property
     def max_scale(self) -> float:
@@ -416,7 +369,7 @@ class DynamicLossScaler(LossScaler):
     @max_scale.setter
     def max_scale(self, value: float) -> None:
         self._max_scale = value
-        self._max32 = _float32_at_most(value)
+        self._max32 = float32_at_most(value)
 
 
 def _check_in_limits(name: str, value: Any, min_scale: float, max_scale: float) -> float:
@@ -427,19 +380,3 @@ def _check_in_limits(name: str, value: Any, min_scale: float, max_scale: float) 
             f"[{min_scale:g}, {max_scale:g}]; widen min_scale/max_scale to use it."
         )
     return value
-
-
-def _float32_at_least(value: float) -> float:
-    """The smallest float32 >= ``value``."""
-    rounded = torch.tensor(value, dtype=torch.float64).to(torch.float32)
-    if float(rounded) < value:
-        rounded = torch.nextafter(rounded, torch.tensor(math.inf))
-    return float(rounded)
-
-
-def _float32_at_most(value: float) -> float:
-    """The largest float32 <= ``value``."""
-    rounded = torch.tensor(value, dtype=torch.float64).to(torch.float32)
-    if float(rounded) > value:
-        rounded = torch.nextafter(rounded, torch.tensor(-math.inf))
-    return float(rounded)

@@ -6,7 +6,9 @@ import math
 import struct
 from dataclasses import dataclass
 
-__all__ = ["ScaleUpdate", "to_float32"]
+import torch
+
+__all__ = ["ScaleUpdate", "float32_at_least", "float32_at_most", "to_float32"]
 
 
 def to_float32(value: float) -> float:
@@ -16,6 +18,22 @@ def to_float32(value: float) -> float:
         return struct.unpack("f", struct.pack("f", value))[0]
     except OverflowError:  # rounds to inf in float32 (struct refuses instead)
         return math.copysign(math.inf, value)
+
+
+def float32_at_least(value: float) -> float:
+    """The smallest float32 >= ``value`` (a floor that rounding never lowers)."""
+    rounded = torch.tensor(value, dtype=torch.float64).to(torch.float32)
+    if float(rounded) < value:
+        rounded = torch.nextafter(rounded, torch.tensor(math.inf))
+    return float(rounded)
+
+
+def float32_at_most(value: float) -> float:
+    """The largest float32 <= ``value`` (a ceiling that rounding never raises)."""
+    rounded = torch.tensor(value, dtype=torch.float64).to(torch.float32)
+    if float(rounded) > value:
+        rounded = torch.nextafter(rounded, torch.tensor(-math.inf))
+    return float(rounded)
 
 
 @dataclass(frozen=True)
