@@ -1,7 +1,8 @@
-"""What each loss-scaling policy costs: skipped batches, retries, wasted passes, final loss, time.
+"""What each loss-scaling policy costs: skipped batches, retries, wasted passes, underflow, final loss, time.
 
     python benchmarks/bench_scaling_policies.py [--seeds 0 1] [--steps-scale 1.0]
     python benchmarks/bench_scaling_policies.py --init-scale 16777216 --growth-interval 10 --spike 8
+    python benchmarks/bench_scaling_policies.py --init-scale 16
 
 Policies (all FP16 with FP32 master weights, ``MixedPrecisionPlugin("fp16")``):
 
@@ -10,7 +11,12 @@ Policies (all FP16 with FP32 master weights, ``MixedPrecisionPlugin("fp16")``):
   never reaches: its trajectory equals GradScaler's (tests/core/test_dynamic_scaler.py);
 - ``hysteresis=1``: ours with its defaults (GradScaler's rule, inside [1, 2**24]);
 - ``hysteresis=2``: the DeepSpeed/Megatron default, an overflow backs off only at the second;
-- ``retries=1``: an overflowing batch runs again once at half the scale before it is skipped.
+- ``retries=1``: an overflowing batch runs again once at half the scale before it is skipped;
+- ``retries=24``: retries down to the floor (24 halvings take 2**24 to 1, ``retries_to_floor``):
+  a batch runs until it fits or the scale reaches ``min_scale``;
+- ``early growth``: ``early_growth_interval=5`` (grow before ``growth_interval`` once 5 clean
+  steps in a row show headroom, keeping ``early_growth_margin=4`` bits below FP16's max);
+- ``retries=24+early``: both.
 
 Recipes: ``digits``, ``char_gpt`` (small), ``underflow_demo``, and ``char_gpt_spiky``: the
 same ``char_gpt`` with its loss multiplied by 2**12 at a few steps (a loss spike: at the
@@ -18,10 +24,15 @@ scale of the moment its gradients overflow FP16, at a lower one they fit). Every
 on the same seeds (paired: same data, same initial weights); each run trains for a fixed
 number of optimizer steps, then validates once. Reported per recipe and policy: skipped
 steps (batches never trained on), retries, wasted compute (forward+backward passes that
-updated nothing, as a fraction of all), the final validation loss (mean over seeds, and the
-paired difference to ``GradScaler`` with its standard error) and the wall time per run.
-``--init-scale`` and ``--growth-interval`` set every policy's, for a run that starts too high
-and probes the overflow threshold often; ``--spike`` sets the spiky run's loss factor.
+updated nothing, as a fraction of all), underflow (the fraction of the half-precision
+parameters' scaled gradient elements below FP16's smallest normal, 2**-14: flushed to zero or
+subnormal, mean over backward passes; parameters that get no gradient from a batch count
+too, the same for every policy), the final scale (log2), the final validation loss (mean over
+seeds, and the paired difference to ``GradScaler`` with its standard error) and the wall time
+per run. ``--init-scale`` and ``--growth-interval`` set every policy's: a run that starts too
+high and probes the overflow threshold often, or one that starts too low (``--init-scale
+16``), where gradients underflow until the scale grows; ``--spike`` sets the spiky run's loss
+factor.
 Results: BENCHMARKS.md, "Loss scaling policies".
 """
 
@@ -46,7 +57,11 @@ POLICIES: dict[str, dict[str, Any]] = {
     "hysteresis=1": dict(on_min_scale="skip"),
     "hysteresis=2": dict(hysteresis=2, on_min_scale="skip"),
     "retries=1": dict(retries=1, on_min_scale="skip"),
+    "retries=24": dict(retries=24, on_min_scale="skip"),
+    "early growth": dict(early_growth_interval=5, on_min_scale="skip"),
+    "retries=24+early": dict(retries=24, early_growth_interval=5, on_min_scale="skip"),
 }
+FP16_MIN_NORMAL = 2.0**-14
 SMALL_GPT = {"n_layer": 1, "n_head": 2, "n_embd": 32, "block_size": 32, "batch_size": 16, "max_chars": 60_000}
 # recipe -> (recipe class name, constructor kwargs, optimizer steps, loss spikes at these steps)
 RECIPES: dict[str, tuple[str, dict[str, Any], int, tuple[int, ...]]] = {
@@ -77,6 +92,17 @@ def run_one(
             if trainer.global_step in spikes:
                 loss.mul_(spike)
 
+    underflow: list[float] = []
+
+    class Underflow(pl.Callback):
+        """The scaled FP16 gradients' elements below FP16's smallest normal, per backward pass."""
+
+        def on_after_backward(self, trainer: Any, pl_module: Any) -> None:
+            grads = [p.grad for p in pl_module.parameters() if p.grad is not None and p.dtype is torch.float16]
+            if grads:
+                small = sum(int((g.abs() < FP16_MIN_NORMAL).sum()) for g in grads)
+                underflow.append(small / sum(g.numel() for g in grads))
+
     pl.seed_everything(seed, verbose=False)
     kwargs = dict(kwargs)
     if cls_name == "UnderflowDemoRecipe":
@@ -95,7 +121,7 @@ def run_one(
         limit_val_batches=0,
         num_sanity_val_steps=0,
         plugins=[plugin],
-        callbacks=[Spikes()] if spikes else [],
+        callbacks=[Underflow(), *([Spikes()] if spikes else [])],
     )
     t0 = time.perf_counter()
     trainer.fit(module)
@@ -106,6 +132,8 @@ def run_one(
         "skipped": scaler.skipped_steps,
         "retried": scaler.retried_steps,
         "wasted": scaler.wasted_fraction,
+        "underflow": statistics.fmean(underflow) if underflow else 0.0,
+        "log2_scale": math.log2(scaler.get_scale()),
         "val_loss": float(val["val/loss"]),
         "seconds": seconds,
     }
@@ -137,8 +165,11 @@ def main() -> None:
         f"growth_interval {args.growth_interval}, spike x{args.spike:g}, steps x{args.steps_scale:g}",
         "",
     ]
-    header = "| recipe | policy | skipped | retried | wasted | val loss | vs GradScaler (paired, ±SE) | s/run |"
-    lines += [header, "|" + "---|" * 8]
+    header = (
+        "| recipe | policy | skipped | retried | wasted | underflow | log2 scale | val loss "
+        "| vs GradScaler (paired, ±SE) | s/run |"
+    )
+    lines += [header, "|" + "---|" * 10]
     for recipe in args.recipes:
         results = {
             p: [run_one(recipe, p, seed, args.steps_scale, scaler_kwargs, args.spike) for seed in args.seeds]
@@ -153,13 +184,18 @@ def main() -> None:
                 diff = f"{d:+.4f} ± {se:.4f}"
             row = (
                 f"| {recipe} | {policy} | {sum(r['skipped'] for r in runs)} | {sum(r['retried'] for r in runs)} | "
-                f"{statistics.fmean(r['wasted'] for r in runs):.1%} | {val:.4f} | {diff} | "
+                f"{statistics.fmean(r['wasted'] for r in runs):.1%} | "
+                f"{statistics.fmean(r['underflow'] for r in runs):.2%} | "
+                f"{statistics.fmean(r['log2_scale'] for r in runs):.1f} | {val:.4f} | {diff} | "
                 f"{statistics.fmean(r['seconds'] for r in runs):.1f} |"
             )
             lines.append(row)
             print(row, flush=True)
     lines.append("")
-    lines.append("skipped, retried: totals over the seeds; wasted: mean fraction of passes that updated nothing.")
+    lines.append(
+        "skipped, retried: totals over the seeds; wasted: mean fraction of passes that updated nothing; "
+        "underflow: mean fraction of scaled FP16 gradient elements below 2**-14; log2 scale: at the end (mean)."
+    )
     text = "\n".join(lines)
     print()
     print(text)
