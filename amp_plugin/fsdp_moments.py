@@ -26,8 +26,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from amp_plugin._dtensor import is_dtensor
-from amp_plugin.master_weights._multi_tensor import _scalar
-from amp_plugin.master_weights._refusals import foreach_refusal
+from amp_plugin.adam_rule import as_float, foreach_refusal
 
 __all__ = ["Bf16MomentsAdam"]
 
@@ -156,8 +155,8 @@ class Bf16MomentsAdam(Optimizer):
                 steps,
                 amsgrad=False,
                 lr=group["lr"],
-                beta1=_scalar(beta1),
-                beta2=_scalar(beta2),
+                beta1=as_float(beta1),
+                beta2=as_float(beta2),
                 weight_decay=group["weight_decay"],
                 eps=group["eps"],
                 maximize=group["maximize"],

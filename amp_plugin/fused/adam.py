@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
+from amp_plugin.adam_rule import init_state
 from amp_plugin.dtypes import HALF_DTYPES
 
 __all__ = [
@@ -121,18 +122,6 @@ def _hyper(group: dict[str, Any], adamw_default: bool) -> tuple:
     )
 
 
-def _state(optimizer: Optimizer, p: torch.Tensor, moments_dtype: torch.dtype = torch.float32) -> dict[str, Any]:
-    """``optimizer.state[p]``, initialised as ``torch.optim.Adam(fused=True)`` does (zero
-    moments shaped like ``p``, contiguous, FP32 unless ``moments_dtype`` says otherwise), so
-    state dicts move freely between the fused steps and torch's."""
-    state = optimizer.state[p]
-    if len(state) == 0:
-        state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-        state["exp_avg"] = torch.zeros(p.shape, dtype=moments_dtype, device=p.device)
-        state["exp_avg_sq"] = torch.zeros(p.shape, dtype=moments_dtype, device=p.device)
-    return state
-
-
 @torch.no_grad()
 def adam_step(
     ops: Any,
@@ -172,7 +161,7 @@ def adam_step(
                 return None
             state = state_of[p]
             if not state:
-                state = _state(optimizer, p, moments_dtype if i is not None else torch.float32)
+                state = init_state(optimizer, p, moments_dtype if i is not None else torch.float32)
             params.append(p)
             group_grads.append(g)
             exp_avgs.append(state["exp_avg"])
@@ -239,7 +228,7 @@ def bf16_adam_step(
     for group, lean, plain in grouped:
         hyper = _hyper(group, adamw_default)
         if lean:
-            states = [_state(optimizer, p, moments_dtype) for p, _, _ in lean]
+            states = [init_state(optimizer, p, moments_dtype) for p, _, _ in lean]
             ops.adam_step_bf16_(
                 [models[i] for _, _, i in lean],
                 [remainders[i] for _, _, i in lean],
@@ -252,7 +241,7 @@ def bf16_adam_step(
                 float(inv_scale),
             )
         if plain:
-            states = [_state(optimizer, p) for p, _ in plain]
+            states = [init_state(optimizer, p) for p, _ in plain]
             ops.adam_step_(
                 [p for p, _ in plain],
                 [g for _, g in plain],

@@ -38,7 +38,7 @@ from typing import Any, cast
 import torch
 from torch.optim import Optimizer
 
-from amp_plugin.fused.adam import _state
+from amp_plugin.adam_rule import as_float, init_state
 from amp_plugin.master_weights._parameter import Record
 
 __all__ = ["torch_adam_step"]
@@ -82,7 +82,7 @@ def torch_adam_step(
         if not params:
             continue
         states = [
-            _state(optimizer, p, moments_dtype if i is not None else torch.float32) for p, i in zip(params, indices)
+            init_state(optimizer, p, moments_dtype if i is not None else torch.float32) for p, i in zip(params, indices)
         ]
         exp_avgs = [s["exp_avg"] for s in states]
         exp_avg_sqs = [s["exp_avg_sq"] for s in states]
@@ -123,8 +123,8 @@ def torch_adam_step(
                 d_steps,
                 amsgrad=False,
                 lr=d_lr,
-                beta1=_scalar(beta1),
-                beta2=_scalar(beta2),
+                beta1=as_float(beta1),
+                beta2=as_float(beta2),
                 weight_decay=group["weight_decay"],
                 eps=group["eps"],
                 maximize=group["maximize"],
@@ -138,7 +138,3 @@ def torch_adam_step(
             for value, i in zip(values, indices):
                 if i is not None:
                     kind.store(cast("list", models)[i], cast("list", records)[i], value, cast("list", keys)[i])
-
-
-def _scalar(value: Any) -> float:
-    return value.item() if isinstance(value, torch.Tensor) else float(value)

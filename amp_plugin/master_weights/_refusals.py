@@ -9,6 +9,7 @@ import torch
 from torch.optim import Optimizer
 
 from amp_plugin import fused as _fused
+from amp_plugin.adam_rule import foreach_refusal
 from amp_plugin.dtypes import HALF_DTYPES
 from amp_plugin.fused import adam as _adam
 from amp_plugin.master_weights._kinds import KINDS
@@ -42,19 +43,6 @@ def check_fused_possible(optimizer: Optimizer, fused: bool | str) -> None:
             reason = f"the kernels are unavailable ({_fused.unavailable_reason()})"
     if reason is not None:
         raise ValueError(f"fused={fused!r} is not possible here: {reason}. Use fused=None or False.")
-
-
-def foreach_refusal(optimizer: Optimizer) -> str | None:
-    """Why the fused update rule would silently replace the one the optimizer was built for."""
-    for group in optimizer.param_groups:
-        if group.get("foreach") and not group.get("fused"):
-            return (
-                f"{type(optimizer).__name__} was built with foreach=True, but this step runs torch's fused "
-                "Adam update, whose roundings differ from the foreach one (the masters would differ in some "
-                "elements every step). Build it with fused=True (the same update everywhere), or leave "
-                "foreach unset"
-            )
-    return None
 
 
 def check_kind_possible(optimizer: Optimizer, kind: Any, moments_dtype: torch.dtype, fused: bool | str | None) -> None:
