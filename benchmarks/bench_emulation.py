@@ -44,7 +44,13 @@ try:
 except ImportError:  # running from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from amp_plugin.emulation import CpuHalfEmulation, _backends, cpu_features, cpu_half_path
+from amp_plugin.emulation import (
+    CpuHalfEmulation,
+    cpu_features,
+    cpu_half_path,
+    native_kernels_available,
+    python_kernels_only,
+)
 
 try:
     from amp_plugin.master_weights import MasterWeightOptimizer
@@ -145,12 +151,8 @@ def make_step(args, dtype: torch.dtype, emulate: bool, backend: str = "auto"):
     emu = CpuHalfEmulation(enabled=emulate, backend="kernel" if python_only else backend)
 
     def step():
-        saved = _backends.USE_NATIVE_KERNELS
-        _backends.USE_NATIVE_KERNELS = saved and not python_only
-        try:
+        with python_kernels_only() if python_only else contextlib.nullcontext():
             emulated_step()
-        finally:
-            _backends.USE_NATIVE_KERNELS = saved
 
     def emulated_step():
         with emu:
@@ -178,7 +180,7 @@ def bench_training(args) -> tuple[dict, list[str]]:
     ]
     if CpuHalfEmulation().backend == "mode":  # the default already is the mode backend
         plan = [entry for entry in plan if entry[3] not in ("mode", "kernel-python")]
-    elif _backends._native_ops() is None:  # the kernel backend runs its Python kernels anyway
+    elif not native_kernels_available():  # the kernel backend runs its Python kernels anyway
         plan = [entry for entry in plan if entry[3] != "kernel-python"]
     for name, dt, emulate, backend in plan:
         step, emu, model = make_step(args, dt, emulate, backend)
@@ -230,16 +232,12 @@ def bench_overhead(n: int = 20000) -> dict:
     @contextlib.contextmanager
     def python_kernels_held():
         """keep_installed() with the kernel backend's Python kernels only (no C++ kernels)."""
-        saved, _backends.USE_NATIVE_KERNELS = _backends.USE_NATIVE_KERNELS, False
-        try:
-            with CpuHalfEmulation.keep_installed():
-                yield
-        finally:
-            _backends.USE_NATIVE_KERNELS = saved
+        with python_kernels_only(), CpuHalfEmulation.keep_installed():
+            yield
 
     rows = [("no context", contextlib.nullcontext, contextlib.nullcontext)]
     if CpuHalfEmulation().backend == "kernel":
-        kind = "C++ kernels for mm" if _backends._native_ops() is not None else "Python kernels only"
+        kind = "C++ kernels for mm" if native_kernels_available() else "Python kernels only"
         rows += [
             (f"kernel backend ({kind})", lambda: CpuHalfEmulation(backend="kernel"), contextlib.nullcontext),
             (
@@ -248,7 +246,7 @@ def bench_overhead(n: int = 20000) -> dict:
                 CpuHalfEmulation.keep_installed,
             ),
         ]
-        if _backends._native_ops() is not None:
+        if native_kernels_available():
             rows.append(
                 (
                     "kernel backend (Python kernels only), inside `keep_installed()`",

@@ -58,7 +58,7 @@ FP32_REFERENCE = "Lightning 32-true"
 BF16_LIGHTNING = "Lightning bf16-mixed"
 
 
-def _configs(**plugin_kwargs: Any) -> dict[str, Any]:
+def trainer_configs(**plugin_kwargs: Any) -> dict[str, Any]:
     """Name -> fresh Trainer kwargs; ``plugin_kwargs`` go to every ``MixedPrecisionPlugin``."""
     try:
         from amp_plugin.lightning.plugin import MixedPrecisionPlugin
@@ -240,7 +240,7 @@ def main() -> int:
 
     from amp_plugin.recipes.char_gpt import CharGPTRecipe
 
-    configs = _configs()
+    configs = trainer_configs()
     names = args.configs or list(configs)
     unknown = sorted((set(names) | set(args.profile)) - set(configs))
     if unknown:

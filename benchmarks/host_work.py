@@ -40,7 +40,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo, installed or not
 os.environ["AMP_PLUGIN_FUSED"] = "0"  # the master-weight step a GPU runs: stock torch ops
 
-from gpu import _configs as gpu_configs
+from gpu import trainer_configs as gpu_configs
 
 from amp_plugin.lightning import pl
 from amp_plugin.recipes.char_gpt import CharGPTRecipe

@@ -154,6 +154,10 @@ whole step rather than around single ops, or hold
 :meth:`CpuHalfEmulation.keep_installed` around code that enters many short
 contexts. (Un)registering while other threads are running ops is best avoided;
 hold ``keep_installed()`` in multi-threaded programs, or use the "mode" backend.
+Where :mod:`amp_plugin.fused` is built, ``mm``, ``addmm``, ``bmm`` and ``baddbmm`` get C++
+kernels instead of Python ones (the same computation, without entering Python per call):
+:func:`native_kernels_available` says whether they run, :func:`python_kernels_only` turns them
+off for a comparison.
 
 ``"mode"``: a :class:`torch.utils._python_dispatch.TorchDispatchMode`, strictly
 thread-local and cheap to enter. Every aten op executed in the context makes one
@@ -174,6 +178,7 @@ operands stays allocated (one buffer per operand position).
 """
 
 from amp_plugin.dtypes import HALF_DTYPES
+from amp_plugin.emulation._backends import native_kernels_available, python_kernels_only
 from amp_plugin.emulation._context import CpuHalfEmulation, should_emulate
 from amp_plugin.emulation._cpu import CpuFeatures, CpuPath, cpu_features, cpu_half_path
 from amp_plugin.emulation._ops import EMULATED_OPS
@@ -186,5 +191,7 @@ __all__ = [
     "CpuPath",
     "cpu_features",
     "cpu_half_path",
+    "native_kernels_available",
+    "python_kernels_only",
     "should_emulate",
 ]

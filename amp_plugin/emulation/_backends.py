@@ -10,9 +10,11 @@ call counts then live in C++ too; :func:`native_sync` brings them in line with `
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -128,6 +130,27 @@ def _native_ops() -> Any:
 
     ops = fused.kernels()
     return ops if ops is not None and hasattr(ops, "emulation_sync") else None
+
+
+def native_kernels_available() -> bool:
+    """Whether the "kernel" backend runs ``mm``, ``addmm``, ``bmm`` and ``baddbmm`` in the C++
+    kernels of :mod:`amp_plugin.fused` (they are built, and :func:`python_kernels_only` is not in
+    effect). Builds the kernels on first use."""
+    return _native_ops() is not None
+
+
+@contextlib.contextmanager
+def python_kernels_only() -> Iterator[None]:
+    """Inside: the "kernel" backend registers its Python kernels for every covered op, not the
+    C++ ones (what runs where :mod:`amp_plugin.fused` cannot be built), to compare the two. The
+    choice is made when the kernels are registered (the outermost context's enter, or
+    :meth:`CpuHalfEmulation.keep_installed`), so enter this first. Process-wide, not per thread."""
+    global USE_NATIVE_KERNELS
+    saved, USE_NATIVE_KERNELS = USE_NATIVE_KERNELS, False
+    try:
+        yield
+    finally:
+        USE_NATIVE_KERNELS = saved
 
 
 def native_sync(mask: int | None = None) -> None:
