@@ -8,11 +8,11 @@ callbacks, also importable as :mod:`amp_plugin.callbacks`). ``amp_plugin.MixedPr
 is resolved on first access, so importing the core never imports Lightning.
 """
 
-from amp_plugin.dynamic_scaler import DynamicLossScaler, LossScaleCollapseError
 from amp_plugin.emulation import CpuHalfEmulation, should_emulate
 from amp_plugin.half_module import cast_module
 from amp_plugin.master_weights import MasterGradWarning, MasterWeightOptimizer
 from amp_plugin.scaler import HalfLossWarning, LossScaler, ScaleUpdate, StaticLossScaler
+from amp_plugin.scaling.dynamic_scaler import DynamicLossScaler, LossScaleCollapseError
 
 
 def __getattr__(name: str):

@@ -50,9 +50,9 @@ from typing import Any, Literal
 import torch
 
 from amp_plugin.checks import check_choice
-from amp_plugin.dynamic_scaler import DynamicLossScaler
 from amp_plugin.fp8.recipe import Fp8Recipe
 from amp_plugin.scaler import LossScaler, StaticLossScaler
+from amp_plugin.scaling.dynamic_scaler import DynamicLossScaler
 
 __all__ = ["PRESETS", "SCALER_TYPES", "Emulate", "PrecisionSettings", "Preset", "no_loss_scaling", "preset_name"]
 

@@ -39,7 +39,7 @@ from omegaconf import DictConfig
 
 from amp_plugin.app import rundir
 from amp_plugin.app.validation import ConfigError
-from amp_plugin.dynamic_scaler import LossScaleCollapseError
+from amp_plugin.scaling.dynamic_scaler import LossScaleCollapseError
 
 if TYPE_CHECKING:
     from amp_plugin.lightning.interrupt import RunInterrupted

@@ -23,11 +23,11 @@ from typing import TYPE_CHECKING, Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-from amp_plugin import dynamic_scaler
 from amp_plugin.app.rundir import register_resolver
-from amp_plugin.dynamic_scaler import DynamicLossScaler
 from amp_plugin.fp8.recipe import AmaxComputeAlgo, Fp8FormatName, Scaling
 from amp_plugin.scaler import StaticLossScaler
+from amp_plugin.scaling import dynamic_scaler
+from amp_plugin.scaling.dynamic_scaler import DynamicLossScaler
 from amp_plugin.settings import PRESETS, Emulate
 
 __all__ = [

@@ -20,7 +20,6 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from amp_plugin import fsdp
-from amp_plugin.dynamic_scaler import LossScaleCollapseError
 from amp_plugin.fp8 import Fp8Layers
 from amp_plugin.lightning import model_grads
 from amp_plugin.lightning.lr_hold import LRHold
@@ -30,6 +29,7 @@ from amp_plugin.lightning.recovery import save_last_good
 from amp_plugin.lightning.retry import manual_attempts, retried_step, retries_on
 from amp_plugin.master_weights import MasterWeightOptimizer
 from amp_plugin.scaler import LossScaler
+from amp_plugin.scaling.dynamic_scaler import LossScaleCollapseError
 from amp_plugin.settings import PrecisionSettings
 
 if TYPE_CHECKING:

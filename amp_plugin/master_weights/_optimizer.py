@@ -20,7 +20,7 @@ from amp_plugin.master_weights._refusals import check_wrappable
 from amp_plugin.master_weights._step import run_step
 from amp_plugin.master_weights._stochastic import SRGenerator
 from amp_plugin.master_weights._unscale import unscale_grads
-from amp_plugin.unscale import InvScaleOn
+from amp_plugin.scaling.unscale import InvScaleOn
 
 __all__ = ["FUSED_MODES", "MASTER_KINDS", "MasterWeightOptimizer"]
 
@@ -284,7 +284,7 @@ class MasterWeightOptimizer(Optimizer):
         unscaled with torch's multi-tensor ops (two per device), freed after the step; sparse
         or strided ones one by one (sparse ones upcast and coalesced first). No host sync.
         With ``amax`` given, the largest magnitude of the still scaled gradients is folded into
-        it (one tensor per device, :func:`amp_plugin.unscale.record_amax`).
+        it (one tensor per device, :func:`amp_plugin.scaling.unscale.record_amax`).
         """
         return unscale_grads(self, inv_scale_on, amax)
 

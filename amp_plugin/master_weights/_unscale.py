@@ -18,7 +18,7 @@ from amp_plugin.dtypes import HALF_DTYPES
 from amp_plugin.fused import adam as _adam
 from amp_plugin.master_weights._grads import begin_session, eager_unscale, unscaled_copy
 from amp_plugin.master_weights._refusals import by_device_dtype, flag
-from amp_plugin.unscale import InvScaleOn, record_amax, unscale_grouped
+from amp_plugin.scaling.unscale import InvScaleOn, record_amax, unscale_grouped
 
 if TYPE_CHECKING:
     from amp_plugin.master_weights._optimizer import MasterWeightOptimizer

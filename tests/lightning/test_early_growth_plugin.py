@@ -6,8 +6,8 @@ import torch
 from _models import TinyClassifier, as_lightning, quiet_trainer
 
 from amp_plugin import DynamicLossScaler
-from amp_plugin.headroom import growths_below_margin
 from amp_plugin.lightning import MixedPrecisionPlugin
+from amp_plugin.scaling.headroom import growths_below_margin
 
 
 def test_a_scale_started_too_low_grows_early_in_lightning(pl):

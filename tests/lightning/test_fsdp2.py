@@ -480,7 +480,7 @@ def test_fully_shard_mixed_rejects_other_policies():
 
 def test_the_scaler_unscales_plain_gradients_as_before():
     """Without DTensors the scaler's in-place unscale is unchanged (what FSDP2 adds is the local shard)."""
-    from amp_plugin.unscale import unscale_in_place
+    from amp_plugin.scaling.unscale import unscale_in_place
 
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(5)) for _ in range(3)]

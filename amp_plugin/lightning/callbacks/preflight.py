@@ -9,7 +9,6 @@ import torch
 from typing_extensions import override
 
 from amp_plugin.checks import check_choice, check_number
-from amp_plugin.dynamic_scaler import DynamicLossScaler
 from amp_plugin.half_module import NORM_TYPES
 from amp_plugin.lightning.namespace import LIGHTNING_AUTOCAST_PLUGINS, Callback, rank_zero_warn
 from amp_plugin.lightning.plugin import MixedPrecisionPlugin
@@ -27,6 +26,7 @@ from amp_plugin.preflight import (
     find_grad_scalers,
 )
 from amp_plugin.scaler import LossScaler
+from amp_plugin.scaling.dynamic_scaler import DynamicLossScaler
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl

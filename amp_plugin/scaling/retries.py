@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from amp_plugin.rng_state import RngState
-from amp_plugin.scale_update import ScaleUpdate
-from amp_plugin.scaler_stages import OptimizerStage, Stage
+from amp_plugin.scaling.scale_update import ScaleUpdate
+from amp_plugin.scaling.stages import OptimizerStage, Stage
 
 __all__ = ["Retries"]
 

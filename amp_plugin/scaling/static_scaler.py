@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from amp_plugin.checks import check_scale
-from amp_plugin.loss_scaler import LossScaler
-from amp_plugin.scaler_settings import Setting, check_settings
+from amp_plugin.scaling.loss_scaler import LossScaler
+from amp_plugin.scaling.settings import Setting, check_settings
 
 __all__ = ["StaticLossScaler"]
 

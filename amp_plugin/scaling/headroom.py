@@ -15,7 +15,7 @@ from typing import Any
 
 from amp_plugin.checks import check_number
 from amp_plugin.dtypes import FP16_MAX
-from amp_plugin.scaler_state import state_int
+from amp_plugin.scaling.state import state_int
 
 __all__ = ["HeadroomRun", "growths_below_margin", "headroom_bits"]
 

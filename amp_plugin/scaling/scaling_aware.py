@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 
-from amp_plugin.scaler_stages import OptimizerStage, Stage
+from amp_plugin.scaling.stages import OptimizerStage, Stage
 
 if TYPE_CHECKING:
-    from amp_plugin.loss_scaler import LossScaler
+    from amp_plugin.scaling.loss_scaler import LossScaler
 
 __all__ = ["step_scaling_aware"]
 

@@ -3,7 +3,7 @@
 :class:`LossScaler` holds the machinery every scaler shares: multiply the loss, unscale the
 gradients with torch's fused inf check, decide the skip, keep per-optimizer stages and a
 state dict. Subclasses only say how the scale moves (:meth:`LossScaler._policy`); the retry
-machinery is :class:`~amp_plugin.scaler_retries.Retries`.
+machinery is :class:`~amp_plugin.scaling.retries.Retries`.
 
 Host syncs. The scale lives on the device as a tensor (for ``scale()`` and the unscale
 kernel) and, exactly, as a Python float on the host, so ``get_scale()`` never waits for the
@@ -32,13 +32,13 @@ from typing import Any, ClassVar
 import torch
 
 from amp_plugin.checks import check_scale
-from amp_plugin.scale_update import ScaleUpdate, to_float32
-from amp_plugin.scaler_retries import Retries
-from amp_plugin.scaler_settings import Setting, check_bool
-from amp_plugin.scaler_stages import OptimizerStage, Stage
-from amp_plugin.scaler_state import SavedState
-from amp_plugin.scaling_aware import step_scaling_aware
-from amp_plugin.unscale import ones, unscale_in_place
+from amp_plugin.scaling.retries import Retries
+from amp_plugin.scaling.scale_update import ScaleUpdate, to_float32
+from amp_plugin.scaling.scaling_aware import step_scaling_aware
+from amp_plugin.scaling.settings import Setting, check_bool
+from amp_plugin.scaling.stages import OptimizerStage, Stage
+from amp_plugin.scaling.state import SavedState
+from amp_plugin.scaling.unscale import ones, unscale_in_place
 
 __all__ = ["HalfLossWarning", "LossScaler"]
 
@@ -55,8 +55,8 @@ class HalfLossWarning(UserWarning):
 class LossScaler(SavedState, Retries):
     """Base class: the ``torch.amp.GradScaler`` interface around a scale policy.
 
-    A subclass lists its settings once, in ``_SETTINGS`` (:mod:`amp_plugin.scaler_settings`):
-    its constructor checks them with :func:`~amp_plugin.scaler_settings.check_settings`, and
+    A subclass lists its settings once, in ``_SETTINGS`` (:mod:`amp_plugin.scaling.settings`):
+    its constructor checks them with :func:`~amp_plugin.scaling.settings.check_settings`, and
     ``settings()``, ``state_dict()``, ``load_state_dict()`` and ``__repr__`` read the table.
 
     Args:

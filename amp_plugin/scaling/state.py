@@ -1,7 +1,7 @@
 """A loss scaler's state dict: what it saves, and how a saved one is checked and loaded.
 
 :class:`SavedState` is the part of :class:`~amp_plugin.LossScaler` that reads the class's
-settings table (:mod:`amp_plugin.scaler_settings`) for ``state_dict()``,
+settings table (:mod:`amp_plugin.scaling.settings`) for ``state_dict()``,
 ``load_state_dict()``, ``settings()``, ``resume_from()`` and ``restarted()``. Each saved entry
 is checked before anything is set (:func:`state_int`, :func:`state_bool`): a bad one is a
 ``ValueError`` that names its key, the value and what is allowed (a damaged checkpoint, not
@@ -15,8 +15,8 @@ from typing import Any, ClassVar
 import torch
 
 from amp_plugin.checks import check_int, check_scale
-from amp_plugin.scale_update import to_float32
-from amp_plugin.scaler_settings import Setting, check_settings
+from amp_plugin.scaling.scale_update import to_float32
+from amp_plugin.scaling.settings import Setting, check_settings
 
 __all__ = ["SavedState", "state_bool", "state_int"]
 
