@@ -30,7 +30,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from amp_plugin.app import rundir
+from amp_plugin.app import reuse, rundir
 from amp_plugin.app.build import prepare
 from amp_plugin.app.outcome import catch_sigterm, refused_jobs, report_end, restore_sigterm
 from amp_plugin.app.schema import register_configs
@@ -108,7 +108,7 @@ def run_job(cfg: DictConfig) -> dict[str, Any] | None:
         check_environment()
         if out is not None:
             rundir.claim(out)
-            rundir.check_reuse(out, cfg.ckpt_path, bool(cfg.get("overwrite", False)))
+            reuse.check_reuse(out, cfg.ckpt_path, bool(cfg.get("overwrite", False)))
         settings = prepare(cfg)  # every check and the scaler, before importing Lightning: a typo fails fast
         from amp_plugin.app.run import train
 
@@ -147,13 +147,13 @@ class RunDirGuard(Callback):
         except rundir.RunDirError as err:
             self._refuse(str(err))
         for job in self._taken(directory):
-            rundir.clear_outputs(job, "hydra.sweep.dir")
+            reuse.clear_outputs(job, "hydra.sweep.dir")
 
     @staticmethod
     def _taken(directory: Path) -> list[Path]:
         if not directory.is_dir():
             return []
-        return [job for job in sorted(directory.iterdir()) if job.is_dir() and rundir.outputs_in(job)]
+        return [job for job in sorted(directory.iterdir()) if job.is_dir() and reuse.outputs_in(job)]
 
     def _check_sweep(self, directory: Path, overwrite: bool) -> None:
         """Before Hydra writes a job's ``.hydra/``: no job directory may be a live run's, and a sweep
@@ -175,13 +175,13 @@ class RunDirGuard(Callback):
                 "fresh directory, or add overwrite=true to replace it."
             )
         for job in taken:
-            rundir.refuse_overwrite(job, "hydra.sweep.dir")
+            reuse.refuse_overwrite(job, "hydra.sweep.dir")
 
     def _guard(self, directory: str, config: DictConfig, key: str) -> None:
         try:
             rundir.check_empty(directory, key)
             rundir.claim(directory, key)
-            rundir.check_reuse(directory, config.get("ckpt_path"), bool(config.get("overwrite", False)), key)
+            reuse.check_reuse(directory, config.get("ckpt_path"), bool(config.get("overwrite", False)), key)
         except rundir.RunDirError as err:
             self._refuse(str(err))
 

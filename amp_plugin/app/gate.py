@@ -180,7 +180,7 @@ def _run_one(cfg: Any, out: Path, fresh: bool) -> dict[str, Any]:
     """Train (or reuse) one run; its summary plus ``bytes_per_param`` and ``reused``."""
     from omegaconf import OmegaConf
 
-    from amp_plugin.app import rundir
+    from amp_plugin.app import reuse, rundir
     from amp_plugin.app.build import prepare
     from amp_plugin.app.run import train
 
@@ -195,7 +195,7 @@ def _run_one(cfg: Any, out: Path, fresh: bool) -> dict[str, Any]:
             return {**summary, "bytes_per_param": record["bytes_per_param"], "reused": True}
     rundir.claim(out, "--dir")
     try:
-        rundir.clear_outputs(out)
+        reuse.clear_outputs(out)
         record_file.unlink(missing_ok=True)
         result = train(cfg, prepare(cfg))
         per_param = _bytes_per_param(result)
