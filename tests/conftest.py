@@ -26,6 +26,30 @@ RUN_ARTEFACTS = ("grad_health.csv", "scale_events.csv", "fp8_stats.csv", "lightn
 _artefacts_before: set[str] = set()
 
 
+class FileProgress:
+    """Under pytest-xdist (``-n 2``) the terminal shows one dot per test and no file names: this
+    starts a line with each test file's path when its first test starts, as a run without workers
+    does, so a long run shows where it is (the dots after it are both workers')."""
+
+    def __init__(self, config: pytest.Config) -> None:
+        self.config = config
+        self.started: set[str] = set()
+
+    def pytest_runtest_logstart(self, nodeid: str, location) -> None:
+        path = nodeid.split("::", 1)[0]
+        if path not in self.started:
+            self.started.add(path)
+            reporter = self.config.pluginmanager.get_plugin("terminalreporter")
+            if reporter is not None:
+                reporter.write_ensure_prefix(path + " ")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    workers = getattr(config.option, "numprocesses", None)
+    if workers and config.option.verbose <= 0 and not hasattr(config, "workerinput"):
+        config.pluginmanager.register(FileProgress(config), "amp-file-progress")
+
+
 def pytest_sessionstart(session) -> None:
     """Build (or load) the fused kernels once, up front: the first build takes about 25 s,
     which would otherwise land inside whichever test, or training subprocess, comes first."""

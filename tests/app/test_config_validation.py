@@ -362,6 +362,7 @@ def cli_results(tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("cli_results")  # one worker runs the module's batch of CLI runs
 @pytest.mark.parametrize("index", range(len(CLI_CASES)), ids=[" ".join(a) for a, _ in CLI_CASES])
 def test_bad_input_through_the_cli_exits_nonzero_with_a_short_message(cli_results, index):
     result, expected = cli_results[index], CLI_CASES[index][1]

@@ -19,7 +19,7 @@ from _cli_batch import run_batch
 from omegaconf import OmegaConf
 
 # Every test here reads the runs of one batch of CLI processes (a few minutes on 2 cores).
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("reliability_cli")]
 
 QUICK = ["trainer.enable_progress_bar=false", "trainer.limit_val_batches=1", "plot=false"]
 FAULTS = [

@@ -26,6 +26,9 @@ from _cli_procs import QUIET, ROOT, env, logged_steps, run, start, throttle, wai
 
 from amp_plugin.lightning import pl
 
+# Under pytest-xdist the tests that read the module's batch of CLI runs stay on one worker.
+pytestmark = pytest.mark.xdist_group("run_safety_cli")
+
 TINY = ["recipe=underflow_demo", "trainer.max_steps=3", "trainer.limit_val_batches=1", *QUIET]
 
 

@@ -40,6 +40,9 @@ from amp_plugin.fsdp import fully_shard_mixed, local_grad, policy_for
 from amp_plugin.lightning.plugin import CHECKPOINT_KEY
 from amp_plugin.settings import PRESETS, PrecisionSettings
 
+# Under pytest-xdist the tests stay on one worker, which runs each scenario's processes once.
+pytestmark = pytest.mark.xdist_group("fsdp2")
+
 pl = importlib.import_module("lightning.pytorch")  # the worker's namespace (a command-line argument)
 
 ROOT = Path(__file__).resolve().parents[2]
