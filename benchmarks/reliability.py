@@ -1,6 +1,6 @@
 """Reliability numbers for RELIABILITY.md: bad input tried through the CLI, faults injected into real runs.
 
-    python benchmarks/reliability.py [--work DIR] [--write RELIABILITY.md]
+    python benchmarks/reliability.py [--work DIR] [--write RELIABILITY.md] [--only PART ...] [--out FILE]
 
 Everything runs ``train.py`` (or ``amp-compare``) as a user or a scheduler would: in a
 subprocess, with signals, concurrent processes, a full disk and damaged files.
@@ -12,7 +12,7 @@ subprocess, with signals, concurrent processes, a full disk and damaged files.
    where the protocol resumes, whether the resumed run ends bit for bit where an uninterrupted
    run ends (weights, FP32 masters, optimizer state, loss scale, step) and its logs read the same.
 
-Writes ``benchmarks/results/reliability.json`` and prints the Markdown table; with ``--write``,
+Writes ``benchmarks/results/reliability.json`` (or ``--out``) and prints the Markdown table; with ``--write``,
 replaces the table between the ``reliability-table`` markers of that file.
 
 The cases live beside this script: ``reliability_inputs`` (bad input), ``reliability_scaler_faults``,
@@ -41,6 +41,7 @@ from reliability_scaler_faults import collapse, divergence, fault_in_run, stalle
 __all__ = ["FAULTS", "main", "table"]
 
 MARK = "<!-- reliability-table -->"
+RESULTS = ROOT / "benchmarks" / "results" / "reliability.json"
 
 # The fault cases by the name ``--only`` takes, in the table's order.
 FAULTS = {
@@ -90,6 +91,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work", help="scratch directory (default: a fresh temporary one, deleted afterwards)")
     parser.add_argument("--write", help="a Markdown file whose table between the reliability-table markers to replace")
+    parser.add_argument(
+        "--out",
+        default=str(RESULTS),
+        help="the JSON results; a partial --only run keeps the other parts' earlier results from this file "
+        "(default: benchmarks/results/reliability.json)",
+    )
     parser.add_argument("--only", nargs="*", choices=["inputs", *FAULTS], help="run only these parts")
     args = parser.parse_args(argv)
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="amp_reliability_"))
@@ -104,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
             folder.mkdir()
             faults.append(protocol(folder))
             print(f"{faults[-1]['fault']}: lost={faults[-1]['lost']} exact={faults[-1]['resume_exact']}", flush=True)
-    out = ROOT / "benchmarks" / "results" / "reliability.json"
+    out = Path(args.out)
     if args.only and out.is_file():  # a partial run: keep the earlier results of the parts not run
         earlier = json.loads(out.read_text())
         if "inputs" not in only:
