@@ -6,7 +6,12 @@ Under FSDP2 the sharded FP32 parameters are the master weights, so no
 ``MasterWeightOptimizer(moments_dtype=torch.bfloat16)``'s (``_multi_tensor.py``): per step the
 BF16 ``exp_avg``/``exp_avg_sq`` of each local shard are upcast to FP32 temporaries, torch's
 fused kernel (``torch._fused_adam_``/``_fused_adamw_``, what ``Adam(fused=True)`` runs) updates
-the FP32 shard and those temporaries, and the moments are rounded to nearest once when stored.
+the FP32 shard and those temporaries, and the moments are rounded once when stored:
+stochastically by default (a moment rounded to nearest cannot shrink at beta2 0.999; see
+:mod:`amp_plugin.master_weights._stochastic`), with the bits of each element's index in the whole
+parameter, so a dim-0 shard (FSDP2's) rounds as the unsharded tensor would. The seed is rank 0's
+(every rank of the group agrees), kept with its step counter in the first param group
+(``"sr_seed"``, ``"sr_counter"``), which every state dict carries.
 
 The moments are DTensors shaped and placed like their parameters (BF16 local shards), so
 ``torch.distributed.checkpoint`` saves and loads them sharded or full as it does torch's own
@@ -27,6 +32,14 @@ from typing_extensions import override
 
 from amp_plugin._dtensor import is_dtensor
 from amp_plugin.adam_rule import as_float, foreach_refusal
+from amp_plugin.master_weights import (
+    SRGenerator,
+    check_moments_rounding,
+    moment_keys,
+    offset_key,
+    round_stochastic,
+    shared_seed,
+)
 
 __all__ = ["Bf16MomentsAdam"]
 
@@ -48,13 +61,23 @@ class Bf16MomentsAdam(Optimizer):
             FSDP2's DTensors) without ``amsgrad``, ``capturable``, ``differentiable`` or
             ``foreach=True`` (this step runs torch's fused update rule, whose roundings differ).
         bf16_params: the parameters whose moments are BF16; ``None``: all of them.
+        moments_rounding: ``"stochastic"`` (default) or ``"nearest"`` (see
+            :class:`~amp_plugin.MasterWeightOptimizer`; ``"nearest"`` warns where a beta freezes a moment).
+        sr_seed: the seed of the stochastic rounding (default: drawn from torch's generator; rank 0's
+            under ``torch.distributed``).
 
     Raises:
         ValueError: another optimizer, an option the fused kernel lacks, or a parameter that is
             not FP32.
     """
 
-    def __init__(self, optimizer: Optimizer, bf16_params: Iterable[torch.Tensor] | None = None) -> None:
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        bf16_params: Iterable[torch.Tensor] | None = None,
+        moments_rounding: str = "stochastic",
+        sr_seed: int | None = None,
+    ) -> None:
         why = _refusal(optimizer)
         if why is not None:
             raise ValueError(
@@ -67,6 +90,12 @@ class Bf16MomentsAdam(Optimizer):
         everything = [p for g in optimizer.param_groups for p in g["params"]]
         chosen = everything if bf16_params is None else list(bf16_params)
         self._bf16 = {id(p) for p in chosen}
+        check_moments_rounding(optimizer, moments_rounding, BF16)
+        self.moments_rounding = moments_rounding
+        if moments_rounding == "stochastic":
+            first = optimizer.param_groups[0]
+            first.setdefault("sr_seed", shared_seed(sr_seed))
+            first.setdefault("sr_counter", 0)
         for name in (
             "_optimizer_step_pre_hooks",
             "_optimizer_step_post_hooks",
@@ -115,14 +144,17 @@ class Bf16MomentsAdam(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         adamw_default = isinstance(self.optimizer, torch.optim.AdamW)
+        keys = self._step_keys()
+        position = 0
         for group in self.param_groups:
             params: list[torch.Tensor] = []
             grads: list[torch.Tensor] = []
             exp_avgs: list[torch.Tensor] = []
             exp_avg_sqs: list[torch.Tensor] = []
             steps: list[torch.Tensor] = []
-            low: list[tuple[torch.Tensor, torch.Tensor, int]] = []
+            low: list[tuple[torch.Tensor, torch.Tensor, int, int, torch.Tensor]] = []
             for p in group["params"]:
+                position += id(p) in self._bf16  # the index among the BF16-moment parameters, as the wrapper's
                 if p.grad is None:
                     continue
                 local = _local(p)
@@ -133,7 +165,7 @@ class Bf16MomentsAdam(Optimizer):
                 state = self._state(p)
                 m, v = _local(state["exp_avg"]), _local(state["exp_avg_sq"])
                 if m.dtype is not torch.float32:  # BF16 moments: computed in FP32, rounded once when stored
-                    low.append((m, v, len(params)))
+                    low.append((m, v, len(params), position - 1, p))
                     m, v = m.float(), v.float()
                 params.append(local)
                 grads.append(_local(p.grad))
@@ -163,12 +195,31 @@ class Bf16MomentsAdam(Optimizer):
                 grad_scale=None,
                 found_inf=None,
             )
-            for m, v, j in low:
-                m.copy_(exp_avgs[j])
-                v.copy_(exp_avg_sqs[j])
+            for m, v, j, at, p in low:
+                if keys is None:
+                    m.copy_(exp_avgs[j])
+                    v.copy_(exp_avg_sqs[j])
+                    continue
+                offset = _flat_offset(p)
+                key_m, key_v = moment_keys(keys[at])
+                round_stochastic(exp_avgs[j], m, offset_key(key_m, offset))
+                round_stochastic(exp_avg_sqs[j], v, offset_key(key_v, offset))
         # what an LR scheduler built on the wrapped optimizer checks (torch's private flag, not in the stubs)
         self.optimizer._opt_called = True  # type: ignore[attr-defined]
         return loss
+
+    def _step_keys(self) -> list[int] | None:
+        """This step's rounding key of each BF16-moment parameter by its index among them (in
+        param-group order, as :class:`~amp_plugin.MasterWeightOptimizer` keys its half-precision
+        parameters, so both round alike); ``None``: rounding to nearest."""
+        if self.moments_rounding != "stochastic":
+            return None
+        first = self.param_groups[0]
+        generator = SRGenerator(int(first["sr_seed"]))
+        generator.counter = int(first["sr_counter"])
+        keys = generator.keys(list(range(len(self._bf16))))
+        first["sr_counter"] = generator.counter
+        return keys
 
     @override
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -182,8 +233,13 @@ class Bf16MomentsAdam(Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load as the wrapped optimizer does (which casts the moments to the parameters' FP32),
         then store the moments in their dtype again: BF16 moments saved by this class come back
-        exactly; FP32 ones are rounded to nearest."""
+        exactly; FP32 ones are rounded to nearest. A state dict without a rounding seed (a plain
+        Adam's) keeps this optimizer's seed and counter."""
+        first = self.param_groups[0]
+        rounding = {k: first[k] for k in ("sr_seed", "sr_counter") if k in first}
         self.optimizer.load_state_dict(state_dict)
+        for name, value in rounding.items():
+            self.param_groups[0].setdefault(name, value)
         for group in self.param_groups:
             for p in group["params"]:
                 state = self.state.get(p)
@@ -200,6 +256,22 @@ class Bf16MomentsAdam(Optimizer):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.optimizer!r})"
+
+
+def _flat_offset(p: torch.Tensor) -> int:
+    """Where ``p``'s local shard starts in the whole tensor, as a flat row-major index (0 for a
+    plain tensor). For a shard along dim 0 (FSDP2's) the local elements are the whole tensor's
+    from there on, so they round with the whole tensor's bits."""
+    if not is_dtensor(p):
+        return 0
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    _, offsets = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    stride, flat = 1, 0
+    for size, offset in zip(reversed(p.shape), reversed(offsets)):
+        flat += offset * stride
+        stride *= size
+    return flat
 
 
 def _refusal(optimizer: Optimizer) -> str | None:

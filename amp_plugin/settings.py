@@ -30,7 +30,8 @@ FP32 master 4, FP32 moments 8, as Lightning's ``bf16-mixed``), 14 for ``bf16_spl
 ``bf16_split`` keeps each FP32 master as the BF16 weight (the master rounded to nearest) plus a
 signed 16-bit remainder (``MasterWeightOptimizer(..., master="bf16_split")``): the FP32 master's
 update bit for bit. ``bf16_lean`` adds BF16 moments (``moments_dtype=torch.bfloat16``: computed
-in FP32, rounded once when stored). ``bf16_sr`` keeps no master: the BF16 weight is updated in
+in FP32, rounded stochastically once when stored, so they decay as FP32 moments do at any beta).
+``bf16_sr`` keeps no master: the BF16 weight is updated in
 FP32 and written back with stochastic rounding (``master="stochastic"``), plus BF16 moments.
 The three: Adam and AdamW only (see ``docs/master_weights.md``).
 
@@ -54,7 +55,16 @@ from amp_plugin.fp8.recipe import Fp8Recipe
 from amp_plugin.scaler import LossScaler, StaticLossScaler
 from amp_plugin.scaling.dynamic_scaler import DynamicLossScaler
 
-__all__ = ["PRESETS", "SCALER_TYPES", "Emulate", "PrecisionSettings", "Preset", "no_loss_scaling", "preset_name"]
+__all__ = [
+    "PRESETS",
+    "SCALER_TYPES",
+    "Emulate",
+    "MomentsRounding",
+    "PrecisionSettings",
+    "Preset",
+    "no_loss_scaling",
+    "preset_name",
+]
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -65,6 +75,13 @@ class Emulate(str, Enum):
     auto = "auto"  # where the CPU has no faithful native kernel that is faster
     on = "on"
     off = "off"
+
+
+class MomentsRounding(str, Enum):
+    """``moments_rounding=``: how BF16 Adam moments are stored."""
+
+    stochastic = "stochastic"  # follows FP32 moments on average, for any beta
+    nearest = "nearest"  # cannot shrink a moment at a beta above 1 - 2**-9 (for comparison)
 
 
 @dataclass(frozen=True)
@@ -162,6 +179,9 @@ class PrecisionSettings:
         master: how the optimizer stores the masters: ``"fp32"``, ``"bf16_split"`` (the BF16
             weight plus a 16-bit remainder) or ``"stochastic"`` (none: stochastic rounding).
         moments: ``"fp32"`` or ``"bf16"``: the dtype of Adam's moments.
+        moments_rounding: how BF16 moments are stored: ``"stochastic"`` (the default, which follows
+            FP32 moments for any beta) or ``"nearest"`` (which cannot shrink a moment at a beta above
+            ``1 - 2**-9``; kept for comparison). Nothing to do with FP32 moments.
         fp8: the :class:`~amp_plugin.fp8.Fp8Recipe` of the ``fp8`` preset, else None.
     """
 
@@ -174,6 +194,7 @@ class PrecisionSettings:
     master: str = "fp32"
     moments: str = "fp32"
     fp8: Fp8Recipe | None = None
+    moments_rounding: str = "stochastic"
 
     @classmethod
     def build(
@@ -185,6 +206,7 @@ class PrecisionSettings:
         emulate: str = "auto",
         skip_lr_on_overflow: bool = True,
         fp8: Fp8Recipe | dict[str, Any] | None = None,
+        moments_rounding: str = "stochastic",
     ) -> PrecisionSettings:
         """Check the arguments and fill in the defaults.
 
@@ -206,6 +228,8 @@ class PrecisionSettings:
             skip_lr_on_overflow: whether skipped steps hold step-interval LR schedulers.
             fp8: the FP8 settings of ``precision="fp8"`` (an :class:`~amp_plugin.fp8.Fp8Recipe` or
                 its arguments as a mapping; ``None``: the defaults). Other presets refuse it.
+            moments_rounding: ``"stochastic"`` or ``"nearest"``: how the BF16 moments of
+                ``bf16_lean``/``bf16_sr`` are stored (see :class:`~amp_plugin.MasterWeightOptimizer`).
 
         Raises:
             ValueError: an unknown preset, a contradiction, a scaler with FP32, scaler settings
@@ -218,6 +242,8 @@ class PrecisionSettings:
         if not isinstance(skip_lr_on_overflow, bool):
             raise TypeError(f"skip_lr_on_overflow={skip_lr_on_overflow!r} is not allowed: it must be True or False.")
         emulate = check_choice("emulate", _value(emulate), [e.value for e in Emulate])
+        roundings = [r.value for r in MomentsRounding]
+        moments_rounding = check_choice("moments_rounding", _value(moments_rounding), roundings)
         preset = PRESETS[name]
         if preset.precision == "fp32":
             resolved = preset  # nothing to keep in FP32 or to autocast: both flags are ignored
@@ -267,6 +293,7 @@ class PrecisionSettings:
             emulate=emulate,
             skip_lr_on_overflow=skip_lr_on_overflow,
             fp8=recipe,
+            moments_rounding=moments_rounding,
         )
 
     # ------------------------------------------------------------------ derived
@@ -325,6 +352,8 @@ class PrecisionSettings:
             text = f"{self.precision.upper()} compute, FSDP2: the FP32 sharded parameters are the master weights"
             if self.moments == "bf16":
                 text += ", BF16 Adam moments"
+        if self.moments == "bf16" and self.moments_rounding == "nearest":
+            text += " rounded to nearest"
         scaling = self.scaling
         if scaling == "none":
             text += ", no loss scaling"

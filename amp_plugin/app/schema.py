@@ -28,7 +28,7 @@ from amp_plugin.fp8.recipe import AmaxComputeAlgo, Fp8FormatName, Scaling
 from amp_plugin.scaler import StaticLossScaler
 from amp_plugin.scaling import dynamic_scaler
 from amp_plugin.scaling.dynamic_scaler import DynamicLossScaler
-from amp_plugin.settings import PRESETS, Emulate
+from amp_plugin.settings import PRESETS, Emulate, MomentsRounding
 
 __all__ = [
     "ClipAlgorithm",
@@ -133,6 +133,8 @@ class PrecisionConf:
     emulate: Emulate = Emulate.auto
     skip_lr_on_overflow: bool = True
     fp8: Optional[Fp8Conf] = None  # precision=fp8 only (configs/precision/fp8.yaml)
+    # how bf16_lean/bf16_sr store BF16 moments; "nearest" cannot shrink them at beta2 0.999 (for comparison)
+    moments_rounding: MomentsRounding = MomentsRounding.stochastic
 
 
 @dataclass

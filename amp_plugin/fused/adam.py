@@ -9,7 +9,8 @@ master and its moments, and writes the rounded weight into the model.
 :func:`bf16_adam_step` is the same update for a BF16 model without FP32 master tensors: the
 weight plus a 16-bit remainder (``master="bf16_split"``), or the weight alone, written back
 with stochastic rounding (``master="stochastic"``). Adam's moments may be stored in BF16
-(computed in FP32, rounded to nearest once when stored) on every path. :func:`unscale_into`
+(computed in FP32, rounded once when stored: stochastically by default, see
+:mod:`amp_plugin.master_weights._stochastic`, or to nearest) on every path. :func:`unscale_into`
 writes ``half * inv_scale`` into FP32 buffers (for gradients that must be materialized).
 :func:`adam_ineligible` says why an optimizer cannot take the fused step (``None`` when it can).
 
@@ -131,6 +132,7 @@ def adam_step(
     models: list[torch.Tensor],
     inv_scale: float = 1.0,
     moments_dtype: torch.dtype = torch.float32,
+    moment_keys: list[int] | None = None,
 ) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
     """One Adam/AdamW step of ``optimizer`` (over FP32 masters) that also writes each updated
     master, rounded, into its model parameter.
@@ -143,7 +145,8 @@ def adam_step(
     another dtype: a hook may have replaced it); the caller then steps the stock way.
     Otherwise returns the ``(model_param, master)`` pairs it updated but did not write into
     the model (a model parameter that is not contiguous): the caller copies those.
-    Initialises the state as ``torch.optim.Adam(fused=True)`` does.
+    Initialises the state as ``torch.optim.Adam(fused=True)`` does. ``moment_keys`` (by index):
+    BF16 moments rounded stochastically with these keys (``None``: to nearest).
     """
     calls = []  # one look at each parameter's gradient and state, then the kernel per group
     adamw_default = isinstance(optimizer, torch.optim.AdamW)
@@ -152,6 +155,7 @@ def adam_step(
     float32 = torch.float32
     for group in optimizer.param_groups:
         params, group_grads, exp_avgs, exp_avg_sqs, steps, group_models = [], [], [], [], [], []
+        keys: list[int] = []
         for p in group["params"]:
             i = index_of.get(id(p))
             g = p.grad if i is None else grads[i]
@@ -167,6 +171,8 @@ def adam_step(
             exp_avgs.append(state["exp_avg"])
             exp_avg_sqs.append(state["exp_avg_sq"])
             steps.append(state["step"])
+            if moment_keys is not None:
+                keys.append(0 if i is None else moment_keys[i])  # FP32 parameters: FP32 moments, no rounding
             model = None if i is None else models[i]
             if model is not None and not model.is_contiguous():
                 unwritten.append((model, p))
@@ -174,10 +180,10 @@ def adam_step(
             group_models.append(model)
         if params:
             calls.append(
-                (params, group_grads, exp_avgs, exp_avg_sqs, steps, group_models, _hyper(group, adamw_default))
+                (params, group_grads, exp_avgs, exp_avg_sqs, steps, group_models, _hyper(group, adamw_default), keys)
             )
-    for params, group_grads, exp_avgs, exp_avg_sqs, steps, group_models, hyper in calls:
-        ops.adam_step_(params, group_grads, exp_avgs, exp_avg_sqs, steps, group_models, *hyper, float(inv_scale))
+    for params, group_grads, exp_avgs, exp_avg_sqs, steps, group_models, hyper, keys in calls:
+        ops.adam_step_(params, group_grads, exp_avgs, exp_avg_sqs, steps, group_models, *hyper, float(inv_scale), keys)
     return unwritten
 
 
@@ -192,12 +198,14 @@ def bf16_adam_step(
     keys: list[int],
     inv_scale: float = 1.0,
     moments_dtype: torch.dtype = torch.float32,
+    sr_moments: bool = False,
 ) -> bool:
     """One Adam/AdamW step of ``optimizer`` whose half-precision parameters have no FP32 master
     tensor: ``models[i]`` (BF16) with ``remainders[i]`` (int16: ``master="bf16_split"``) or
     without (``None``: stochastic rounding keyed by ``keys[i]``). ``index_of``, ``grads`` and
     ``inv_scale`` as for :func:`adam_step`; FP32 parameters (their own master) take the plain
-    fused step with FP32 moments.
+    fused step with FP32 moments. ``sr_moments``: BF16 moments rounded stochastically, with the
+    moment keys derived from ``keys[i]`` (otherwise to nearest).
 
     Returns ``False``, having changed nothing, when a parameter or gradient does not suit the
     kernel (not contiguous, not on the CPU, sparse); the caller then takes the torch-ops step.
@@ -239,6 +247,7 @@ def bf16_adam_step(
                 [keys[i] for _, _, i in lean],
                 *hyper,
                 float(inv_scale),
+                [keys[i] for _, _, i in lean] if sr_moments else [],
             )
         if plain:
             states = [init_state(optimizer, p) for p, _ in plain]

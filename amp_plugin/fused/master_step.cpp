@@ -11,7 +11,8 @@
 //   model's BF16 weight is the FP32 master rounded to nearest and a signed 16-bit remainder
 //   makes the FP32 value exact (master="bf16_split"), or there is no master and the updated
 //   FP32 value is written back with stochastic rounding (master="stochastic").
-// Adam's moments may be FP32 or BF16 (computed in FP32, rounded to nearest once when stored).
+// Adam's moments may be FP32 or BF16 (computed in FP32, rounded once when stored: stochastically
+//   with moment_keys, one key per tensor, else to nearest).
 // unscale_into_, unscale_copy: FP32 master gradients materialized from half gradients (copy,
 //   unscale and inf check in one pass), for when something reads them or the step needs them.
 //
@@ -691,7 +692,8 @@ struct MasterStochastic {  // no master: the BF16 weight, written back with stoc
   }
 };
 
-// Moment stores: FP32, or BF16 (read into FP32, rounded to nearest once when stored).
+// Moment stores: FP32, or BF16 (read into FP32, rounded once when stored: to nearest, or
+// stochastically).
 struct MomentsF32 {
   float* m;
   float* v;
@@ -705,19 +707,33 @@ struct MomentsF32 {
     V::store(v + i, vi);
   }
 };
+// kStochastic: stochastic rounding with the moments' own keys (a moment rounded to nearest cannot
+// shrink by less than half its ulp: beta * v rounds back to v for any beta above 1 - 2**-9).
+template <bool kStochastic>
 struct MomentsBF16 {
   uint16_t* m;
   uint16_t* v;
+  uint32_t key_m;
+  uint32_t key_v;
   template <class V>
   typename V::F load_m(int64_t i) const { return V::load_bf16(m + i); }
   template <class V>
   typename V::F load_v(int64_t i) const { return V::load_bf16(v + i); }
   template <class V>
   void store(int64_t i, typename V::F mi, typename V::F vi) const {
-    V::store_h(m + i, V::to_bf16(mi), false);
-    V::store_h(v + i, V::to_bf16(vi), false);
+    if constexpr (kStochastic) {
+      V::store_h(m + i, V::to_bf16_sr(mi, key_m, i), false);
+      V::store_h(v + i, V::to_bf16_sr(vi, key_v, i), false);
+    } else {
+      V::store_h(m + i, V::to_bf16(mi), false);
+      V::store_h(v + i, V::to_bf16(vi), false);
+    }
   }
 };
+
+// The keys of a tensor's exp_avg and exp_avg_sq roundings from its key (_stochastic.moment_keys).
+constexpr uint32_t kMomentSaltM = 0x6a09e667u;
+constexpr uint32_t kMomentSaltV = 0xbb67ae85u;
 
 // The vectorised update over [i, limit), two vectors at a time (the model's 16-bit weights of
 // both go out in one store), then one; returns where it stopped. The policies come by value:
@@ -812,6 +828,8 @@ struct AdamJob {
   void* m;
   void* v;
   bool bf16_moments;
+  bool sr_moments;  // BF16 moments rounded stochastically, keyed by moment_key
+  uint32_t moment_key;
   AdamConstants c;
   bool l2;
 };
@@ -853,8 +871,13 @@ void adam_job_master(const AdamJob& job, int64_t begin, int64_t end, const Momen
 
 template <bool kL2>
 void adam_job(const AdamJob& job, int64_t begin, int64_t end) {
-  if (job.bf16_moments) {
-    adam_job_master<kL2>(job, begin, end, MomentsBF16{static_cast<uint16_t*>(job.m), static_cast<uint16_t*>(job.v)});
+  auto* m = static_cast<uint16_t*>(job.m);
+  auto* v = static_cast<uint16_t*>(job.v);
+  if (job.bf16_moments && job.sr_moments) {
+    const uint32_t key_m = fmix32(job.moment_key ^ kMomentSaltM), key_v = fmix32(job.moment_key ^ kMomentSaltV);
+    adam_job_master<kL2>(job, begin, end, MomentsBF16<true>{m, v, key_m, key_v});
+  } else if (job.bf16_moments) {
+    adam_job_master<kL2>(job, begin, end, MomentsBF16<false>{m, v, 0, 0});
   } else {
     adam_job_master<kL2>(job, begin, end, MomentsF32{static_cast<float*>(job.m), static_cast<float*>(job.v)});
   }
@@ -937,10 +960,10 @@ void check_moments(const at::Tensor& p, const at::Tensor& m, const at::Tensor& v
 void adam_step_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
                 at::TensorList state_steps, const c10::List<std::optional<at::Tensor>>& model_params, double lr,
                 double beta1, double beta2, double weight_decay, double eps, bool adamw, bool maximize,
-                double grad_inv_scale) {
+                double grad_inv_scale, at::IntArrayRef moment_keys) {
   const size_t n = params.size();
   TORCH_CHECK(grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n && state_steps.size() == n &&
-                  model_params.size() == n,
+                  model_params.size() == n && (moment_keys.empty() || moment_keys.size() == n),
               "adam_step_: list lengths differ");
   int64_t model_bytes = 0;
   for (size_t t = 0; t < n; ++t) {
@@ -974,6 +997,8 @@ void adam_step_(at::TensorList params, at::TensorList grads, at::TensorList exp_
     job.m = exp_avgs[t].data_ptr();
     job.v = exp_avg_sqs[t].data_ptr();
     job.bf16_moments = exp_avgs[t].scalar_type() == at::kBFloat16;
+    job.sr_moments = !moment_keys.empty();
+    job.moment_key = job.sr_moments ? static_cast<uint32_t>(moment_keys[t]) : 0;
     job.c = adam_constants(state_steps[t], lr, beta1, beta2, weight_decay, eps, adamw, maximize);
     job.l2 = !adamw && weight_decay != 0;
     jobs.push_back(job);
@@ -989,10 +1014,11 @@ void adam_step_(at::TensorList params, at::TensorList grads, at::TensorList exp_
 void adam_step_bf16_(at::TensorList weights, const c10::List<std::optional<at::Tensor>>& remainders,
                      at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
                      at::TensorList state_steps, at::IntArrayRef sr_keys, double lr, double beta1, double beta2,
-                     double weight_decay, double eps, bool adamw, bool maximize, double grad_inv_scale) {
+                     double weight_decay, double eps, bool adamw, bool maximize, double grad_inv_scale,
+                     at::IntArrayRef moment_keys) {
   const size_t n = weights.size();
   TORCH_CHECK(remainders.size() == n && grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n &&
-                  state_steps.size() == n && sr_keys.size() == n,
+                  state_steps.size() == n && sr_keys.size() == n && (moment_keys.empty() || moment_keys.size() == n),
               "adam_step_bf16_: list lengths differ");
   for (size_t t = 0; t < n; ++t) {
     const at::Tensor& w = weights[t];
@@ -1022,6 +1048,8 @@ void adam_step_bf16_(at::TensorList weights, const c10::List<std::optional<at::T
     job.m = exp_avgs[t].data_ptr();
     job.v = exp_avg_sqs[t].data_ptr();
     job.bf16_moments = exp_avgs[t].scalar_type() == at::kBFloat16;
+    job.sr_moments = !moment_keys.empty();
+    job.moment_key = job.sr_moments ? static_cast<uint32_t>(moment_keys[t]) : 0;
     job.c = adam_constants(state_steps[t], lr, beta1, beta2, weight_decay, eps, adamw, maximize);
     job.l2 = !adamw && weight_decay != 0;
     jobs.push_back(job);
@@ -1038,11 +1066,13 @@ TORCH_LIBRARY(amp_plugin, m) {
   m.def(
       "adam_step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
       "Tensor(d!)[] state_steps, Tensor(e!)?[] model_params, float lr, float beta1, float beta2, "
-      "float weight_decay, float eps, bool adamw, bool maximize, float grad_inv_scale=1.0) -> ()");
+      "float weight_decay, float eps, bool adamw, bool maximize, float grad_inv_scale=1.0, "
+      "int[] moment_keys=[]) -> ()");
   m.def(
       "adam_step_bf16_(Tensor(a!)[] weights, Tensor(b!)?[] remainders, Tensor[] grads, Tensor(c!)[] exp_avgs, "
       "Tensor(d!)[] exp_avg_sqs, Tensor(e!)[] state_steps, int[] sr_keys, float lr, float beta1, float beta2, "
-      "float weight_decay, float eps, bool adamw, bool maximize, float grad_inv_scale=1.0) -> ()");
+      "float weight_decay, float eps, bool adamw, bool maximize, float grad_inv_scale=1.0, "
+      "int[] moment_keys=[]) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(amp_plugin, CPU, m) {

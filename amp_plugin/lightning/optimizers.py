@@ -56,7 +56,8 @@ def wrap_optimizers(
     if sharded and settings.moments == "bf16":
         # FSDP2: the FP32 shards are the masters; only the moments change dtype (fsdp_moments.py)
         optimizers = [
-            o if isinstance(o, Bf16MomentsAdam) else Bf16MomentsAdam(o, bf16_moment_params) for o in optimizers
+            o if isinstance(o, Bf16MomentsAdam) else Bf16MomentsAdam(o, bf16_moment_params, settings.moments_rounding)
+            for o in optimizers
         ]
     if settings.master_weights and not sharded:
         master, moments = settings.master, settings.moments_dtype
@@ -69,7 +70,13 @@ def wrap_optimizers(
         optimizers = [
             o
             if isinstance(o, MasterWeightOptimizer)
-            else MasterWeightOptimizer(o, master=master, moments_dtype=moments, accumulate_fp32=not single)
+            else MasterWeightOptimizer(
+                o,
+                master=master,
+                moments_dtype=moments,
+                accumulate_fp32=not single,
+                moments_rounding=settings.moments_rounding,
+            )
             for o in optimizers
         ]
     return optimizers

@@ -94,6 +94,9 @@ class MixedPrecisionPlugin(OptimizerStepHooks):
         fp8: with ``precision="fp8"``, an :class:`~amp_plugin.fp8.Fp8Recipe` (or its arguments as a
             dict); ``None``: the defaults. The eligible ``nn.Linear`` layers are converted in
             ``convert_module`` and their scales updated once per optimizer step (docs/fp8.md).
+        moments_rounding: ``"stochastic"`` (default) or ``"nearest"``: how ``bf16_lean``/``bf16_sr``
+            store their BF16 Adam moments (``"nearest"`` cannot shrink a moment at torch's default
+            beta2 and warns; kept for comparison).
 
     Attributes:
         settings: the validated :class:`~amp_plugin.settings.PrecisionSettings`.
@@ -118,6 +121,7 @@ class MixedPrecisionPlugin(OptimizerStepHooks):
         emulate: str = "auto",
         skip_lr_on_overflow: bool = True,
         fp8: Fp8Recipe | dict[str, Any] | None = None,
+        moments_rounding: str = "stochastic",
     ) -> None:
         super().__init__()  # the optimizer step's state (lightning/step.py)
         self.settings = PrecisionSettings.build(
@@ -128,6 +132,7 @@ class MixedPrecisionPlugin(OptimizerStepHooks):
             emulate,
             skip_lr_on_overflow,
             fp8,
+            moments_rounding,
         )
         self.fp8_layers: Fp8Layers | None = None
         # what Lightning's `trainer.precision` reports ("32-true", "16-mixed", "bf16-true", ...)
@@ -146,7 +151,14 @@ class MixedPrecisionPlugin(OptimizerStepHooks):
     def from_settings(cls, settings: PrecisionSettings) -> MixedPrecisionPlugin:
         """A plugin for already validated settings (what the app builds before importing Lightning)."""
         plugin = cls(
-            settings.preset, None, None, settings.scaler, settings.emulate, settings.skip_lr_on_overflow, settings.fp8
+            settings.preset,
+            None,
+            None,
+            settings.scaler,
+            settings.emulate,
+            settings.skip_lr_on_overflow,
+            settings.fp8,
+            settings.moments_rounding,
         )
         return plugin
 

@@ -25,18 +25,37 @@ Modules: ``_parameter`` (the master and its record), ``_adopt`` (a param group t
 ``_grads`` (one step's gradients), ``_unscale`` (a loss scaler's ``unscale_``: the inf check and
 the unscaled master gradients), ``_step`` (the step path: gradients used, kernel chosen, copy
 back), ``_multi_tensor`` (the torch-kernel step), ``_split`` (BF16 masters in two halves),
-``_checkpoint`` (state dicts across kinds), ``_optimizer`` (the wrapper).
+``_checkpoint`` (state dicts across kinds), ``_stochastic`` (seeded stochastic rounding of weights and
+BF16 moments, public here for :class:`~amp_plugin.fsdp_moments.Bf16MomentsAdam`), ``_optimizer`` (the
+wrapper).
 """
 
 from amp_plugin.master_weights._checkpoint import MasterRoundingWarning
 from amp_plugin.master_weights._grads import MasterGradWarning
 from amp_plugin.master_weights._optimizer import MasterWeightOptimizer
 from amp_plugin.master_weights._parameter import MasterParameter, is_wrapped
+from amp_plugin.master_weights._refusals import FrozenMomentWarning, check_moments_rounding
+from amp_plugin.master_weights._stochastic import (
+    FREEZE_THRESHOLD,
+    SRGenerator,
+    moment_keys,
+    offset_key,
+    round_stochastic,
+    shared_seed,
+)
 
 __all__ = [
+    "FREEZE_THRESHOLD",
+    "FrozenMomentWarning",
     "MasterGradWarning",
     "MasterParameter",
     "MasterRoundingWarning",
     "MasterWeightOptimizer",
+    "SRGenerator",
+    "check_moments_rounding",
     "is_wrapped",
+    "moment_keys",
+    "offset_key",
+    "round_stochastic",
+    "shared_seed",
 ]

@@ -41,6 +41,7 @@ class StepCall:
     keys: list[int]  # stochastic rounding keys by index (zeros for the other kinds)
     inv_scale: float | None  # the unscale factor of the half gradients (None: not scaled)
     moments_dtype: torch.dtype
+    sr_moments: bool  # BF16 moments rounded stochastically (moment keys from `keys`), else to nearest
     ops: Any  # amp_plugin's kernels, or None
 
 
@@ -112,7 +113,14 @@ def _run_amp_plugin(call: StepCall) -> bool:
     inv = 1.0 if call.inv_scale is None else call.inv_scale
     if call.kind.has_fp32_tensor:
         unwritten = _adam.adam_step(
-            call.ops, call.optimizer, call.grads, call.index_of, call.models, inv, call.moments_dtype
+            call.ops,
+            call.optimizer,
+            call.grads,
+            call.index_of,
+            call.models,
+            inv,
+            call.moments_dtype,
+            call.keys if call.sr_moments else None,
         )
         if unwritten is None:
             return False
@@ -131,13 +139,22 @@ def _run_amp_plugin(call: StepCall) -> bool:
         call.keys,
         inv,
         call.moments_dtype,
+        call.sr_moments,
     )
 
 
 @torch.no_grad()
 def _run_torch(call: StepCall) -> bool:
     _multi_tensor.torch_adam_step(
-        call.optimizer, call.grads, call.index_of, call.models, call.records, call.kind, call.keys, call.moments_dtype
+        call.optimizer,
+        call.grads,
+        call.index_of,
+        call.models,
+        call.records,
+        call.kind,
+        call.keys,
+        call.moments_dtype,
+        call.sr_moments,
     )
     if call.kind.has_fp32_tensor:
         pairs = [(call.models[i], r.master) for i, r in enumerate(call.records) if call.grads[i] is not None]

@@ -17,8 +17,9 @@ on the CPU. Per device, whatever the number of parameters:
 The kinds without an FP32 master tensor (``master="bf16_split"``, ``"stochastic"``) run the
 same kernel on FP32 values rebuilt for the step (the weight joined with its remainder, or the
 weight upcast), then store the results their way (split, or rounded stochastically); BF16
-moments are upcast for the kernel and rounded to nearest back into their BF16 tensors. These
-FP32 copies live for one group's step.
+moments are upcast for the kernel and rounded back into their BF16 tensors (stochastically with
+the moment keys of :func:`~amp_plugin.master_weights._stochastic.moment_keys`, the CPU kernel's
+bits, or to nearest). These FP32 copies live for one group's step.
 
 The FP32 gradients are dropped when the step ends. Python only gathers references (the
 gradients, the state tensors) into lists: no per-parameter tensor op, no host sync. (The
@@ -40,6 +41,7 @@ from torch.optim import Optimizer
 
 from amp_plugin.adam_rule import as_float, init_state
 from amp_plugin.master_weights._parameter import Record
+from amp_plugin.master_weights._stochastic import moment_keys, round_stochastic
 
 __all__ = ["torch_adam_step"]
 
@@ -54,6 +56,7 @@ def torch_adam_step(
     kind: Any = None,
     keys: list[int] | None = None,
     moments_dtype: torch.dtype = torch.float32,
+    sr_moments: bool = False,
 ) -> None:
     """One Adam/AdamW step of ``optimizer`` over FP32 masters with torch's fused kernel.
 
@@ -63,6 +66,7 @@ def torch_adam_step(
     does. With ``kind`` (a master kind without an FP32 tensor, from ``_kinds.py``) the values
     are rebuilt from ``models``/``records`` and stored back by it (``keys``: the stochastic
     rounding keys by index); otherwise the caller copies the stepped masters into the model.
+    ``sr_moments``: BF16 moments rounded stochastically with the moment keys of ``keys[i]``.
     """
     lean = kind is not None and not kind.has_fp32_tensor
     adamw_default = isinstance(optimizer, torch.optim.AdamW)
@@ -132,8 +136,13 @@ def torch_adam_step(
                 found_inf=None,
             )
         for j in low:
-            states[j]["exp_avg"].copy_(exp_avgs[j])
-            states[j]["exp_avg_sq"].copy_(exp_avg_sqs[j])
+            if sr_moments:
+                key_m, key_v = moment_keys(cast("list", keys)[cast("int", indices[j])])
+                round_stochastic(exp_avgs[j], states[j]["exp_avg"], key_m)
+                round_stochastic(exp_avg_sqs[j], states[j]["exp_avg_sq"], key_v)
+            else:
+                states[j]["exp_avg"].copy_(exp_avgs[j])
+                states[j]["exp_avg_sq"].copy_(exp_avg_sqs[j])
         if lean:
             for value, i in zip(values, indices):
                 if i is not None:

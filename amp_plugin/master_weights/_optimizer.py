@@ -16,15 +16,16 @@ from amp_plugin.master_weights._adopt import add_group, adopt_group
 from amp_plugin.master_weights._grads import GradSession, begin_session, clear_grads, end_session, warn_grads_changed
 from amp_plugin.master_weights._kernels import StepKernel
 from amp_plugin.master_weights._parameter import WRAPPED, Record, resync
-from amp_plugin.master_weights._refusals import check_wrappable
+from amp_plugin.master_weights._refusals import check_moments_rounding, check_wrappable
 from amp_plugin.master_weights._step import run_step
-from amp_plugin.master_weights._stochastic import SRGenerator
+from amp_plugin.master_weights._stochastic import SRGenerator, shared_seed
 from amp_plugin.master_weights._unscale import unscale_grads
 from amp_plugin.scaling.unscale import InvScaleOn
 
-__all__ = ["FUSED_MODES", "MASTER_KINDS", "MasterWeightOptimizer"]
+__all__ = ["FUSED_MODES", "MASTER_KINDS", "MOMENTS_ROUNDINGS", "MasterWeightOptimizer"]
 
 MASTER_KINDS = ("fp32", "bf16_split", "stochastic")  # the built-in kinds (_kinds.KINDS may hold more)
+MOMENTS_ROUNDINGS = ("stochastic", "nearest")
 FUSED_MODES = (None, True, False, "torch")
 
 
@@ -77,11 +78,20 @@ class MasterWeightOptimizer(Optimizer):
             ``docs/master_weights.md`` for the bytes per parameter and checkpoint conversion.
         moments_dtype: ``None``/``torch.float32`` (default) or ``torch.bfloat16``: Adam's
             ``exp_avg``/``exp_avg_sq`` of the half-precision parameters stored in BF16,
-            computed in FP32 inside the step and rounded to nearest once when stored (any
-            ``master`` kind; Adam/AdamW; FP32 parameters keep FP32 moments).
-        sr_seed: the seed of ``master="stochastic"``'s rounding (default: drawn from torch's
-            generator, so ``torch.manual_seed``/``seed_everything`` fixes it); carried, with its
-            step counter, in the state dict.
+            computed in FP32 inside the step and rounded once when stored (any ``master``
+            kind; Adam/AdamW; FP32 parameters keep FP32 moments).
+        moments_rounding: how BF16 moments are rounded when stored. ``"stochastic"``
+            (default): seeded stochastic rounding (``sr_seed``), so a moment decays as the FP32
+            one does on average, for any beta. ``"nearest"``: round to nearest, which cannot
+            move a moment by less than half its ulp: with a beta above ``1 - 2**-9``
+            (0.998046875; torch's default beta2 0.999 is) ``exp_avg_sq`` can never shrink and
+            the updates shrink instead; a :class:`FrozenMomentWarning` says so. Ignored with
+            FP32 moments.
+        sr_seed: the seed of the stochastic roundings (``master="stochastic"``, BF16 moments)
+            (default: drawn from torch's generator, so ``torch.manual_seed``/``seed_everything``
+            fixes it). With a ``torch.distributed`` process group initialized, rank 0's seed is
+            taken by every rank (a broadcast while the wrapper is built), so replicas round alike.
+            Carried, with its step counter, in the state dict.
         accumulate_fp32: sum the gradients of several backward passes before a step in FP32
             (the default; see "Accumulation" below). It costs two Python hook calls per
             half-precision parameter and backward; ``False`` leaves accumulation to autograd
@@ -159,10 +169,12 @@ class MasterWeightOptimizer(Optimizer):
         moments_dtype: torch.dtype | None = None,
         sr_seed: int | None = None,
         accumulate_fp32: bool = True,
+        moments_rounding: str = "stochastic",
     ) -> None:
         if not any(fused is mode or (isinstance(mode, str) and fused == mode) for mode in FUSED_MODES):
             raise TypeError(f"fused={fused!r} is not allowed: fused must be None (automatic), True, False or 'torch'.")
         kind, moments = check_wrappable(optimizer, fused, master, moments_dtype)
+        check_moments_rounding(optimizer, moments_rounding, moments)
         # torch.optim.Optimizer.__init__ would rebuild param_groups; share the inner ones instead.
         self.optimizer = optimizer
         self.defaults = optimizer.defaults
@@ -170,13 +182,18 @@ class MasterWeightOptimizer(Optimizer):
         self.master = master
         self.moments_dtype = moments
         self._kind = kind
-        # master="stochastic": the rounding's seed and step counter (default seed: from torch's generator)
+        self.moments_rounding = moments_rounding
+        # BF16 moments rounded stochastically
+        self.sr_moments = moments is torch.bfloat16 and moments_rounding == "stochastic"
+        # the stochastic roundings' seed (rank 0's under torch.distributed) and step counter
         self._sr: SRGenerator | None = None
-        if master == "stochastic":  # the rounding's seed (default: from torch's generator) and step counter
-            self._sr = SRGenerator(int(torch.randint(0, 2**62, (1,)).item()) if sr_seed is None else sr_seed)
+        if master == "stochastic" or self.sr_moments:
+            self._sr = SRGenerator(shared_seed(sr_seed))
         elif sr_seed is not None:
             raise ValueError(
-                f"sr_seed={sr_seed!r} is not allowed with master={master!r}: only master='stochastic' rounds randomly."
+                f"sr_seed={sr_seed!r} is not allowed with master={master!r} and moments_dtype={moments}, "
+                "which round nothing randomly: sr_seed seeds master='stochastic' and BF16 moments "
+                "(moments_rounding='stochastic')."
             )
         self._model_params: list[torch.Tensor] = []
         self._master_params: list[torch.Tensor] = []
@@ -337,8 +354,8 @@ class MasterWeightOptimizer(Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """The wrapped optimizer's state dict (moments in their dtype) plus ``"master_params"``
         (the FP32 values of the half-precision parameters' masters, in model order, whatever
-        the kind), ``"master_kind"``, and with ``master="stochastic"`` ``"sr_generator"`` (the
-        rounding's seed and step counter)."""
+        the kind), ``"master_kind"``, and where something is rounded stochastically
+        ``"sr_generator"`` (the rounding's seed and step counter)."""
         return _checkpoint.state_dict(self)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -14,13 +15,16 @@ from amp_plugin.dtypes import HALF_DTYPES
 from amp_plugin.fused import adam as _adam
 from amp_plugin.master_weights._kinds import KINDS
 from amp_plugin.master_weights._parameter import MASTER_TENSORS, WRAPPED
+from amp_plugin.master_weights._stochastic import FREEZE_THRESHOLD
 
 __all__ = [
+    "FrozenMomentWarning",
     "already_wrapped",
     "by_device_dtype",
     "check_fused_possible",
     "check_kind_possible",
     "check_moments_dtype",
+    "check_moments_rounding",
     "check_wrappable",
     "flag",
     "refuse_dtensors",
@@ -66,6 +70,38 @@ def check_kind_possible(optimizer: Optimizer, kind: Any, moments_dtype: torch.dt
             reason = foreach_refusal(optimizer)
     if reason is not None:
         raise ValueError(f"{what} is not possible here: {reason}. Use master='fp32' (with FP32 moments).")
+
+
+class FrozenMomentWarning(UserWarning):
+    """BF16 moments rounded to nearest with a beta at which they cannot shrink."""
+
+
+def check_moments_rounding(optimizer: Optimizer, rounding: Any, moments_dtype: torch.dtype) -> None:
+    """``moments_rounding``: ``"stochastic"`` or ``"nearest"``; the latter warns where a beta
+    freezes a BF16 moment rounded to nearest (:data:`~amp_plugin.master_weights._stochastic.FREEZE_THRESHOLD`)."""
+    if not isinstance(rounding, str) or rounding not in ("stochastic", "nearest"):
+        raise ValueError(
+            f"moments_rounding={rounding!r} is not allowed: moments_rounding must be 'stochastic' (the default) "
+            "or 'nearest'."
+        )
+    if rounding != "nearest" or moments_dtype is not torch.bfloat16:
+        return
+    for group in optimizer.param_groups:
+        betas = group.get("betas")
+        if betas is None:
+            continue
+        for name, beta in zip(("beta1", "beta2"), betas):
+            if float(beta) > FREEZE_THRESHOLD:
+                warnings.warn(
+                    f"moments_rounding='nearest' with {name}={float(beta):g}: a BF16 moment rounded to nearest "
+                    f"cannot shrink when its beta is above 1 - 2**-9 = {FREEZE_THRESHOLD:.9g} (beta * v rounds back "
+                    f"to v), so {'exp_avg_sq' if name == 'beta2' else 'exp_avg'} only grows and Adam's updates "
+                    "shrink as training goes on. Use moments_rounding='stochastic' (the default) or FP32 moments "
+                    "(moments_dtype=None).",
+                    FrozenMomentWarning,
+                    stacklevel=4,
+                )
+                return
 
 
 def check_moments_dtype(moments_dtype: Any) -> torch.dtype:

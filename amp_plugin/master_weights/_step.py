@@ -49,6 +49,7 @@ def run_step(opt: MasterWeightOptimizer, session: GradSession, kwargs: dict[str,
             keys,
             None if inv is None else float(inv),
             opt.moments_dtype,
+            opt.sr_moments,
             opt._kernel_ops(),
         )
         if kernel.run(call):

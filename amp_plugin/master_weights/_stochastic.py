@@ -9,6 +9,17 @@ tensor and step, derived from the generator's seed, its step counter and the ten
 So the bits depend on nothing else (threads, vector width, device), a resumed run draws what the
 uninterrupted one would have (the state dict holds the seed and the counter), and the CPU kernel
 (``adam_step_bf16_``) and these torch ops give the same weights.
+
+BF16 Adam moments are stored the same way (``moments_rounding="stochastic"``, the default): a
+moment rounded to nearest cannot move by less than half its ulp, so ``beta * v`` rounds back to
+``v`` for every beta above ``1 - 2**-9`` (torch's default beta2 0.999 included) and
+``exp_avg_sq`` could only grow. Rounded stochastically it decays as the FP32 moment does, on
+average. The moments of a tensor use two keys of their own (:func:`moment_keys`), derived from
+the tensor's key, so their bits are independent of the weight's.
+
+Every rank of a process group must draw the same bits (the same rounding of the same all-reduced
+values keeps replicas equal): :func:`shared_seed` takes rank 0's seed. A shard of a larger tensor
+rounds its elements with the bits of their index in the whole tensor (:func:`offset_key`).
 """
 
 from __future__ import annotations
@@ -17,12 +28,16 @@ from typing import Any
 
 import torch
 
-__all__ = ["SRGenerator", "round_stochastic"]
+__all__ = ["FREEZE_THRESHOLD", "SRGenerator", "moment_keys", "offset_key", "round_stochastic", "shared_seed"]
 
 _MASK32 = 0xFFFFFFFF
 _INDEX_MULTIPLIER = 0x9E3779B1
 _MIX1 = 0x85EBCA6B
 _MIX2 = 0xC2B2AE35
+_MOMENT_SALTS = (0x6A09E667, 0xBB67AE85)  # exp_avg, exp_avg_sq (the kernel's kMomentSalt*)
+
+FREEZE_THRESHOLD = 1 - 2.0**-9
+"""A BF16 moment rounded to nearest cannot shrink when its beta is above this (0.998046875)."""
 
 
 def _fmix32(h: int) -> int:
@@ -31,6 +46,34 @@ def _fmix32(h: int) -> int:
     h ^= h >> 13
     h = (h * _MIX2) & _MASK32
     return h ^ (h >> 16)
+
+
+def moment_keys(key: int) -> tuple[int, int]:
+    """The keys of a tensor's ``exp_avg`` and ``exp_avg_sq`` roundings, from the tensor's key."""
+    return _fmix32(key ^ _MOMENT_SALTS[0]), _fmix32(key ^ _MOMENT_SALTS[1])
+
+
+def offset_key(key: int, offset: int) -> int:
+    """The key that gives element ``i`` the bits of element ``offset + i`` under ``key`` (a shard
+    that starts at flat index ``offset`` of its whole tensor): the hash reads ``i * M + key``."""
+    return (key + offset * _INDEX_MULTIPLIER) & _MASK32
+
+
+def shared_seed(seed: int | None) -> int:
+    """``seed`` (default: drawn from torch's generator, so ``torch.manual_seed`` fixes it), or, with
+    a ``torch.distributed`` process group initialized, rank 0's: every rank rounds alike, even when
+    the ranks were seeded differently (``seed + rank``, as many scripts do). A collective: every rank
+    of the default group must build its optimizer (as DDP, FSDP and Lightning do)."""
+    if seed is None:
+        seed = int(torch.randint(0, 2**62, (1,)).item())
+    elif isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"sr_seed={seed!r} is not allowed: sr_seed must be an int or None.")
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        box: list[Any] = [seed]
+        dist.broadcast_object_list(box, src=0)
+        seed = int(box[0])
+    return seed
 
 
 class SRGenerator:

@@ -7,9 +7,11 @@ import warnings
 
 import pytest
 import torch
+from _moments_oracle import MomentStore
 
 from amp_plugin import MasterWeightOptimizer
 from amp_plugin.fsdp_moments import Bf16MomentsAdam
+from amp_plugin.master_weights import FrozenMomentWarning
 
 BF16 = torch.bfloat16
 
@@ -24,12 +26,15 @@ def grad(step, i, shape):
     return (torch.randn(shape, generator=torch.Generator().manual_seed(100 * step + i)) * 1e-2).to(BF16).float()
 
 
-def oracle(values, steps, opt_class, **hyper):
-    """torch's fused kernel on FP32 copies; BF16 moments: upcast for each step, rounded to nearest after it."""
+def oracle(values, steps, opt_class, seed=None, **hyper):
+    """torch's fused kernel on FP32 copies; BF16 moments: upcast for each step, rounded after it
+    (stochastically with ``seed``'s keys, to nearest without)."""
     kernel = torch._fused_adamw_ if opt_class is torch.optim.AdamW else torch._fused_adam_
     params = [v.clone() for v in values]
     state = [(torch.zeros_like(p), torch.zeros_like(p), torch.zeros(())) for p in params]
+    store = MomentStore(seed)
     for step in range(steps):
+        store.next_step(len(params))
         for i, (p, (m, v, t)) in enumerate(zip(params, state)):
             t += 1
             kernel(
@@ -37,20 +42,23 @@ def oracle(values, steps, opt_class, **hyper):
                 beta2=0.999, weight_decay=hyper["weight_decay"], eps=1e-8, maximize=False, grad_scale=None,
                 found_inf=None,
             )  # fmt: skip
-            m.copy_(m.to(BF16))
-            v.copy_(v.to(BF16))
+            store.store(m, v, i)
     return params
 
 
+@pytest.mark.parametrize("rounding", ["stochastic", "nearest"])
 @pytest.mark.parametrize("opt_class", [torch.optim.AdamW, torch.optim.Adam])
-def test_bf16_moments_of_fp32_parameters_equal_master_weight_optimizer_bit_for_bit(opt_class):
+def test_bf16_moments_of_fp32_parameters_equal_master_weight_optimizer_bit_for_bit(opt_class, rounding):
     hyper = dict(lr=1e-2, weight_decay=0.1)
+    seeds = dict(sr_seed=11) if rounding == "stochastic" else {}
     params = [torch.nn.Parameter(v) for v in weights()]
     inner = opt_class(params, **hyper)
     sched = torch.optim.lr_scheduler.StepLR(inner, step_size=1, gamma=0.5)  # built before the wrapper, as in Lightning
-    opt = Bf16MomentsAdam(inner)
     halves = [torch.nn.Parameter(v.to(BF16)) for v in weights()]
-    ref = MasterWeightOptimizer(opt_class(halves, **hyper), moments_dtype=BF16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FrozenMomentWarning)
+        opt = Bf16MomentsAdam(inner, moments_rounding=rounding, **seeds)
+        ref = MasterWeightOptimizer(opt_class(halves, **hyper), moments_dtype=BF16, moments_rounding=rounding, **seeds)
     ref_sched = torch.optim.lr_scheduler.StepLR(ref, step_size=1, gamma=0.5)
     for step in range(5):
         for i, (p, h) in enumerate(zip(params, halves)):
@@ -75,7 +83,7 @@ def test_bf16_moments_give_the_oracle_and_resume_bit_for_bit():
 
     def build():
         params = [torch.nn.Parameter(v) for v in weights()]
-        return params, Bf16MomentsAdam(torch.optim.AdamW(params, **hyper))
+        return params, Bf16MomentsAdam(torch.optim.AdamW(params, **hyper), sr_seed=4)
 
     def run(params, opt, steps):
         for step in steps:
@@ -85,7 +93,7 @@ def test_bf16_moments_give_the_oracle_and_resume_bit_for_bit():
 
     params, opt = build()
     run(params, opt, range(6))
-    for ours, ref in zip(params, oracle(weights(), 6, torch.optim.AdamW, **hyper)):
+    for ours, ref in zip(params, oracle(weights(), 6, torch.optim.AdamW, seed=4, **hyper)):
         assert torch.equal(ours, ref)
     half, saved = build()
     run(half, saved, range(3))
@@ -116,3 +124,28 @@ def test_fp32_moments_where_asked_and_other_optimizers_refused():
         Bf16MomentsAdam(torch.optim.Adam(params, amsgrad=True))
     with pytest.raises(ValueError, match="built with foreach=True"):
         Bf16MomentsAdam(torch.optim.AdamW(params, foreach=True))
+
+
+def test_a_plain_adam_state_dict_keeps_the_rounding_seed_and_counter():
+    params = [torch.nn.Parameter(v) for v in weights()]
+    opt = Bf16MomentsAdam(torch.optim.AdamW(params), sr_seed=9)
+    for i, p in enumerate(params):
+        p.grad = grad(0, i, p.shape)
+    opt.step()
+    assert (opt.param_groups[0]["sr_seed"], opt.param_groups[0]["sr_counter"]) == (9, 1)
+    plain = torch.optim.AdamW([torch.nn.Parameter(v) for v in weights()])
+    opt.load_state_dict(plain.state_dict())  # saved without a seed: this optimizer's stays
+    assert (opt.param_groups[0]["sr_seed"], opt.param_groups[0]["sr_counter"]) == (9, 1)
+
+
+def test_rounding_to_nearest_warns_where_it_freezes_a_moment():
+    params = [torch.nn.Parameter(v) for v in weights()]
+    with pytest.warns(
+        FrozenMomentWarning, match=r"beta2=0.999.*1 - 2\*\*-9 = 0.998046875.*moments_rounding='stochastic'"
+    ):
+        Bf16MomentsAdam(torch.optim.AdamW(params), moments_rounding="nearest")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FrozenMomentWarning)
+        Bf16MomentsAdam(torch.optim.AdamW(params, betas=(0.9, 0.99)), moments_rounding="nearest")
+    with pytest.raises(ValueError, match="moments_rounding='up' is not allowed.*'stochastic'.*'nearest'"):
+        Bf16MomentsAdam(torch.optim.AdamW(params), moments_rounding="up")

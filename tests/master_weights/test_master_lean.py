@@ -8,9 +8,10 @@ import warnings
 
 import pytest
 import torch
+from _moments_oracle import MomentStore
 
 from amp_plugin import DynamicLossScaler, MasterWeightOptimizer
-from amp_plugin.master_weights import MasterRoundingWarning
+from amp_plugin.master_weights import FrozenMomentWarning, MasterRoundingWarning
 from amp_plugin.master_weights._stochastic import SRGenerator, round_stochastic
 
 BF16 = torch.bfloat16
@@ -39,35 +40,51 @@ def adamw(params):
     return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
 
 
-def oracle(net, steps, moments=BF16):
+def oracle(net, steps, moments=BF16, seed=None):
     """FP32 AdamW (torch's fused kernel) on FP32 copies of the weights, fed the same gradients;
-    BF16 moments: upcast for each step, rounded to nearest after it."""
+    BF16 moments: upcast for each step, rounded after it (stochastically with the keys of
+    ``seed``, to nearest without)."""
     params = [p.detach().float().clone() for p in net.parameters()]
     state = [(torch.zeros_like(p), torch.zeros_like(p), torch.zeros(())) for p in params]
     half = [p.dtype == BF16 for p in net.parameters()]
+    index = [sum(half[:i]) for i in range(len(half))]  # position among the half-precision parameters
+    store = MomentStore(seed)
     for step in range(steps):
         grads_for(net, step)
-        for p, g, (m, v, t), is_half in zip(params, [q.grad.float() for q in net.parameters()], state, half):
+        store.next_step(sum(half))
+        for j, (p, g, (m, v, t), is_half) in enumerate(
+            zip(params, [q.grad.float() for q in net.parameters()], state, half)
+        ):
             t += 1
             torch._fused_adamw_(
                 [p], [g], [m], [v], [], [t], amsgrad=False, lr=1e-2, beta1=0.9, beta2=0.999, weight_decay=0.1,
                 eps=1e-8, maximize=False, grad_scale=None, found_inf=None,
             )  # fmt: skip
             if is_half and moments is BF16:
-                m.copy_(m.to(BF16))
-                v.copy_(v.to(BF16))
+                store.store(m, v, index[j])
     return [p for p, is_half in zip(params, half) if is_half], [p for p, is_half in zip(params, half) if not is_half]
 
 
+@pytest.mark.parametrize("rounding", ["stochastic", "nearest"])
 @pytest.mark.parametrize("fused", PATHS)
 @pytest.mark.parametrize("master", ["fp32", "bf16_split"])
-def test_bf16_moments_give_the_rounded_moment_oracle_bit_for_bit(master, fused):
+def test_bf16_moments_give_the_rounded_moment_oracle_bit_for_bit(master, fused, rounding):
     net = model()
-    opt = MasterWeightOptimizer(adamw(net.parameters()), fused=fused, master=master, moments_dtype=BF16)
+    seed = 21 if rounding == "stochastic" else None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FrozenMomentWarning)
+        opt = MasterWeightOptimizer(
+            adamw(net.parameters()),
+            fused=fused,
+            master=master,
+            moments_dtype=BF16,
+            moments_rounding=rounding,
+            sr_seed=seed,
+        )
     for step in range(6):
         grads_for(net, step)
         opt.step()
-    ref_half, ref_own = oracle(model(), 6)
+    ref_half, ref_own = oracle(model(), 6, seed=seed)
     for ours, ref in zip(opt.fp32_masters(), ref_half):
         assert torch.equal(ours, ref)
     for ours, ref in zip(net[1].parameters(), ref_own):  # FP32 LayerNorm: its own master, FP32 moments
@@ -285,3 +302,87 @@ def test_the_presets_from_the_app():
     assert PRESETS["bf16_split"].moments == "fp32"
     with pytest.raises(ValueError, match="master_weights=False contradicts precision='bf16_lean'"):
         PrecisionSettings.build("bf16_lean", master_weights=False)
+
+
+def moment_drop(master, rounding, beta2, numel=1024, before=300, after=2000):
+    """Gradients N(0, 1) for ``before`` steps, then 100x smaller: the stored ``exp_avg_sq`` and the
+    mean update size of the last 100 steps (``benchmarks/bench_moments.py``'s regime, shorter)."""
+    weight = torch.nn.Parameter(torch.ones(numel, dtype=BF16))
+    moments = None if rounding is None else BF16
+    seed = 5 if master == "stochastic" or rounding == "stochastic" else None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FrozenMomentWarning)
+        opt = MasterWeightOptimizer(
+            torch.optim.AdamW([weight], lr=1e-3, betas=(0.9, beta2), weight_decay=0.0),
+            master=master,
+            moments_dtype=moments,
+            moments_rounding=rounding or "stochastic",
+            sr_seed=seed,
+        )
+    gen = torch.Generator().manual_seed(0)
+    sizes = []
+    for step in range(before + after):
+        weight.grad = (torch.randn(numel, generator=gen) * (1.0 if step < before else 0.01)).to(BF16)
+        start = opt.fp32_masters()[0]
+        opt.step()
+        if step >= before + after - 100:
+            sizes.append(float((opt.fp32_masters()[0] - start).abs().mean()))
+    return opt.state[opt.master_params()[0]]["exp_avg_sq"].float(), sum(sizes)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("beta2", [0.999, 0.9995])
+@pytest.mark.parametrize("master", ["bf16_split", "stochastic"])
+def test_bf16_moments_follow_fp32_moments_after_a_100x_gradient_drop(master, beta2):
+    """Rounded to nearest, a BF16 exp_avg_sq cannot shrink at these betas (it stays at its peak and
+    the updates shrink); rounded stochastically it follows FP32 moments' within the goals."""
+    v_ref, size_ref = moment_drop("bf16_split", None, beta2)
+    v_near, size_near = moment_drop(master, "nearest", beta2)
+    v_sr, size_sr = moment_drop(master, "stochastic", beta2)
+    assert float((v_near / v_ref).median()) > 2.0 and size_near / size_ref < 0.8  # the fault
+    assert 1 / 1.5 < float((v_sr / v_ref).median()) < 1.5
+    assert 1 / 1.33 < size_sr / size_ref < 1.33
+
+
+def test_stochastic_moments_decay_on_average_where_nearest_ones_freeze():
+    """One step of pure decay (zero gradient) at beta2 = 0.999: rounded to nearest, no element moves;
+    stochastically, the mean moves by beta2 (within the sampling error of 4096 elements)."""
+    v = torch.full((4096,), 1.0 + 2.0**-7, dtype=BF16)  # one ulp above 1: not a power of two
+    for rounding in ("nearest", "stochastic"):
+        weight = torch.nn.Parameter(torch.ones(4096, dtype=BF16))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FrozenMomentWarning)
+            opt = MasterWeightOptimizer(
+                torch.optim.AdamW([weight], lr=1e-3), master="bf16_split", moments_dtype=BF16, moments_rounding=rounding
+            )
+        weight.grad = torch.zeros_like(weight)
+        opt.step()  # builds the state
+        state = opt.state[opt.master_params()[0]]
+        state["exp_avg_sq"].copy_(v)
+        weight.grad = torch.zeros_like(weight)
+        opt.step()
+        mean = float(state["exp_avg_sq"].float().mean())
+        if rounding == "nearest":
+            assert torch.equal(state["exp_avg_sq"], v)
+        else:
+            expected = float(v.float()[0]) * 0.999
+            assert abs(mean - expected) < 4 * 2.0**-7 / 64  # 4 standard errors of a one-ulp coin, n = 4096
+
+
+def test_rounding_to_nearest_warns_naming_the_beta_the_threshold_and_the_alternative():
+    net = model()
+    with pytest.warns(FrozenMomentWarning, match=r"beta2=0.999.*1 - 2\*\*-9 = 0.998046875.*'stochastic'"):
+        MasterWeightOptimizer(adamw(net.parameters()), moments_dtype=BF16, moments_rounding="nearest")
+    net = model()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FrozenMomentWarning)
+        MasterWeightOptimizer(
+            torch.optim.AdamW(net.parameters(), betas=(0.9, 0.99)), moments_dtype=BF16, moments_rounding="nearest"
+        )
+        MasterWeightOptimizer(torch.optim.AdamW(model().parameters()), moments_rounding="nearest")  # FP32 moments
+    with pytest.raises(ValueError, match="moments_rounding='up' is not allowed"):
+        MasterWeightOptimizer(adamw(model().parameters()), moments_dtype=BF16, moments_rounding="up")
+    with pytest.raises(ValueError, match="sr_seed=3 is not allowed with master='bf16_split'"):
+        MasterWeightOptimizer(adamw(model().parameters()), master="bf16_split", sr_seed=3)
+    opt = MasterWeightOptimizer(adamw(model().parameters()), master="bf16_split", moments_dtype=BF16, sr_seed=3)
+    assert opt.state_dict()["sr_generator"] == {"seed": 3, "counter": 0}  # BF16 moments draw bits: carried
