@@ -48,11 +48,13 @@ import argparse
 import math
 import statistics
 import time
+import warnings
 
 import torch
 
 from amp_plugin import DynamicLossScaler, MasterWeightOptimizer
 from amp_plugin import fused as fused_kernels
+from amp_plugin.master_weights import FrozenMomentWarning
 
 
 def tensor_sizes(numel: int, chunks: int, mix: bool = False) -> list[int]:
@@ -268,12 +270,16 @@ def main() -> None:
     floor_params = make_params(sizes, torch.float32, device)
     floor_opt = torch.optim.AdamW(floor_params, lr=1e-3, fused=True)
 
-    def master_weight_path(fused, adamw_fused=True, master="fp32", moments=None):
+    def master_weight_path(fused, adamw_fused=True, master="fp32", moments=None, rounding="stochastic"):
         params = make_params(sizes, torch.float16 if master == "fp32" else torch.bfloat16, device)
         for p in params:
             p.grad.mul_(2.0**10)  # grads as a scaled backward leaves them
         inner = torch.optim.AdamW(params, lr=1e-3, **({"fused": True} if adamw_fused else {"foreach": True}))
-        opt = MasterWeightOptimizer(inner, fused=fused, master=master, moments_dtype=moments)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FrozenMomentWarning)  # "nearest" is timed for comparison
+            opt = MasterWeightOptimizer(
+                inner, fused=fused, master=master, moments_dtype=moments, moments_rounding=rounding
+            )
         scaler = DynamicLossScaler(init_scale=2.0**10)
 
         def step() -> None:
@@ -306,6 +312,9 @@ def main() -> None:
         "ours bf16_split (BF16 + remainder, 14 B/param)": master_weight_path(None, master="bf16_split"),
         "ours bf16_lean (+ BF16 moments, 10 B/param)": master_weight_path(
             None, master="bf16_split", moments=torch.bfloat16
+        ),
+        "ours bf16_lean, moments rounded to nearest (before)": master_weight_path(
+            None, master="bf16_split", moments=torch.bfloat16, rounding="nearest"
         ),
         "ours bf16_sr (stochastic, BF16 moments, 8 B/param)": master_weight_path(
             None, master="stochastic", moments=torch.bfloat16

@@ -103,28 +103,36 @@ class SRGenerator:
         self.counter = int(state["counter"])
 
 
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    """``(x * c) mod 2**32`` for int64 ``x`` in [0, 2**32): in 16-bit halves, so no product overflows."""
-    lo, hi = x & 0xFFFF, x >> 16
-    return ((lo * c) + (((hi * c) & 0xFFFF) << 16)) & _MASK32
+def _int32(c: int) -> int:
+    """A 32-bit constant as the int32 with its bits."""
+    return c - (1 << 32) if c >= (1 << 31) else c
+
+
+def _shr(h: torch.Tensor, n: int) -> torch.Tensor:
+    """A logical right shift of int32 ``h`` (torch's ``>>`` on int32 is arithmetic)."""
+    return (h >> n) & ((1 << (32 - n)) - 1)
 
 
 def _random_bits(key: int, numel: int, device: torch.device) -> torch.Tensor:
-    """The 16 random bits of each element (int64), as the kernel's ``sr_bits``."""
-    h = (_mul32(torch.arange(numel, dtype=torch.int64, device=device) & _MASK32, _INDEX_MULTIPLIER) + key) & _MASK32
-    h = h ^ (h >> 16)
-    h = _mul32(h, _MIX1)
-    h = h ^ (h >> 13)
-    h = _mul32(h, _MIX2)
-    h = h ^ (h >> 16)
-    return h >> 16
+    """The 16 random bits of each element (int32 in [0, 2**16)), as the kernel's ``sr_bits``.
+
+    In int32 arithmetic, whose products and sums wrap modulo 2**32 on every torch backend, as the
+    kernel's uint32 ones do: the same bits, in a fraction of the time int64 arithmetic takes."""
+    h = torch.arange(numel, dtype=torch.int32, device=device) * _int32(_INDEX_MULTIPLIER) + _int32(key & _MASK32)
+    h = h ^ _shr(h, 16)
+    h = h * _int32(_MIX1)
+    h = h ^ _shr(h, 13)
+    h = h * _int32(_MIX2)
+    h = h ^ _shr(h, 16)
+    return _shr(h, 16)
 
 
 @torch.no_grad()
 def round_stochastic(value: torch.Tensor, out: torch.Tensor, key: int) -> None:
     """Write FP32 ``value`` into BF16 ``out`` with stochastic rounding keyed by ``key`` (NaN -> NaN)."""
-    bits = value.detach().contiguous().view(torch.int32).reshape(-1).to(torch.int64) & _MASK32
-    rounded = ((bits + _random_bits(key, bits.numel(), bits.device)) & _MASK32) >> 16
+    bits = value.detach().contiguous().view(torch.int32).reshape(-1)
+    # bits + r < 2**32 as unsigned for every non-NaN float (r < 2**16): no wrap; the high half is the result
+    rounded = (bits + _random_bits(key, bits.numel(), bits.device)) >> 16
     nan = torch.isnan(value.reshape(-1))
     rounded = torch.where(nan, torch.full_like(rounded, 0x7FC0), rounded)
-    out.view(torch.int16).copy_(rounded.to(torch.int16).view(out.shape))
+    out.view(torch.int16).copy_(rounded.to(torch.int16).view(out.shape))  # int32 -> int16 keeps the low 16 bits
