@@ -42,6 +42,7 @@ from amp_plugin.master_weights._stochastic import (
     offset_key,
     round_stochastic,
     shared_seed,
+    state_key,
 )
 
 __all__ = [
@@ -58,4 +59,5 @@ __all__ = [
     "offset_key",
     "round_stochastic",
     "shared_seed",
+    "state_key",
 ]

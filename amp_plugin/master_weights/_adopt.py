@@ -41,7 +41,7 @@ def add_group(opt: MasterWeightOptimizer, param_group: dict[str, Any]) -> None:
         raise ValueError(already_wrapped("the new group"))
     try:
         refuse_dtensors(opt.optimizer)
-        check_kind_possible(opt.optimizer, opt._kind, opt.moments_dtype, opt.fused)
+        check_kind_possible(opt.optimizer, opt._kind)
     except (TypeError, ValueError):
         opt.optimizer.param_groups.pop()
         raise

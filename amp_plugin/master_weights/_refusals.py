@@ -49,27 +49,13 @@ def check_fused_possible(optimizer: Optimizer, fused: bool | str) -> None:
         raise ValueError(f"fused={fused!r} is not possible here: {reason}. Use fused=None or False.")
 
 
-def check_kind_possible(optimizer: Optimizer, kind: Any, moments_dtype: torch.dtype, fused: bool | str | None) -> None:
-    """``master=kind.name`` with ``moments_dtype``: a kind without an FP32 tensor, or BF16
-    moments, needs a step kernel for this optimizer (there is no stock step for them)."""
-    from amp_plugin.master_weights._kernels import KERNELS
-
-    what = f"master={kind.name!r}" if moments_dtype is torch.float32 else f"master={kind.name!r} with BF16 moments"
+def check_kind_possible(optimizer: Optimizer, kind: Any) -> None:
+    """``master=kind.name``: what the kind itself refuses (an FP16 parameter for the BF16-only kinds).
+    Every optimizer can take every kind and moments dtype: without a fitting kernel the wrapped
+    optimizer's own step runs over the FP32 values (``_own_step.py``)."""
     reason = kind.refusal(optimizer)
-    needs_kernel = not kind.has_fp32_tensor or moments_dtype is not torch.float32
-    if reason is None and needs_kernel:
-        fitting = [k for k in KERNELS if type(optimizer) in k.optimizers and kind.name in k.kinds]
-        if not fitting:
-            names = sorted({t.__name__ for k in KERNELS if kind.name in k.kinds for t in k.optimizers})
-            listed = " and ".join([", ".join(names[:-1]), names[-1]] if len(names) > 1 else names)
-            reason = f"its step kernels implement {listed} only, not {type(optimizer).__name__}"
-        else:
-            reasons = [k.ineligible(optimizer, True) for k in fitting]
-            reason = None if any(r is None for r in reasons) else reasons[0]
-        if reason is None:
-            reason = foreach_refusal(optimizer)
     if reason is not None:
-        raise ValueError(f"{what} is not possible here: {reason}. Use master='fp32' (with FP32 moments).")
+        raise ValueError(f"master={kind.name!r} is not possible here: {reason}. Use master='fp32'.")
 
 
 class FrozenMomentWarning(UserWarning):
@@ -99,7 +85,7 @@ def check_moments_rounding(optimizer: Optimizer, rounding: Any, moments_dtype: t
                     "shrink as training goes on. Use moments_rounding='stochastic' (the default) or FP32 moments "
                     "(moments_dtype=None).",
                     FrozenMomentWarning,
-                    stacklevel=4,
+                    stacklevel=3,  # the caller of the optimizer's constructor
                 )
                 return
 
@@ -196,5 +182,5 @@ def check_wrappable(
     kind = KINDS[master]
     if fused is True or fused == "torch":  # checked before the optimizer's parameters are swapped for masters
         check_fused_possible(optimizer, fused)
-    check_kind_possible(optimizer, kind, moments, fused)
+    check_kind_possible(optimizer, kind)
     return kind, moments

@@ -6,7 +6,8 @@ with, which step kernel runs, and the copy of the stepped masters into the model
 gradient, which :func:`to_fp32` copies and unscales where the kernel cannot read it.
 :func:`step_kernels` picks the kernels that may run (:mod:`amp_plugin.master_weights._kernels`),
 tried in order; without one, :func:`run_step` gives the masters their FP32 gradients and runs
-the wrapped optimizer's own ``step()``, then copies the stepped masters into the model.
+the wrapped optimizer's own ``step()`` over the masters' FP32 values
+(:mod:`amp_plugin.master_weights._own_step`), then copies the stepped masters into the model.
 """
 
 from __future__ import annotations
@@ -16,10 +17,12 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from amp_plugin import fused as _fused
+from amp_plugin.adam_rule import foreach_refusal
 from amp_plugin.dtypes import HALF_DTYPES
 from amp_plugin.fused import adam as _adam
 from amp_plugin.master_weights._grads import GradSession, eager_unscale, unscaled_copy
 from amp_plugin.master_weights._kernels import StepCall, StepKernel, choose
+from amp_plugin.master_weights._own_step import own_step
 from amp_plugin.master_weights._parameter import set_grad
 
 if TYPE_CHECKING:
@@ -34,8 +37,8 @@ def run_step(opt: MasterWeightOptimizer, session: GradSession, kwargs: dict[str,
     grads, pending = step_grads(opt, session)
     masters, models = opt._half_masters, opt._half_models
     kernels = step_kernels(opt, kwargs)
-    if kernels:
-        keys = opt._sr.keys(list(range(len(models)))) if opt._sr is not None else [0] * len(models)
+    # one draw per step whichever path runs, so every path (and a resumed run) rounds alike
+    keys = opt._sr.keys(list(range(len(models)))) if opt._sr is not None else [0] * len(models)
     for kernel in kernels:
         to_fp32(session, grads, pending, only_unreadable=not kernel.needs_half_grads_in_fp32)
         inv = session.inv_on(torch.device("cpu")) if not kernel.needs_half_grads_in_fp32 else None
@@ -64,40 +67,32 @@ def run_step(opt: MasterWeightOptimizer, session: GradSession, kwargs: dict[str,
         if grad is not None and master._amp_grad is not grad:
             set_grad(master, grad)
             touched.add(i)
-    result = opt.optimizer.step(**kwargs)
-    copy_into_model([(models[i], masters[i]) for i, grad in enumerate(grads) if grad is not None])
+    result = own_step(opt, grads, keys, lambda: opt.optimizer.step(**kwargs))
+    if opt._kind.has_fp32_tensor:
+        copy_into_model([(models[i], masters[i]) for i, grad in enumerate(grads) if grad is not None])
     record_versions(opt, grads)
     return result
 
 
 def step_kernels(opt: MasterWeightOptimizer, kwargs: dict[str, Any]) -> list[StepKernel]:
-    """The step kernels that may run this step, in order; empty: the wrapped optimizer's own step."""
-    stock = opt._kind.has_fp32_tensor and opt.moments_dtype is torch.float32
+    """The step kernels that may run this step, in order; empty: the wrapped optimizer's own step
+    (:mod:`amp_plugin.master_weights._own_step`), which every kind and moments dtype can take.
+
+    With ``fused=None``: FP32 masters with FP32 moments take a kernel only when the optimizer was
+    built with ``fused=True`` (otherwise the user chose torch's for-loop or foreach rule, or
+    another optimizer); the lean kinds and BF16 moments take the kernels for Adam/AdamW unless it
+    was built with ``foreach=True`` (whose roundings the fused rule would replace). Step keyword
+    arguments and the wrapped optimizer's own step hooks always send the step its own way."""
     if kwargs or _adam.has_step_hooks(opt.optimizer):
-        if stock:
-            return []
-        what = f"master={opt.master!r}" if not opt._kind.has_fp32_tensor else "moments_dtype=torch.bfloat16"
-        if kwargs:
-            raise TypeError(
-                f"step() got keyword arguments {sorted(kwargs)}, but with {what} the wrapped optimizer's "
-                "step() is not called (amp_plugin's Adam step runs instead), so there is nothing to pass them to."
-            )
-        raise RuntimeError(
-            f"The wrapped optimizer has step hooks, but with {what} its step() is not called, so they would "
-            "not run: register them on the MasterWeightOptimizer instead (opt.register_step_pre_hook / "
-            "register_step_post_hook)."
-        )
+        return []
     if opt._chosen is None:
-        all_cpu = opt._all_cpu()
-        if stock and opt.fused is None and not all(g.get("fused") for g in opt.param_groups):
-            opt._chosen = []  # the user chose torch's for-loop/foreach Adam (or another optimizer)
+        plain = opt._kind.has_fp32_tensor and opt.moments_dtype is torch.float32
+        if opt.fused is None and (
+            not all(g.get("fused") for g in opt.param_groups) if plain else foreach_refusal(opt.optimizer) is not None
+        ):
+            opt._chosen = []
         else:
-            opt._chosen = choose(opt.optimizer, opt.master, opt.fused, all_cpu, stock, _fused.kernels())
-    if not opt._chosen and not stock:
-        raise RuntimeError(
-            f"No step kernel can run master={opt.master!r} with moments_dtype={opt.moments_dtype} for "
-            f"{type(opt.optimizer).__name__} here (fused={opt.fused!r})."
-        )
+            opt._chosen = choose(opt.optimizer, opt.master, opt.fused, opt._all_cpu(), True, _fused.kernels())
     if opt._kernel_ops() is None:
         return [k for k in opt._chosen if k.name != "amp_plugin"]
     return opt._chosen

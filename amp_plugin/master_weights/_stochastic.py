@@ -24,11 +24,20 @@ rounds its elements with the bits of their index in the whole tensor (:func:`off
 
 from __future__ import annotations
 
+import zlib
 from typing import Any
 
 import torch
 
-__all__ = ["FREEZE_THRESHOLD", "SRGenerator", "moment_keys", "offset_key", "round_stochastic", "shared_seed"]
+__all__ = [
+    "FREEZE_THRESHOLD",
+    "SRGenerator",
+    "moment_keys",
+    "offset_key",
+    "round_stochastic",
+    "shared_seed",
+    "state_key",
+]
 
 _MASK32 = 0xFFFFFFFF
 _INDEX_MULTIPLIER = 0x9E3779B1
@@ -51,6 +60,17 @@ def _fmix32(h: int) -> int:
 def moment_keys(key: int) -> tuple[int, int]:
     """The keys of a tensor's ``exp_avg`` and ``exp_avg_sq`` roundings, from the tensor's key."""
     return _fmix32(key ^ _MOMENT_SALTS[0]), _fmix32(key ^ _MOMENT_SALTS[1])
+
+
+def state_key(key: int, name: str) -> int:
+    """The rounding key of the per-element state ``name`` of the tensor with ``key``: Adam's
+    moments get :func:`moment_keys`, any other state (``momentum_buffer``, ``square_avg``, ...)
+    a key salted with the CRC-32 of its name."""
+    if name == "exp_avg":
+        return moment_keys(key)[0]
+    if name == "exp_avg_sq":
+        return moment_keys(key)[1]
+    return _fmix32(key ^ zlib.crc32(name.encode()))
 
 
 def offset_key(key: int, offset: int) -> int:

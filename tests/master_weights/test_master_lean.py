@@ -15,7 +15,9 @@ from amp_plugin.master_weights import FrozenMomentWarning, MasterRoundingWarning
 from amp_plugin.master_weights._stochastic import SRGenerator, round_stochastic
 
 BF16 = torch.bfloat16
-PATHS = [None, "torch", False]  # amp_plugin's CPU kernel, torch's multi-tensor kernels, the torch-ops fallback
+# amp_plugin's CPU kernel, torch's multi-tensor kernels, the wrapped optimizer's own step over the FP32 values
+# (the general path: the oracles' fused rule because the optimizers here are built with fused=True)
+PATHS = [None, "torch", False]
 
 
 def model(seed=0):
@@ -37,7 +39,9 @@ def grads_for(net, step, scale=1.0):
 
 
 def adamw(params):
-    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+    """AdamW with torch's fused rule (the oracles'), so the general path (``fused=False``, its own
+    step) gives the kernels' bits too."""
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, fused=True)
 
 
 def oracle(net, steps, moments=BF16, seed=None):
@@ -156,7 +160,11 @@ def test_stochastic_updates_too_small_for_bf16_land_on_average():
 def train_stochastic(seed, steps=5, fused=None, start=None):
     net = model()
     opt = MasterWeightOptimizer(
-        torch.optim.AdamW(net.parameters(), lr=1e-3), fused=fused, master="stochastic", moments_dtype=BF16, sr_seed=seed
+        torch.optim.AdamW(net.parameters(), lr=1e-3, fused=True),
+        fused=fused,
+        master="stochastic",
+        moments_dtype=BF16,
+        sr_seed=seed,
     )
     for step in range(steps):
         grads_for(net, step)
@@ -256,11 +264,24 @@ def test_an_fp32_checkpoint_into_stochastic_says_the_masters_were_rounded():
 
 def test_the_fused_update_rule_is_not_put_in_place_of_foreach_adam():
     """fused=True used to run torch's fused update for Adam(foreach=True): masters differing from
-    foreach Adam's in some elements every step, silently."""
-    for kwargs in (dict(fused=True), dict(fused="torch"), dict(master="bf16_split"), dict(moments_dtype=BF16)):
+    foreach Adam's in some elements every step, silently. Asking for a fused kernel is refused; the
+    lean kinds and BF16 moments take the optimizer's own (foreach) step instead."""
+    for kwargs in (dict(fused=True), dict(fused="torch")):
         with pytest.raises(ValueError, match="foreach=True.*fused Adam update.*fused=True"):
             MasterWeightOptimizer(torch.optim.Adam(model().parameters(), foreach=True), **kwargs)
     MasterWeightOptimizer(torch.optim.Adam(model().parameters(), foreach=True))  # its own step: fine
+    net = model()
+    opt = MasterWeightOptimizer(torch.optim.AdamW(net.parameters(), lr=1e-2, foreach=True), master="bf16_split")
+    ref = [p.detach().float().clone().requires_grad_() for p in model().parameters()]
+    ref_opt = torch.optim.AdamW(ref, lr=1e-2, foreach=True)
+    for step in range(4):
+        grads_for(net, step)
+        for p, q in zip(ref, net.parameters()):
+            p.grad = q.grad.float()
+        opt.step()
+        ref_opt.step()
+    halves = [p for p, q in zip(ref, net.parameters()) if q.dtype == BF16]
+    assert all(torch.equal(a, b) for a, b in zip(opt.fp32_masters(), halves))  # foreach AdamW's bits
 
 
 def test_bad_arguments_name_what_is_allowed():
@@ -268,8 +289,6 @@ def test_bad_arguments_name_what_is_allowed():
         MasterWeightOptimizer(adamw(model().parameters()), moments_dtype=torch.float16)
     with pytest.raises(ValueError, match="sr_seed=1 is not allowed with master='fp32'"):
         MasterWeightOptimizer(adamw(model().parameters()), sr_seed=1)
-    with pytest.raises(ValueError, match="master='stochastic' is not possible here: .*Adam and AdamW only, not SGD"):
-        MasterWeightOptimizer(torch.optim.SGD(model().parameters(), lr=0.1), master="stochastic")
     fp16 = torch.nn.Linear(2, 2).half()
     with pytest.raises(ValueError, match="master='stochastic' is not possible here: it needs a BF16 model"):
         MasterWeightOptimizer(torch.optim.AdamW(fp16.parameters()), master="stochastic")

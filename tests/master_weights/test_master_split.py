@@ -153,8 +153,6 @@ def test_a_write_to_the_model_clears_the_remainder():
 def test_refusals_name_the_reason():
     with pytest.raises(ValueError, match="master='bf16_split' is not possible here: it needs a BF16 model"):
         MasterWeightOptimizer(torch.optim.AdamW(torch.nn.Linear(2, 2).half().parameters()), master="bf16_split")
-    with pytest.raises(ValueError, match="master='bf16_split' is not possible here: .*Adam and AdamW only, not SGD"):
-        MasterWeightOptimizer(torch.optim.SGD(model().parameters(), lr=0.1), master="bf16_split")
     with pytest.raises(ValueError, match="master='bf16' is not allowed: master must be one of 'fp32', 'bf16_split'"):
         MasterWeightOptimizer(torch.optim.AdamW(model().parameters()), master="bf16")
     net = model()
@@ -162,7 +160,7 @@ def test_refusals_name_the_reason():
     with pytest.raises(ValueError, match="one master per parameter"):
         MasterWeightOptimizer(torch.optim.AdamW(net.parameters()))
     opt = MasterWeightOptimizer(torch.optim.AdamW(model().parameters()), master="bf16_split")
-    with pytest.raises(TypeError, match="keyword arguments"):
+    with pytest.raises(TypeError, match="tag"):  # passed to AdamW's own step, which takes no such argument
         opt.step(tag=1)
 
 
