@@ -182,7 +182,7 @@ def test_general_path_resumes_bit_for_bit_and_loads_across_kinds():
     resumed.load_state_dict(saved)
     run(resumed_model, resumed, range(3, 6))
     assert all(torch.equal(a, b) for a, b in zip(opt.fp32_masters(), resumed.fp32_masters()))
-    fp32_model, fp32_opt = build("fp32", None)
+    _, fp32_opt = build("fp32", None)
     fp32_opt.load_state_dict(saved)  # the split masters are exact FP32 values: nothing rounded
     assert all(torch.equal(a, b) for a, b in zip(fp32_opt.fp32_masters(), half.fp32_masters()))
 
