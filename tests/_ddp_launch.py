@@ -34,7 +34,11 @@ def assert_bitwise_equal(a: Any, b: Any, where: str = "") -> None:
     """``a`` and ``b`` equal bit for bit: tensors (dtype included) and the dicts, lists and tuples
     holding them (an optimizer's state dict, a list of weights), compared all the way down."""
     if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, where
+        if a.is_floating_point():  # the bits: -0.0 is not 0.0, a NaN equals the same NaN
+            bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+            a, b = a.view(bits), b.view(bits)
+        assert torch.equal(a, b), where
     elif isinstance(a, dict):
         assert isinstance(b, dict) and a.keys() == b.keys(), where
         for k in a:
