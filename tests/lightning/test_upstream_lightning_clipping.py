@@ -37,11 +37,10 @@ and "Adapted"):
   disabled scaler (scale 1.0) and ``bf16`` none unless given one, so the unscale test gives
   ``bf16``/``bf16_split`` a ``DynamicLossScaler`` (``"bf16-mixed"`` takes no scaler: upstream
   runs that test with ``"16-mixed"`` only).
-- Design difference: ``bf16_split`` steps Adam/AdamW only, with amp_plugin's kernel instead of
-  the wrapped optimizer's ``step`` (so it refuses ``step(pl_module=...)``): its unscale test uses
-  an AdamW (so does its ``test_gradient_clipping_by_value``, whose BoringModel has SGD) and
-  checks the clipped gradients after ``configure_gradient_clipping``, not again inside the step.
-  Its gradients are BF16 and clipped in BF16 (they are the step's).
+- ``bf16_split`` runs upstream's models as they are (the BoringModel's SGD, the test's own
+  optimizer subclass with ``step(pl_module=...)``): without a fused kernel for them the wrapped
+  optimizer's own step runs over the FP32 masters. Its gradients are BF16 and clipped in BF16
+  (they are the step's).
 """
 
 from __future__ import annotations
@@ -145,13 +144,6 @@ class ClipByNorm:
 class ClipByValue:
     """Upstream's ``TestModel`` of ``test_gradient_clipping_by_value`` (a BoringModel)."""
 
-    split = False  # bf16_split: AdamW instead of the BoringModel's SGD (Design difference)
-
-    def configure_optimizers(self):
-        if self.split:
-            return torch.optim.AdamW(self.parameters(), lr=0.1)
-        return super().configure_optimizers()
-
     def loss(self, preds, labels=None):
         return F.mse_loss(preds.float(), torch.ones_like(preds, dtype=torch.float32))  # Adapted: FP32 loss
 
@@ -195,7 +187,6 @@ def test_gradient_clipping_by_norm(pl, tmp_path, precision):
 def test_gradient_clipping_by_value(pl, tmp_path, precision):
     trainer = clipping_trainer(pl, precision, tmp_path, gradient_clip_algorithm="value", gradient_clip_val=1e-10)
     model = lightning_class(pl, type("TestModel", (ClipByValue,), {}), "boring")()
-    model.split = precision == "bf16_split"
     trainer.fit(model)
     assert model.assertion_called
     # the step's gradients hold upstream's 1e-10 (FP32 master gradients, with every master kind)
@@ -232,9 +223,8 @@ class TestPrecisionModel:
 
     __test__ = False
 
-    # set per run: the scale check (fp32: a disabled scaler, 1.0), and bf16_split's AdamW
+    # set per run: the scale check (fp32: a disabled scaler, 1.0)
     expect_scale = True
-    split = False
 
     def loss(self, preds, labels=None):
         return F.mse_loss(preds.float(), torch.ones_like(preds, dtype=torch.float32))
@@ -284,15 +274,10 @@ class TestPrecisionModel:
         assert not any(bool((m.grad.abs() > clip).any()) for m in masters_of(self.trainer))  # NaN stays NaN
 
     def optimizer_step(self, epoch, batch_idx, optimizer, closure, **_):
-        if self.split:
-            optimizer.step(closure)  # Design difference: bf16_split refuses step keyword arguments
-            return
         # pass self as a kwarg
         optimizer.step(closure, pl_module=self)
 
     def configure_optimizers(self):
-        if self.split:  # Design difference: bf16_split steps plain Adam/AdamW only
-            return torch.optim.AdamW(self.layer.parameters(), lr=0.1)
         return TestClippingOptimizer(self.layer.parameters(), lr=0.1)
 
 
@@ -301,7 +286,6 @@ class TestPrecisionModel:
 def test_amp_gradient_unscale(pl, tmp_path, precision, accum):
     model = lightning_class(pl, TestPrecisionModel, "boring")()
     model.expect_scale = precision != "fp32"
-    model.split = precision == "bf16_split"
     model.checks = {"hook": 0, "step": 0}
     model.finite_steps = 0
     trainer = quiet_trainer(
@@ -323,9 +307,8 @@ def test_amp_gradient_unscale(pl, tmp_path, precision, accum):
     # checked after super().configure_gradient_clipping at every step, overflowing ones included
     # (their module gradients held inf before the clip)...
     assert model.checks["hook"] == steps
-    # ...and again inside every step the scaler did not skip (not for bf16_split: its step is
-    # amp_plugin's kernel, not the optimizer's step method)
-    assert model.checks["step"] == (0 if precision == "bf16_split" else model.finite_steps)
+    # ...and again inside every step the scaler did not skip
+    assert model.checks["step"] == model.finite_steps
     scaler = trainer.precision_plugin.scaler
     if not isinstance(scaler, torch.amp.GradScaler):
         assert model.finite_steps == steps - scaler.skipped_steps

@@ -49,7 +49,6 @@ class Backboned:
         return F.cross_entropy(self(x).float(), y)
 
     def configure_optimizers(self):
-        # AdamW: bf16_split's fused step implements Adam/AdamW only
         return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=0.01)
 
     def train_dataloader(self):
