@@ -23,6 +23,7 @@ No Lightning import.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import Any, cast
 
@@ -35,6 +36,8 @@ from amp_plugin.adam_rule import as_float, foreach_refusal
 from amp_plugin.master_weights import (
     SRGenerator,
     check_moments_rounding,
+    lift_state,
+    lower_state,
     moment_keys,
     offset_key,
     round_stochastic,
@@ -57,9 +60,12 @@ class Bf16MomentsAdam(Optimizer):
     schedulers and ``torch.distributed.checkpoint`` see the same objects).
 
     Args:
-        optimizer: a ``torch.optim.Adam`` or ``AdamW`` over FP32 parameters (plain tensors or
-            FSDP2's DTensors) without ``amsgrad``, ``capturable``, ``differentiable`` or
-            ``foreach=True`` (this step runs torch's fused update rule, whose roundings differ).
+        optimizer: an optimizer over FP32 parameters (plain tensors or FSDP2's DTensors). A
+            ``torch.optim.Adam`` or ``AdamW`` without ``amsgrad``, ``capturable``, ``differentiable``
+            or ``foreach=True`` takes torch's fused update rule on FP32 temporaries of the moments;
+            any other (SGD with momentum, RMSprop, Adam with ``foreach``, a subclass) runs its own
+            ``step()`` with its per-element state (momentum buffers, ...) upcast for the step and
+            stored in BF16 after it, rounded the same way.
         bf16_params: the parameters whose moments are BF16; ``None``: all of them.
         moments_rounding: ``"stochastic"`` (default) or ``"nearest"`` (see
             :class:`~amp_plugin.MasterWeightOptimizer`; ``"nearest"`` warns where a beta freezes a moment).
@@ -67,8 +73,7 @@ class Bf16MomentsAdam(Optimizer):
             under ``torch.distributed``).
 
     Raises:
-        ValueError: another optimizer, an option the fused kernel lacks, or a parameter that is
-            not FP32.
+        ValueError: a parameter that is not FP32.
     """
 
     def __init__(
@@ -78,14 +83,17 @@ class Bf16MomentsAdam(Optimizer):
         moments_rounding: str = "stochastic",
         sr_seed: int | None = None,
     ) -> None:
-        why = _refusal(optimizer)
-        if why is not None:
-            raise ValueError(
-                f"optimizer={type(optimizer).__name__} cannot keep BF16 moments (moments='bf16'): {why}. "
-                "Use torch.optim.Adam or AdamW without amsgrad/capturable/differentiable, or a preset with "
-                "FP32 moments (precision='bf16')."
-            )
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.dtype != torch.float32:
+                    raise ValueError(
+                        f"optimizer={type(optimizer).__name__} cannot keep BF16 moments (moments='bf16'): a "
+                        f"parameter of shape {tuple(p.shape)} is {p.dtype}, not FP32 (the FP32 parameters are "
+                        "the master weights). Build the optimizer over the FP32 (sharded) parameters."
+                    )
         self.optimizer = optimizer
+        # why torch's fused Adam rule cannot run this optimizer (then its own step does), or None
+        self._own_rule = _fused_refusal(optimizer)
         self.defaults = optimizer.defaults
         everything = [p for g in optimizer.param_groups for p in g["params"]]
         chosen = everything if bf16_params is None else list(bf16_params)
@@ -139,6 +147,8 @@ class Bf16MomentsAdam(Optimizer):
     @override
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        if self._own_rule is not None:
+            return self._own_step(closure)
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -208,6 +218,31 @@ class Bf16MomentsAdam(Optimizer):
         self.optimizer._opt_called = True  # type: ignore[attr-defined]
         return loss
 
+    def _own_step(self, closure: Callable[[], float] | None) -> float | None:
+        """The wrapped optimizer's own step (SGD, RMSprop, Adam with foreach, ...), its BF16
+        per-element state upcast for it and stored in BF16 again after it. Its step hooks are this
+        wrapper's (shared), so they ran already: they are held back for the inner call."""
+        keys = self._step_keys()
+        lifted = []
+        position = 0
+        for group in self.param_groups:
+            for p in group["params"]:
+                if id(p) not in self._bf16:
+                    continue
+                position += 1
+                if p.grad is not None:
+                    lifted.append((p, position - 1, lift_state(self.state[p], p, BF16)))
+        inner = self.optimizer
+        hooks = inner._optimizer_step_pre_hooks, inner._optimizer_step_post_hooks
+        inner._optimizer_step_pre_hooks, inner._optimizer_step_post_hooks = OrderedDict(), OrderedDict()
+        try:
+            loss = inner.step(closure)
+        finally:
+            inner._optimizer_step_pre_hooks, inner._optimizer_step_post_hooks = hooks
+            for p, at, kept in lifted:
+                lower_state(self.state[p], p, BF16, kept, None if keys is None else keys[at], _flat_offset(p))
+        return loss
+
     def _step_keys(self) -> list[int] | None:
         """This step's rounding key of each BF16-moment parameter by its index among them (in
         param-group order, as :class:`~amp_plugin.MasterWeightOptimizer` keys its half-precision
@@ -274,15 +309,12 @@ def _flat_offset(p: torch.Tensor) -> int:
     return flat
 
 
-def _refusal(optimizer: Optimizer) -> str | None:
-    """Why ``optimizer`` cannot take this step, or ``None``."""
+def _fused_refusal(optimizer: Optimizer) -> str | None:
+    """Why torch's fused Adam rule cannot step ``optimizer`` (then its own step runs), or ``None``."""
     if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
-        return f"BF16 moments are implemented for Adam and AdamW only, not {type(optimizer).__name__}"
+        return f"{type(optimizer).__name__} is not Adam or AdamW"
     for group in optimizer.param_groups:
         for key in ("amsgrad", "capturable", "differentiable"):
             if group.get(key):
-                return f"{key}=True is not supported"
-        for p in group["params"]:
-            if p.dtype != torch.float32:
-                return f"a parameter of shape {tuple(p.shape)} is {p.dtype}, not FP32"
+                return f"{key}=True"
     return foreach_refusal(optimizer)

@@ -32,6 +32,7 @@ wrapper).
 
 from amp_plugin.master_weights._checkpoint import MasterRoundingWarning
 from amp_plugin.master_weights._grads import MasterGradWarning
+from amp_plugin.master_weights._low_state import lift_state, lower_state
 from amp_plugin.master_weights._optimizer import MasterWeightOptimizer
 from amp_plugin.master_weights._parameter import MasterParameter, is_wrapped
 from amp_plugin.master_weights._refusals import FrozenMomentWarning, check_moments_rounding
@@ -55,6 +56,8 @@ __all__ = [
     "SRGenerator",
     "check_moments_rounding",
     "is_wrapped",
+    "lift_state",
+    "lower_state",
     "moment_keys",
     "offset_key",
     "round_stochastic",

@@ -27,16 +27,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from amp_plugin.master_weights._stochastic import round_stochastic, state_key
+from amp_plugin.master_weights._low_state import lift_state, lower_state
 
 if TYPE_CHECKING:
     from amp_plugin.master_weights._optimizer import MasterWeightOptimizer
 
 __all__ = ["own_step"]
-
-
-def _per_element(value: Any, master: torch.Tensor) -> bool:
-    return torch.is_tensor(value) and value.is_floating_point() and value.dim() > 0 and value.shape == master.shape
 
 
 @torch.no_grad()
@@ -52,42 +48,21 @@ def own_step(
     lean = not kind.has_fp32_tensor
     low = opt.moments_dtype is not torch.float32
     placeholders: dict[int, torch.Tensor] = {}
-    stored: dict[tuple[int, str], torch.Tensor] = {}  # the BF16 state tensors, written into again
+    kept: dict[int, dict[str, torch.Tensor]] = {}  # the BF16 state tensors, written into again
     try:
         for i in stepped:
             if lean:
                 placeholders[i] = masters[i].data
                 masters[i].data = kind.step_value(models[i], records[i])
             if low:
-                state = opt.optimizer.state.get(masters[i], {})
-                for name, value in list(state.items()):
-                    if _per_element(value, masters[i]) and value.dtype is opt.moments_dtype:
-                        stored[(i, name)] = value
-                        state[name] = value.float()
+                kept[i] = lift_state(opt.optimizer.state[masters[i]], masters[i], opt.moments_dtype)
         result = step()
         for i in placeholders:
             kind.store(models[i], records[i], masters[i].data, keys[i])
     finally:
         for i, placeholder in placeholders.items():
             masters[i].data = placeholder
-        if low:
-            for i in stepped:
-                _store_state(opt, i, stored, keys[i])
+        for i in kept:
+            state = opt.optimizer.state[masters[i]]
+            lower_state(state, masters[i], opt.moments_dtype, kept[i], keys[i] if opt.sr_moments else None)
     return result
-
-
-def _store_state(opt: MasterWeightOptimizer, i: int, stored: dict[tuple[int, str], torch.Tensor], key: int) -> None:
-    """Put parameter ``i``'s per-element FP32 state back in ``opt.moments_dtype`` (BF16)."""
-    master = opt._half_masters[i]
-    state = opt.optimizer.state.get(master, {})
-    for name, value in list(state.items()):
-        if not _per_element(value, master) or value.dtype is opt.moments_dtype:
-            continue
-        out = stored.get((i, name))
-        if out is None:  # state the step created
-            out = torch.empty(value.shape, dtype=opt.moments_dtype, device=value.device)
-        if opt.sr_moments:
-            round_stochastic(value.float(), out, state_key(key, name))
-        else:
-            out.copy_(value)
-        state[name] = out

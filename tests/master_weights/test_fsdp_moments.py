@@ -108,7 +108,7 @@ def test_bf16_moments_give_the_oracle_and_resume_bit_for_bit():
     assert all(torch.equal(a, b) for a, b in zip(params, resumed_params))
 
 
-def test_fp32_moments_where_asked_and_other_optimizers_refused():
+def test_fp32_moments_where_asked_and_non_fp32_parameters_refused():
     params = [torch.nn.Parameter(v) for v in weights()]
     opt = Bf16MomentsAdam(torch.optim.Adam(params), bf16_params=params[:1])
     calls = []
@@ -118,12 +118,43 @@ def test_fp32_moments_where_asked_and_other_optimizers_refused():
     opt.step()
     assert [opt.state[p]["exp_avg"].dtype for p in params] == [BF16, torch.float32, torch.float32]
     assert len(calls) == 1  # the wrapped optimizer's step hooks run
-    with pytest.raises(ValueError, match="optimizer=SGD cannot keep BF16 moments.*Adam and AdamW only"):
-        Bf16MomentsAdam(torch.optim.SGD(params, lr=0.1))
-    with pytest.raises(ValueError, match="amsgrad=True is not supported"):
-        Bf16MomentsAdam(torch.optim.Adam(params, amsgrad=True))
-    with pytest.raises(ValueError, match="built with foreach=True"):
-        Bf16MomentsAdam(torch.optim.AdamW(params, foreach=True))
+    with pytest.raises(ValueError, match=r"a parameter of shape \(2,\) is torch.bfloat16, not FP32"):
+        Bf16MomentsAdam(torch.optim.SGD([torch.nn.Parameter(torch.zeros(2, dtype=BF16))], lr=0.1))
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-2),
+        lambda ps: torch.optim.RMSprop(ps, lr=1e-3, momentum=0.5),
+        lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=True),
+        lambda ps: torch.optim.Adam(ps, lr=1e-2, amsgrad=True),
+    ],
+    ids=["sgd", "rmsprop", "adamw_foreach", "adam_amsgrad"],
+)
+def test_any_optimizer_keeps_bf16_state_as_master_weight_optimizer_does_bit_for_bit(make):
+    """Optimizers torch's fused Adam rule cannot run take their own step, with their per-element
+    state in BF16: the same bits as MasterWeightOptimizer's general path with the same seed, and
+    the wrapped optimizer's step hooks run once per step."""
+    params = [torch.nn.Parameter(v) for v in weights()]
+    inner = make(params)
+    calls = []
+    inner.register_step_post_hook(lambda o, args, kwargs: calls.append(1))
+    opt = Bf16MomentsAdam(inner, sr_seed=6)
+    halves = [torch.nn.Parameter(v.to(BF16)) for v in weights()]
+    ref = MasterWeightOptimizer(make(halves), moments_dtype=BF16, sr_seed=6)
+    for step in range(5):
+        for i, (p, h) in enumerate(zip(params, halves)):
+            p.grad = grad(step, i, p.shape)
+            h.grad = p.grad.to(BF16)
+        opt.step()
+        ref.step()
+    assert calls == [1] * 5
+    for ours, theirs, master in zip(params, ref.fp32_masters(), ref.master_params()):
+        assert torch.equal(ours, theirs)
+        for key, value in opt.state[ours].items():
+            if torch.is_tensor(value) and value.dim() > 0:
+                assert value.dtype is BF16 and torch.equal(value, ref.state[master][key]), key
 
 
 def test_a_plain_adam_state_dict_keeps_the_rounding_seed_and_counter():
