@@ -33,7 +33,8 @@ update bit for bit. ``bf16_lean`` adds BF16 moments (``moments_dtype=torch.bfloa
 in FP32, rounded stochastically once when stored, so they decay as FP32 moments do at any beta).
 ``bf16_sr`` keeps no master: the BF16 weight is updated in
 FP32 and written back with stochastic rounding (``master="stochastic"``), plus BF16 moments.
-The three: Adam and AdamW only (see ``docs/master_weights.md``).
+The three take any optimizer: Adam/AdamW the fused step, the others their own step over the
+FP32 values (see ``docs/master_weights.md``).
 
 ``fp8`` is ``bf16`` with the GEMMs of ``nn.Linear`` layers in FP8 (E4M3 forward, E5M2 gradients by
 default), with per-tensor or row-wise scaling; its settings are an :class:`~amp_plugin.fp8.Fp8Recipe`
