@@ -8,8 +8,9 @@ gradients, rounded to the half type, into the module's ``p.grad``, so a module r
 FP32 run shows, within the half type's rounding. Neither runs otherwise: it costs the FP32 master
 gradients (made when shown) and a copy.
 
-Two things keep the module's ``p.grad`` and the masters' gradients in step (see
-``docs/lightning_hooks.md``):
+The mechanics are the core's (:mod:`amp_plugin.master_weights._shown`, also used after a plain
+loop's ``scaler.unscale_(opt)``); two things keep the module's ``p.grad`` and the masters'
+gradients in step (see ``docs/lightning_hooks.md``):
 
 - :meth:`ShownGrads.take_edits`: what a hook changed in the module's ``p.grad`` reaches the step,
   element by element. An element counts as changed when its value no longer equals the master
@@ -26,13 +27,9 @@ Two things keep the module's ``p.grad`` and the masters' gradients in step (see
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-from torch import Tensor
-
-from amp_plugin.master_weights import MasterWeightOptimizer
+from amp_plugin.master_weights import ShownGrads, show_unscaled
 
 __all__ = ["ShownGrads", "hooks_may_read_grads", "show_unscaled"]
 
@@ -52,73 +49,3 @@ def hooks_may_read_grads(model: Any) -> bool:
     return any(overrides(model, hook) for hook in _HOOKS) or any(
         overrides(cb, "on_before_optimizer_step") for cb in callbacks
     )
-
-
-@dataclass
-class ShownGrads:
-    """The module parameters whose ``p.grad`` shows the unscaled gradient, their masters, and
-    each shown gradient tensor with its version counter when it was written (to see an edit)."""
-
-    models: list[Tensor]
-    masters: list[Tensor]
-    shown: list[Tensor | None] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self._record()
-
-    @torch.no_grad()
-    def take_edits(self) -> None:
-        """Hand what a hook changed in the module's ``p.grad`` to the step (module docstring)."""
-        for i, (model_p, master) in enumerate(zip(self.models, self.masters)):
-            grad = model_p.grad
-            if grad is self.shown[i] and (grad is None or grad._version == self.versions[i]):
-                continue  # not written since shown
-            if grad is None:
-                master.grad = None  # left out of the step, as an FP32 parameter would be
-                continue
-            master_grad = master.grad
-            if master_grad is None or master_grad.is_sparse or grad.is_sparse or grad.shape != master_grad.shape:
-                continue
-            changed = grad != master_grad.to(grad.dtype)  # NaN counts as changed: taking it changes nothing
-            # no host sync (no `if changed.any()`): one more pass over a tensor a hook wrote
-            master_grad.copy_(torch.where(changed, grad.to(master_grad.dtype), master_grad))
-        self._record()
-
-    @torch.no_grad()
-    def show_again(self) -> None:
-        """Write the masters' gradients as they are now (clipped) into the module's ``p.grad``."""
-        models, grads = [], []
-        for model_p, master in zip(self.models, self.masters):
-            master_grad = master.grad
-            if model_p.grad is None or master_grad is None or master_grad.is_sparse:
-                continue
-            models.append(model_p.grad)
-            grads.append(master_grad)
-        if grads:
-            torch._foreach_copy_(models, grads)
-        self._record()
-
-    def _record(self) -> None:
-        self.shown = [p.grad for p in self.models]
-        self.versions = [0 if g is None else g._version for g in self.shown]
-
-
-@torch.no_grad()
-def show_unscaled(optimizer: MasterWeightOptimizer) -> ShownGrads:
-    """Write the unscaled gradients of ``optimizer``'s half-precision parameters into their ``p.grad``."""
-    models, masters, model_grads, grads = [], [], [], []
-    for model_p, master in zip(optimizer.model_params(), optimizer.master_params()):
-        model_grad = model_p.grad
-        if model_p is master or model_grad is None or model_grad.is_sparse:
-            continue
-        fp32 = master.grad  # made here, from the still scaled model gradient
-        if fp32 is None or fp32.is_sparse:
-            continue
-        models.append(model_p)
-        masters.append(master)
-        model_grads.append(model_grad)
-        grads.append(fp32)
-    if grads:
-        torch._foreach_copy_(model_grads, grads)
-    return ShownGrads(models, masters)

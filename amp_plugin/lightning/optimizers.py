@@ -76,6 +76,7 @@ def wrap_optimizers(
                 moments_dtype=moments,
                 accumulate_fp32=not single,
                 moments_rounding=settings.moments_rounding,
+                unscaled_model_grads=False,  # the plugin shows them where a hook may read them (model_grads.py)
             )
             for o in optimizers
         ]

@@ -36,6 +36,7 @@ from amp_plugin.master_weights._low_state import lift_state, lower_state
 from amp_plugin.master_weights._optimizer import MasterWeightOptimizer
 from amp_plugin.master_weights._parameter import MasterParameter, is_wrapped
 from amp_plugin.master_weights._refusals import FrozenMomentWarning, check_moments_rounding
+from amp_plugin.master_weights._shown import ShownGrads, show_unscaled
 from amp_plugin.master_weights._stochastic import (
     FREEZE_THRESHOLD,
     SRGenerator,
@@ -54,6 +55,7 @@ __all__ = [
     "MasterRoundingWarning",
     "MasterWeightOptimizer",
     "SRGenerator",
+    "ShownGrads",
     "check_moments_rounding",
     "is_wrapped",
     "lift_state",
@@ -62,5 +64,6 @@ __all__ = [
     "offset_key",
     "round_stochastic",
     "shared_seed",
+    "show_unscaled",
     "state_key",
 ]

@@ -59,6 +59,11 @@ class _Sum:
         self.value = self.mark = None
         self.waiting = False
 
+    def __reduce__(self) -> tuple[type, tuple[()]]:
+        """A copy (pickling, ``copy.deepcopy`` of the optimizer) starts with no window under way: the
+        hooks, the window and the holders belong to the original's autograd graph."""
+        return (_Sum, ())
+
 
 def attach(param: torch.Tensor, record: Any, holder: Any, keep: list[Any]) -> None:
     """Give ``param`` (a half-precision leaf) its accumulation hooks, keeping the sum in

@@ -18,6 +18,7 @@ Everything is dropped when the step ends (or on ``zero_grad``, or at the next un
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -204,6 +205,22 @@ class GradSession:
         self.touched.add(index)
         return out
 
+    def materialize_all(self) -> None:
+        """Make every pending master gradient ahead, one multi-tensor copy-and-unscale per device
+        (reads then hand them out without an op per tensor); sparse or strided ones stay pending."""
+        masters = self.owner._half_masters
+        batch: dict[torch.device, list[int]] = {}
+        for i, grad in enumerate(self.grads):
+            pending = masters[i]._amp_pending
+            if grad is None or pending is None or pending[0] is not self or i in self.eager:
+                continue
+            if grad.is_sparse or not grad.is_contiguous() or grad.dtype not in HALF_DTYPES or self.changed(i, grad):
+                continue
+            batch.setdefault(grad.device, []).append(i)
+        for device, index in batch.items():
+            copies = eager_unscale([self.grads[i] for i in index], self.inv_on(device), None, self.ops)  # type: ignore[misc]
+            self.eager.update(zip(index, copies))
+
     def override(self, index: int) -> None:
         """User code set ``master.grad`` (pending until then): the step uses the slot."""
         self.touched.add(index)
@@ -234,7 +251,10 @@ def begin_session(
     end_session(opt)
     grads = [p.grad for p in opt._half_models]
     session = opt._session = GradSession(opt, inv_scale_on, grads, opt._kernel_ops())
+    owner = weakref.ref(opt)
     for i, (master, grad) in enumerate(zip(opt._half_masters, grads)):
+        # a master in several optimizers answers to the one stepping now: its grad reads are this session's
+        master._amp_owner = owner
         if master._amp_grad is not None:  # set outside a step: the model's gradient replaces it
             set_grad(master, None)
         master._amp_pending = None if grad is None else (session, i)
@@ -255,6 +275,7 @@ def take_sum(session: GradSession, index: int, grad: torch.Tensor | None) -> Non
 def end_session(opt: MasterWeightOptimizer) -> None:
     """End ``opt``'s step gradients, if a session is under way (see :meth:`GradSession.end`)."""
     session, opt._session = opt._session, None
+    opt._shown = None
     if session is not None:
         session.end()
 

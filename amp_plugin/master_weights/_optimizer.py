@@ -17,6 +17,7 @@ from amp_plugin.master_weights._grads import GradSession, begin_session, clear_g
 from amp_plugin.master_weights._kernels import StepKernel
 from amp_plugin.master_weights._parameter import WRAPPED, Record, resync
 from amp_plugin.master_weights._refusals import check_moments_rounding, check_wrappable
+from amp_plugin.master_weights._shown import ShownGrads, show_unscaled
 from amp_plugin.master_weights._step import run_step
 from amp_plugin.master_weights._stochastic import SRGenerator, shared_seed
 from amp_plugin.master_weights._unscale import unscale_grads
@@ -97,6 +98,12 @@ class MasterWeightOptimizer(Optimizer):
             half-precision parameter and backward; ``False`` leaves accumulation to autograd
             (in the half dtype), for a loop known to run one backward per step (the Lightning
             plugin passes ``False`` in automatic optimization with ``accumulate_grad_batches=1``).
+        unscaled_model_grads: after a loss scaler's ``unscale_(opt)``, the model's ``p.grad`` show
+            the unscaled gradients (rounded to their dtype), as ``torch.amp.GradScaler`` leaves an
+            FP32 model's, and what user code changes in them reaches the step, element by element
+            (the default). It costs the FP32 master gradients and a copy, once per explicit
+            ``unscale_``. ``False`` leaves the model's gradients scaled (the Lightning plugin shows
+            them itself where a hook may read them).
 
     Use it like the optimizer it wraps; a loss scaler's ``unscale_`` on it checks the model's
     half-precision gradients for inf/NaN and makes the unscaled FP32 master gradients
@@ -130,11 +137,15 @@ class MasterWeightOptimizer(Optimizer):
     backward (:mod:`amp_plugin.master_weights._accumulate`). Under DDP the all-reduced model
     gradient is used instead.
 
-    The model's gradients stay as backward left them: scaled. Changing them after
-    ``unscale_`` is almost always a mistake (``clip_grad_norm_(model.parameters())`` from
-    the plain-AMP recipe): the step warns once (:class:`MasterGradWarning`); it then uses a
-    master gradient that was already read as it is, and otherwise the changed model
-    gradient, still scaled. A sparse half gradient (``nn.Embedding(sparse=True)``) becomes a
+    The model's gradients. After a loss scaler's ``unscale_(opt)`` they show the unscaled
+    values (``unscaled_model_grads``), so torch's AMP recipe (``scaler.unscale_(opt);
+    clip_grad_norm_(model.parameters(), c); scaler.step(opt)``) trains as with an FP32 model:
+    the clip's edit reaches the FP32 master gradients where it changed a value. Without an
+    explicit ``unscale_`` (or with ``unscaled_model_grads=False``) they stay as backward left
+    them, scaled; changing them then after the step began (``sync_grads()``, a master
+    gradient read) is almost always a mistake: the step warns once (:class:`MasterGradWarning`);
+    it then uses a master gradient that was already read as it is, and otherwise the changed
+    model gradient, still scaled. A sparse half gradient (``nn.Embedding(sparse=True)``) becomes a
     coalesced sparse FP32 master gradient (duplicates summed in FP32), for optimizers that
     take sparse gradients (SGD, SparseAdam).
 
@@ -170,6 +181,7 @@ class MasterWeightOptimizer(Optimizer):
         sr_seed: int | None = None,
         accumulate_fp32: bool = True,
         moments_rounding: str = "stochastic",
+        unscaled_model_grads: bool = True,
     ) -> None:
         if not any(fused is mode or (isinstance(mode, str) and fused == mode) for mode in FUSED_MODES):
             raise TypeError(f"fused={fused!r} is not allowed: fused must be None (automatic), True, False or 'torch'.")
@@ -207,6 +219,10 @@ class MasterWeightOptimizer(Optimizer):
         self._session: GradSession | None = None
         if not isinstance(accumulate_fp32, bool):
             raise TypeError(f"accumulate_fp32={accumulate_fp32!r} is not allowed: it must be True or False.")
+        if not isinstance(unscaled_model_grads, bool):
+            raise TypeError(f"unscaled_model_grads={unscaled_model_grads!r} is not allowed: it must be True or False.")
+        self._unscaled_model_grads = unscaled_model_grads
+        self._shown: ShownGrads | None = None  # the model gradients shown unscaled since unscale_
         self._accumulate_fp32 = accumulate_fp32
         self._accumulators: list[Any] = []  # the hooked gradient accumulators it keeps alive (_accumulate.py)
         self._warned_grads = False
@@ -221,6 +237,9 @@ class MasterWeightOptimizer(Optimizer):
             "_optimizer_load_state_dict_post_hooks",
         ):
             setattr(self, name, OrderedDict())
+        # isinstance(wrapper, type(optimizer)) holds, as for Lightning's LightningOptimizer: a callback
+        # that checks for the user's class (BaseFinetuning, a scheduler factory) finds it
+        self.__class__ = _derived(type(self), type(optimizer))
         self._patch_step_function()
         for group in optimizer.param_groups:
             adopt_group(self, group)
@@ -284,7 +303,10 @@ class MasterWeightOptimizer(Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the model's gradients (set to ``None``, or zeroed in place) and drop the
-        masters' (transient) gradients."""
+        masters' (transient) gradients. A wrapped optimizer whose class overrides ``zero_grad``
+        gets it called first, as without the wrapper (torch's own has nothing left to do here)."""
+        if type(self.optimizer).zero_grad is not Optimizer.zero_grad:
+            self.optimizer.zero_grad(set_to_none=set_to_none)
         clear_grads(self, set_to_none)
 
     @torch.no_grad()
@@ -304,6 +326,14 @@ class MasterWeightOptimizer(Optimizer):
         it (one tensor per device, :func:`amp_plugin.scaling.unscale.record_amax`).
         """
         return unscale_grads(self, inv_scale_on, amax)
+
+    def show_unscaled_grads(self) -> None:
+        """Write the unscaled gradients into the model's ``p.grad`` (rounded to their dtype) and
+        take what user code changes there into the step (see ``unscaled_model_grads``); a loss
+        scaler's ``unscale_`` calls it. Nothing happens with ``unscaled_model_grads=False`` or
+        outside a step (before ``unscale_``)."""
+        if self._unscaled_model_grads and self._session is not None:
+            self._shown = show_unscaled(self)
 
     def sync_grads(self) -> None:
         """Make the model's gradients the masters' gradients (no scaling, no inf check): read
@@ -345,6 +375,8 @@ class MasterWeightOptimizer(Optimizer):
         self._refresh_masters()
         if self._session is not None and self._session.auto:
             self._session.renew_all()  # a master gradient was read, then backward ran again: take the new ones
+        if self._shown is not None:
+            self._shown.take_edits()  # what user code changed in the unscaled model gradients
         try:
             result = run_step(self, self._session or begin_session(self, None), kwargs)
         finally:
@@ -367,10 +399,22 @@ class MasterWeightOptimizer(Optimizer):
         _checkpoint.load_state_dict(self, state_dict)
 
     def __repr__(self) -> str:
-        return f"MasterWeightOptimizer({self.optimizer!r})"
+        return f"{type(self).__name__}({self.optimizer!r})"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled and copied by the wrapped optimizer's class: the class that makes ``isinstance``
+        hold is built at run time (:func:`_derived`), so pickle cannot name it."""
+        base = getattr(type(self), "_amp_base", type(self))
+        return (_restore, (base, type(self.optimizer), self.__getstate__()))
 
     def __getstate__(self) -> dict[str, Any]:
-        return self.__dict__.copy()
+        """A copy (``copy.deepcopy``, pickling for ``ddp_spawn``) leaves out what lives for one step
+        (the gradient session, which holds the fused kernels' op namespace, and the shown model
+        gradients), the step kernels chosen (worked out again at the next step) and autograd's
+        gradient accumulators it keeps alive (nodes of the original's graph, which no copy has)."""
+        state = self.__dict__.copy()
+        state.update(_session=None, _shown=None, _chosen=None, _accumulators=[])
+        return state
 
     # ------------------------------------------------------------------ internals: gradients (_grads.py, _unscale.py)
     def _warn_grads_changed(self) -> None:
@@ -391,3 +435,29 @@ class MasterWeightOptimizer(Optimizer):
         for model_p, record in zip(self._half_models, self._records):
             if model_p._version != record.version or model_p.data_ptr() != record.ptr:
                 resync(model_p, record)
+
+
+_DERIVED: dict[tuple[type, type], type] = {}
+
+
+def _derived(base: type, inner: type) -> type:
+    """``base`` (``MasterWeightOptimizer``, or a subclass) also deriving from the wrapped optimizer's
+    class, under ``base``'s name: ``base``'s methods win, ``isinstance(wrapper, inner)`` holds."""
+    base = getattr(base, "_amp_base", base)
+    if issubclass(base, inner):
+        return base
+    cls = _DERIVED.get((base, inner))
+    if cls is None:
+        namespace = {"__module__": base.__module__, "__qualname__": base.__qualname__, "_amp_base": base}
+        cls = _DERIVED[(base, inner)] = type(base.__name__, (base, inner), namespace)
+    return cls
+
+
+def _restore(base: type, inner: type, state: dict[str, Any]) -> MasterWeightOptimizer:
+    """A wrapper from :meth:`MasterWeightOptimizer.__reduce__`'s state."""
+    obj: MasterWeightOptimizer = object.__new__(_derived(base, inner))
+    obj.__dict__.update(state)
+    for model_p, record in zip(obj._half_models, obj._records):
+        # the copied parameters are new tensors (version 0, another address): in sync with their masters
+        record.version, record.ptr = model_p._version, model_p.data_ptr()
+    return obj

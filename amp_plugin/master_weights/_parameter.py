@@ -71,7 +71,7 @@ class MasterParameter(torch.nn.Parameter):
     """
 
     _amp_model: Any  # weakref.ref to the model parameter
-    _amp_owner: Any  # weakref.ref to the MasterWeightOptimizer that last adopted it
+    _amp_owner: Any  # weakref.ref to the MasterWeightOptimizer that adopted it or began a step with it last
     _amp_pending: tuple[_Session, int] | None
     _amp_grad: torch.Tensor | None  # what the grad slot holds, as this class wrote it (read without a C call)
 

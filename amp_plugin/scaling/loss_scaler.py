@@ -133,9 +133,13 @@ class LossScaler(SavedState, Retries):
         An optimizer that owns master copies (:class:`~amp_plugin.MasterWeightOptimizer`)
         does it through its ``unscale_grads_``: it checks its model's half-precision
         gradients, which stay scaled, and from then until the step its masters' ``.grad`` are
-        the unscaled FP32 gradients (made when read). Other optimizers are unscaled in place.
-        Call it at most once per optimizer between ``update()`` calls (for example before
-        clipping).
+        the unscaled FP32 gradients (made when read); then (unless built with
+        ``unscaled_model_grads=False``) its model's ``p.grad`` show the unscaled gradients too,
+        rounded to their dtype, and in-place edits of them (torch's AMP recipe:
+        ``clip_grad_norm_(model.parameters(), c)``) reach the step
+        (:meth:`~amp_plugin.MasterWeightOptimizer.show_unscaled_grads`). Other optimizers are
+        unscaled in place. Call it at most once per optimizer between ``update()`` calls (for
+        example before clipping).
 
         When the policy uses the gradients' amax (``DynamicLossScaler(early_growth_interval=N)``)
         the same call measures it on the still scaled gradients, on the device (torch's
@@ -147,6 +151,14 @@ class LossScaler(SavedState, Retries):
         gets its FP32 master gradients copied from the model (``sync_grads()``), so clipping
         ``opt.master_params()`` works the same whether scaling is on or off.
         """
+        self._unscale(optimizer)
+        show = getattr(optimizer, "show_unscaled_grads", None)
+        if show is not None and self._enabled:
+            show()
+
+    def _unscale(self, optimizer: torch.optim.Optimizer) -> None:
+        """:meth:`unscale_` without showing a master-weight optimizer's unscaled gradients in its
+        model (what ``step()`` runs when nobody unscaled: then nothing reads the model's gradients)."""
         if not self._enabled:
             sync = getattr(optimizer, "sync_grads", None)
             if sync is not None:
@@ -201,7 +213,7 @@ class LossScaler(SavedState, Retries):
         if getattr(optimizer, "_step_supports_amp_scaling", False):
             return step_scaling_aware(self, optimizer, state, args, kwargs)
         if state.stage is Stage.READY:
-            self.unscale_(optimizer)
+            self._unscale(optimizer)
         found = self._found_inf_host(state)
         state.stage = Stage.STEPPED
         self._record_step(found, optimizer)

@@ -64,10 +64,11 @@ def half_masters(opt):
 def test_the_fused_step_never_stores_an_fp32_gradient(mode):
     """Unscale + step on the kernel path allocate nothing the size of a gradient (the base
     design kept an FP32 buffer per master: 4 bytes per parameter), and leave no master
-    gradient behind."""
+    gradient behind. (With ``unscaled_model_grads=False``: by default an explicit ``unscale_``
+    shows the unscaled gradients in the model, which needs them in FP32.)"""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 256)).half()
-    opt = MasterWeightOptimizer(adamw(model.parameters()), fused=mode)
+    opt = MasterWeightOptimizer(adamw(model.parameters()), fused=mode, unscaled_model_grads=False)
     scaler = DynamicLossScaler(init_scale=4.0)
     for step in range(3):
         scaler.scale(model(torch.randn(4, 256).half()).float().sum()).backward()
@@ -97,9 +98,9 @@ def test_master_grads_are_unscaled_fp32_from_unscale_to_step_then_freed(mode):
     for m, r in zip(opt.master_params(), ref.parameters()):
         assert m.grad.dtype == torch.float32 and torch.equal(m.grad, r.grad)
         assert m.grad is m.grad  # one tensor, kept until the step
-    for p, (g, version) in zip(half.parameters(), model_grads):
-        if p.dtype == torch.float16:  # only read (the FP32 LayerNorm's are unscaled in place)
-            assert p.grad is g and g._version == version
+    for p, (g, _), m in zip(half.parameters(), model_grads, opt.master_params()):
+        if p.dtype == torch.float16:  # the same tensor, showing the unscaled gradient rounded to FP16
+            assert p.grad is g and torch.equal(g, m.grad.to(torch.float16))
     scaler.step(opt)
     scaler.update()
     assert all(GRAD_SLOT.__get__(m) is None for m in half_masters(opt))
@@ -181,11 +182,12 @@ def test_without_a_scaler_the_step_reads_the_model_grads(mode):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_a_model_grad_changed_after_unscale_warns_and_is_used_unless_its_master_was_read(mode):
-    """The documented rule, the same on every path: a master gradient read before the
-    change is used as read; otherwise the step reads the changed model gradient (still
-    scaled)."""
+    """The documented rule with ``unscaled_model_grads=False``, the same on every path: a master
+    gradient read before the change is used as read; otherwise the step reads the changed model
+    gradient (still scaled)."""
     ref, half = twins()
-    ref_opt, opt = adamw(ref.parameters()), MasterWeightOptimizer(adamw(half.parameters()), fused=mode)
+    ref_opt = adamw(ref.parameters())
+    opt = MasterWeightOptimizer(adamw(half.parameters()), fused=mode, unscaled_model_grads=False)
     scaler = DynamicLossScaler(init_scale=2.0**8)
     set_grads(ref, half, 0, scaler.get_scale())
     scaler.unscale_(opt)

@@ -87,10 +87,12 @@ def test_the_multi_tensor_path_runs_torch_kernels_not_the_wrapped_step(monkeypat
     assert len(calls) == 2
 
 
-def top_level_ops(n_layers, mode="torch"):
+def top_level_ops(n_layers, mode="torch", show=False):
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(n_layers)]).half()
-    opt = MasterWeightOptimizer(torch.optim.AdamW(model.parameters(), fused=True), fused=mode)
+    opt = MasterWeightOptimizer(
+        torch.optim.AdamW(model.parameters(), fused=True), fused=mode, unscaled_model_grads=show
+    )
     scaler = DynamicLossScaler(init_scale=4.0)
     counts = None
     for _ in range(2):  # the second step: state exists
@@ -122,6 +124,7 @@ def test_the_number_of_kernel_launches_does_not_grow_with_the_parameters(mode):
     Python (multi-tensor ops; per-tensor work stays inside them)."""
     few, many = top_level_ops(1, mode), top_level_ops(6, mode)
     assert few == many
+    assert top_level_ops(1, mode, show=True) == top_level_ops(6, mode, show=True)  # unscaled grads shown too
     if mode == "torch":
         assert few["aten::_fused_adamw_"] == 1 and few["aten::_foreach_copy_"] == 1  # Adam, the copy back
         assert few["aten::_foreach_mul"] == 1  # the FP32 copies of the half gradients

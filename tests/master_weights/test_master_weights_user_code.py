@@ -335,13 +335,58 @@ def clip_setup():
     )
 
 
-def test_clipping_the_model_grads_after_unscale_warns_once_with_the_fix():
-    ref, half, _, opt = clip_setup()
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw_fused"])
+@pytest.mark.parametrize("fused", [None, False])
+def test_torch_amp_recipe_clipping_the_model_grads_after_unscale_trains_as_fp32(fused, optimizer):
+    """torch's AMP recipe verbatim, ``scaler.unscale_(opt); clip_grad_norm_(model.parameters(), c);
+    scaler.step(opt)``: after ``unscale_`` the model's gradients show the unscaled values, the clip
+    acts on them, and the step follows the FP32 run (unscaled FP32 gradients clipped, what
+    torch.amp.GradScaler leaves an FP32 model) within FP16 rounding of the clipped gradient; no
+    warning. It used to clip by the norm of the still scaled gradients: updates 256x too small."""
+
+    def make(params):
+        if optimizer == "sgd":
+            return torch.optim.SGD(params, lr=0.5)
+        return torch.optim.AdamW(params, lr=1e-3, fused=True)
+
+    ref, half = twin_models()
+    ref_opt = make(ref.parameters())
+    opt = MasterWeightOptimizer(make(half.parameters()), fused=fused)
+    scaler = DynamicLossScaler(init_scale=2.0**8)
+    for step in range(3):
+        before = [m.detach().clone() for m in opt.master_params()]
+        set_grads(ref, half, step, scale=scaler.get_scale())
+        scaler.unscale_(opt)
+        for p in half.parameters():  # what the model shows is unscaled, as GradScaler leaves an FP32 model
+            assert p.grad.abs().max() < 1
+        for model in (half, ref):
+            assert torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3) > 1e-3  # it clipped, by the true norm
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            scaler.step(opt)
+        scaler.update()
+        ref_opt.step()
+        for m, r, b in zip(opt.master_params(), ref.parameters(), before):
+            update, ref_update = m.detach() - b, r.detach() - b
+            if optimizer == "sgd":  # the step's gradient is the clipped one rounded to FP16 once (the edit's value)
+                torch.testing.assert_close(update, ref_update, rtol=2e-3, atol=1e-8)
+            else:  # Adam normalizes: FP16's subnormal rounding of the tiniest clipped elements shows, not the scale
+                assert abs(float(update.norm() / ref_update.norm()) - 1) < 0.01
+            r.data.copy_(m.detach())  # both go on from the same values
+        opt.zero_grad()
+        ref_opt.zero_grad()
+
+
+def test_an_edit_after_unscale_without_shown_grads_warns_once_with_the_fix():
+    """``unscaled_model_grads=False``: the model's gradients stay scaled, and changing them after
+    ``unscale_`` is the mistake the warning names."""
+    ref, half = twin_models()
+    opt = MasterWeightOptimizer(torch.optim.SGD(half.parameters(), lr=0.5), unscaled_model_grads=False)
     scaler = DynamicLossScaler(init_scale=2.0**8)
     for step in range(2):
         set_grads(ref, half, step, scale=scaler.get_scale())
         scaler.unscale_(opt)
-        torch.nn.utils.clip_grad_norm_(half.parameters(), 1e-3)  # the torch AMP recipe, on the model
+        torch.nn.utils.clip_grad_norm_(half.parameters(), 1e-3)
         if step == 0:
             with pytest.warns(MasterGradWarning, match=r"clip_grad_norm_\(optimizer.master_params\(\), max_norm\)"):
                 scaler.step(opt)
