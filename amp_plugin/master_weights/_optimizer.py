@@ -14,6 +14,7 @@ from amp_plugin import fused as _fused
 from amp_plugin.master_weights import _checkpoint
 from amp_plugin.master_weights._adopt import add_group, adopt_group
 from amp_plugin.master_weights._grads import GradSession, begin_session, clear_grads, end_session, warn_grads_changed
+from amp_plugin.master_weights._identity import derived, restore
 from amp_plugin.master_weights._kernels import StepKernel
 from amp_plugin.master_weights._parameter import WRAPPED, Record, resync
 from amp_plugin.master_weights._refusals import check_moments_rounding, check_wrappable
@@ -239,7 +240,7 @@ class MasterWeightOptimizer(Optimizer):
             setattr(self, name, OrderedDict())
         # isinstance(wrapper, type(optimizer)) holds, as for Lightning's LightningOptimizer: a callback
         # that checks for the user's class (BaseFinetuning, a scheduler factory) finds it
-        self.__class__ = _derived(type(self), type(optimizer))
+        self.__class__ = derived(type(self), type(optimizer))
         self._patch_step_function()
         for group in optimizer.param_groups:
             adopt_group(self, group)
@@ -403,9 +404,9 @@ class MasterWeightOptimizer(Optimizer):
 
     def __reduce__(self) -> tuple[Any, ...]:
         """Pickled and copied by the wrapped optimizer's class: the class that makes ``isinstance``
-        hold is built at run time (:func:`_derived`), so pickle cannot name it."""
+        hold is built at run time (:func:`~amp_plugin.master_weights._identity.derived`), so pickle cannot name it."""
         base = getattr(type(self), "_amp_base", type(self))
-        return (_restore, (base, type(self.optimizer), self.__getstate__()))
+        return (restore, (base, type(self.optimizer), self.__getstate__()))
 
     def __getstate__(self) -> dict[str, Any]:
         """A copy (``copy.deepcopy``, pickling for ``ddp_spawn``) leaves out what lives for one step
@@ -435,29 +436,3 @@ class MasterWeightOptimizer(Optimizer):
         for model_p, record in zip(self._half_models, self._records):
             if model_p._version != record.version or model_p.data_ptr() != record.ptr:
                 resync(model_p, record)
-
-
-_DERIVED: dict[tuple[type, type], type] = {}
-
-
-def _derived(base: type, inner: type) -> type:
-    """``base`` (``MasterWeightOptimizer``, or a subclass) also deriving from the wrapped optimizer's
-    class, under ``base``'s name: ``base``'s methods win, ``isinstance(wrapper, inner)`` holds."""
-    base = getattr(base, "_amp_base", base)
-    if issubclass(base, inner):
-        return base
-    cls = _DERIVED.get((base, inner))
-    if cls is None:
-        namespace = {"__module__": base.__module__, "__qualname__": base.__qualname__, "_amp_base": base}
-        cls = _DERIVED[(base, inner)] = type(base.__name__, (base, inner), namespace)
-    return cls
-
-
-def _restore(base: type, inner: type, state: dict[str, Any]) -> MasterWeightOptimizer:
-    """A wrapper from :meth:`MasterWeightOptimizer.__reduce__`'s state."""
-    obj: MasterWeightOptimizer = object.__new__(_derived(base, inner))
-    obj.__dict__.update(state)
-    for model_p, record in zip(obj._half_models, obj._records):
-        # the copied parameters are new tensors (version 0, another address): in sync with their masters
-        record.version, record.ptr = model_p._version, model_p.data_ptr()
-    return obj
