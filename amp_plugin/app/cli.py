@@ -22,6 +22,7 @@ Hydra's ``--config-dir DIR`` adds a directory of your own presets on top of thes
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from pathlib import Path
@@ -36,7 +37,7 @@ from amp_plugin.app.outcome import catch_sigterm, refused_jobs, report_end, rest
 from amp_plugin.app.schema import register_configs
 from amp_plugin.app.validation import ConfigError
 
-__all__ = ["RunDirGuard", "SweepFailures", "config_dir", "main", "run_job"]
+__all__ = ["LIGHTNING_LOGGERS", "RunDirGuard", "SweepFailures", "config_dir", "main", "route_lightning_logs", "run_job"]
 
 CONFIG_NAME = "train"
 
@@ -93,6 +94,21 @@ def check_environment() -> None:
             )
 
 
+LIGHTNING_LOGGERS = ("lightning", "lightning.pytorch", "lightning.fabric", "pytorch_lightning", "lightning_fabric")
+
+
+def route_lightning_logs() -> None:
+    """Lightning's log lines once, through Hydra's handlers (its console format and the job's
+    ``train.log``): Lightning gives its loggers console handlers of their own, which under Hydra
+    printed every INFO line a second time."""
+    for name in LIGHTNING_LOGGERS:
+        logger = logging.getLogger(name)
+        for handler in list(logger.handlers):
+            if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
+                logger.removeHandler(handler)
+        logger.propagate = True
+
+
 def run_job(cfg: DictConfig) -> dict[str, Any] | None:
     """The body of a Hydra job: check and train, and report bad input without a traceback.
 
@@ -112,6 +128,7 @@ def run_job(cfg: DictConfig) -> dict[str, Any] | None:
         settings = prepare(cfg)  # every check and the scaler, before importing Lightning: a typo fails fast
         from amp_plugin.app.run import train
 
+        route_lightning_logs()
         result = train(cfg, settings)
         return {k: v for k, v in result.items() if k not in ("trainer", "module", "plugin")}
     except BaseException as err:
