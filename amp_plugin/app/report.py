@@ -22,6 +22,7 @@ from typing_extensions import override
 
 from amp_plugin.app import plots
 from amp_plugin.app.rundir import FAILED_FILE, mark_failed
+from amp_plugin.fp8.select import describe_summary
 from amp_plugin.lightning.namespace import Callback
 
 if TYPE_CHECKING:
@@ -199,6 +200,8 @@ def summarize(run: Run, wall: float, metrics: Mapping[str, Any]) -> dict[str, An
             "sharded": plugin.sharded,
         },
         "scaler": settings.scaling,
+        # precision=fp8: how many linear layers ran in FP8, and why the others stayed BF16.
+        "fp8": plugin.fp8_layers.summary() if plugin.fp8_layers is not None else None,
         "seed": run.seed,
         "resumed_from": run.ckpt_path,
         "steps": steps,
@@ -319,6 +322,7 @@ def format_summary(summary: Mapping[str, Any]) -> str:
         f"  recipe       {summary['recipe']}",
         f"  precision    {summary['precision']}: {summary['plugin_settings']['describe']}",
         f"  compute      {summary['plugin_settings']['compute_path']}",
+        *([f"  fp8 layers   {describe_summary(summary['fp8'])}"] if summary.get("fp8") else []),
         *(
             [f"  strategy     {summary['strategy']['name']}, {summary['strategy']['processes']} processes"]
             if summary["strategy"]["processes"] > 1

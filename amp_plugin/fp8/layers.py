@@ -1,9 +1,10 @@
 """Converting a model's ``nn.Linear`` layers to FP8, and the step-level state of those layers.
 
 :func:`convert_to_fp8` swaps each eligible ``nn.Linear`` for an :class:`~amp_plugin.fp8.Fp8Linear`
-holding the same parameters and returns an :class:`Fp8Layers`, which does what happens once per
-optimizer step (the delayed scale update, the fallback rule), reads the statistics, and saves
-and restores the amax histories. A plain loop::
+(and each ``transformers``-style ``Conv1D`` for an :class:`~amp_plugin.fp8.Fp8Conv1D`) holding the
+same parameters and returns an :class:`Fp8Layers`, which does what happens once per optimizer step
+(the delayed scale update, the fallback rule), reads the statistics, says which layers run in FP8
+(:meth:`Fp8Layers.summary`), and saves and restores the amax histories. A plain loop::
 
     fp8 = convert_to_fp8(model, Fp8Recipe())
     for batch in data:
@@ -14,19 +15,28 @@ and restores the amax histories. A plain loop::
 
 from __future__ import annotations
 
-import fnmatch
 import logging
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from amp_plugin.fp8.linear import AMAX, FLUSHED, NUMEL, OPERANDS, SATURATED, Fp8Linear
+from amp_plugin.fp8.conv1d import Fp8Conv1D
+from amp_plugin.fp8.linear import AMAX, FLUSHED, NUMEL, OPERANDS, SATURATED, Fp8Linear, Fp8Module
 from amp_plugin.fp8.recipe import Fp8Recipe, compute_scale
+from amp_plugin.fp8.select import (
+    check_keep_bf16,
+    classify,
+    describe_summary,
+    layer_type,
+    reason_counts,
+    warn_if_nothing_converted,
+)
 
-__all__ = ["Fallback", "Fp8Layers", "Fp8Stat", "convert_to_fp8", "distributed_max", "eligible"]
+__all__ = ["Fallback", "Fp8Layers", "Fp8Stat", "convert_to_fp8", "distributed_max"]
 
 log = logging.getLogger("amp_plugin.fp8")
 
@@ -79,32 +89,16 @@ def _default_reduce(recipe: Fp8Recipe) -> Reduce | None:
     return None
 
 
-def eligible(model: nn.Module, recipe: Fp8Recipe) -> dict[str, str]:
-    """Each ``nn.Linear`` of ``model`` by qualified name: ``"fp8"``, or why it stays BF16."""
-    linears = [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear or isinstance(m, Fp8Linear)]
-    ends = {linears[0][0], linears[-1][0]} if linears and recipe.keep_first_last else set()
-    verdict = {}
-    for name, m in linears:
-        pattern = next((p for p in recipe.keep_bf16 if fnmatch.fnmatchcase(name, p)), None)
-        small = min(m.in_features, m.out_features) < recipe.min_features
-        odd = m.in_features % recipe.multiple_of or m.out_features % recipe.multiple_of
-        if name in ends:
-            verdict[name] = "first or last linear layer (keep_first_last)"
-        elif pattern is not None:
-            verdict[name] = f"matches keep_bf16 pattern {pattern!r}"
-        elif small:
-            verdict[name] = f"smaller than min_features={recipe.min_features}"
-        elif odd:
-            verdict[name] = f"features not a multiple of {recipe.multiple_of}"
-        else:
-            verdict[name] = "fp8"
-    return verdict
-
-
 def convert_to_fp8(model: nn.Module, recipe: Fp8Recipe | None = None, reduce: Reduce | None = None) -> Fp8Layers:
-    """Swap ``model``'s eligible ``nn.Linear`` layers (:func:`eligible`) for :class:`Fp8Linear`
-    in place; layers already converted are kept. Only exact ``nn.Linear`` instances convert
-    (subclasses such as attention's ``out_proj`` are read by other code).
+    """Swap ``model``'s eligible linear layers (:func:`~amp_plugin.fp8.eligible`) for FP8 ones in
+    place: ``nn.Linear`` -> :class:`Fp8Linear`, ``transformers``' ``Conv1D`` ->
+    :class:`~amp_plugin.fp8.Fp8Conv1D`, each holding the layer's own Parameters; layers already
+    converted are kept. Only exact ``nn.Linear`` instances convert (subclasses such as
+    attention's ``out_proj`` are read by other code).
+
+    A ``keep_bf16`` pattern that matches no linear layer is a ``ValueError`` naming it and the
+    layers there are; a model of which no layer converts gets a
+    :class:`~amp_plugin.fp8.Fp8NothingConvertedWarning`.
 
     Args:
         model: the model, whose parameters may already be BF16.
@@ -113,66 +107,112 @@ def convert_to_fp8(model: nn.Module, recipe: Fp8Recipe | None = None, reduce: Re
             ``torch.distributed`` runs more than one process and ``recipe.reduce_amax``.
     """
     recipe = recipe or Fp8Recipe()
-    for name, verdict in eligible(model, recipe).items():
-        if verdict != "fp8" or isinstance(model.get_submodule(name), Fp8Linear):
+    check_keep_bf16(model, recipe)
+    verdicts = classify(model, recipe)
+    for name, verdict in verdicts.items():
+        module = model.get_submodule(name)
+        if verdict.kind != "fp8" or isinstance(module, Fp8Module):
             continue
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
-        setattr(parent, child, Fp8Linear.from_linear(getattr(parent, child), recipe))
-    layers = {n: m for n, m in model.named_modules() if isinstance(m, Fp8Linear)}
-    return Fp8Layers(layers, recipe, reduce)
+        if type(module) is nn.Linear:
+            setattr(parent, child, Fp8Linear.from_linear(module, recipe))
+        else:
+            setattr(parent, child, Fp8Conv1D.from_conv1d(module, recipe))
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, Fp8Module)}
+    kinds = {n: "fp8" if n in layers else v.kind for n, v in verdicts.items()}  # converted before: FP8
+    warn_if_nothing_converted(kinds)
+    types = {n: layer_type(model.get_submodule(n)) for n in verdicts}
+    kept = {n: kind for n, kind in kinds.items() if kind != "fp8"}
+    return Fp8Layers(layers, recipe, reduce, kept=kept, types=types)
 
 
 class Fp8Layers:
     """The FP8 layers of a model, and what is done to them once per optimizer step.
 
     Args:
-        layers: the :class:`Fp8Linear` modules by qualified name.
+        layers: the FP8 layers (:class:`~amp_plugin.fp8.Fp8Module`) by qualified name.
         recipe: their recipe.
         reduce: an in-place max-reduction across ranks, or ``None`` (see :func:`convert_to_fp8`).
+        kept: the linear layers left in BF16 by name, with their reason (a key of
+            :data:`~amp_plugin.fp8.BF16_REASONS`); :func:`convert_to_fp8` fills it.
+        types: ``"Linear"`` or ``"Conv1D"`` per layer name (default: from the layers).
 
     Attributes:
-        steps: the :meth:`update` calls so far (optimizer steps).
+        steps: the :meth:`update` calls so far (optimizer steps, skipped ones included).
         fallbacks: the layers that went back to BF16, in order (:class:`Fallback`).
     """
 
-    def __init__(self, layers: dict[str, Fp8Linear], recipe: Fp8Recipe, reduce: Reduce | None = None) -> None:
+    def __init__(
+        self,
+        layers: Mapping[str, Fp8Module],
+        recipe: Fp8Recipe,
+        reduce: Reduce | None = None,
+        *,
+        kept: Mapping[str, str] | None = None,
+        types: Mapping[str, str] | None = None,
+    ) -> None:
         self.layers = dict(layers)
         self.recipe = recipe
         self.reduce = reduce if reduce is not None else _default_reduce(recipe)
+        self.kept = dict(kept or {})
+        self.types = {name: layer_type(m) for name, m in self.layers.items()}
+        self.types.update(types or {})
         self.steps = 0
         self.fallbacks: list[Fallback] = []
 
-    def active(self) -> list[Fp8Linear]:
+    def active(self) -> list[Fp8Module]:
         return [m for m in self.layers.values() if m.fp8_active]
 
     @torch.no_grad()
-    def update(self) -> None:
+    def update(self, skipped: bool = False) -> None:
         """End of an optimizer step: delayed scales from the amax histories (amaxes max-reduced
         across ranks first, in one collective), histories rolled, the fallback counters
-        advanced; every ``fallback_steps`` steps, one host read of those counters."""
+        advanced; every ``fallback_steps`` steps, one host read of those counters.
+
+        A step is dropped from a layer's FP8 state when one of the layer's amaxes of the step is
+        not finite (a NaN or inf batch; on any rank): its history is not rolled, its scales and
+        its fallback counter stay, as if the step had not happened (Transformer Engine's amax
+        reduction drops a NaN too). That is decided on the device, without a host sync.
+        ``skipped=True`` (the optimizer step was skipped, e.g. ``scaler.last_step_skipped``)
+        drops the step for every layer whatever its amaxes."""
         recipe = self.recipe
         active = self.active()
         self.steps += 1
         if not active:
             return
+        if skipped:
+            for m in active:
+                m.fp8_amax_history[0].zero_()
+                m.fp8_step_counts.zero_()
+                if m.fp8_fresh:  # as a layer that never stepped
+                    m.fp8_scale.fill_(1.0)
+            return
+        current = torch.stack([m.fp8_amax_history[0] for m in active])  # [layers, 3]
+        # NaN may not survive a MAX reduction (fmax semantics); inf does, so every rank agrees.
+        current = torch.where(torch.isfinite(current), current, torch.full_like(current, math.inf))
+        if recipe.scaling == "delayed" and self.reduce is not None:
+            self.reduce(current)
+        finite = ~torch.isinf(current).any(dim=1)  # [layers]: this step counts for the layer
         if recipe.scaling == "delayed":
-            current = torch.stack([m.fp8_amax_history[0] for m in active])  # [layers, 3]
-            if self.reduce is not None:
-                self.reduce(current)
-            for m, amax_now in zip(active, current):
+            for m, amax_now, ok in zip(active, current, finite):
                 history = m.fp8_amax_history
                 history[0] = amax_now
                 amax = history.amax(dim=0) if recipe.amax_compute_algo == "max" else history[0]
-                m.fp8_scale.copy_(compute_scale(amax, m.fp8_scale, m.fp8_max, recipe.margin, recipe.amax_floor))
-                history.copy_(history.roll(-1, dims=0))
+                scale = compute_scale(amax, m.fp8_scale, m.fp8_max, recipe.margin, recipe.amax_floor)
+                m.fp8_scale.copy_(torch.where(ok, scale, m.fp8_scale))
+                history.copy_(torch.where(ok, history.roll(-1, dims=0), history))
                 history[0].zero_()
-                m.fp8_fresh = False
-        if recipe.fallback_steps:
+            self._end_fresh(active, finite)
+        else:
             for m in active:
+                m.fp8_amax_history[0].zero_()
+        if recipe.fallback_steps:
+            for m, ok in zip(active, finite):
                 counts = m.fp8_step_counts
                 above = (counts[:, 0] > recipe.fallback_saturation * counts[:, 1]).any()
-                m.fp8_over_steps.copy_(torch.where(above, m.fp8_over_steps + 1, torch.zeros_like(m.fp8_over_steps)))
+                advanced = torch.where(above, m.fp8_over_steps + 1, torch.zeros_like(m.fp8_over_steps))
+                m.fp8_over_steps.copy_(torch.where(ok, advanced, m.fp8_over_steps))
                 counts.zero_()
             if self.steps % recipe.fallback_steps == 0:
                 self._check_fallbacks(active)
@@ -180,7 +220,47 @@ class Fp8Layers:
             for m in active:
                 m.fp8_step_counts.zero_()
 
-    def _check_fallbacks(self, active: list[Fp8Linear]) -> None:
+    @staticmethod
+    def _end_fresh(active: list[Fp8Module], finite: Tensor) -> None:
+        """A layer's first counted step ends its fresh start (casts with each tensor's own amax).
+        Read on the host while some layer is fresh: the first update(s) only."""
+        fresh = [(m, i) for i, m in enumerate(active) if m.fp8_fresh]
+        if not fresh:
+            return
+        counted = finite.tolist()
+        for m, i in fresh:
+            if counted[i]:
+                m.fp8_fresh = False
+            else:  # its only step was dropped: start again as a layer that never stepped
+                m.fp8_scale.fill_(1.0)
+
+    # ------------------------------------------------------------------ what runs in FP8
+    def summary(self) -> dict[str, Any]:
+        """Which linear layers run in FP8 now and why the others are BF16 (``summary.json``'s ``fp8``)::
+
+        {"layers": 6, "fp8": 3, "bf16": 3,
+         "fp8_types": {"Linear": 2, "Conv1D": 1},
+         "bf16_reasons": {"first_last": 2, "fell_back": 1},
+         "bf16_layers": {"embed": "first_last", "head": "first_last", "mlp.0": "fell_back"}}
+        """
+        bf16 = dict(self.kept)
+        bf16.update({name: "fell_back" for name, m in self.layers.items() if not m.fp8_active})
+        fp8 = [name for name, m in self.layers.items() if m.fp8_active]
+        types = [self.types.get(name, "Linear") for name in fp8]
+        return {
+            "layers": len(fp8) + len(bf16),
+            "fp8": len(fp8),
+            "bf16": len(bf16),
+            "fp8_types": {t: types.count(t) for t in ("Linear", "Conv1D") if t in types},
+            "bf16_reasons": reason_counts(bf16.values()),
+            "bf16_layers": bf16,
+        }
+
+    def describe(self) -> str:
+        """:meth:`summary` in a line: ``"3 of 6 linear layers in FP8 (2 Linear, 1 Conv1D); 3 in BF16: ..."``."""
+        return describe_summary(self.summary())
+
+    def _check_fallbacks(self, active: list[Fp8Module]) -> None:
         over = torch.stack([m.fp8_over_steps for m in active])
         if self.reduce is not None:  # every rank falls back together
             self.reduce(over)
@@ -189,7 +269,7 @@ class Fp8Layers:
             if steps_above >= self.recipe.fallback_steps:
                 self._fall_back(m, names[id(m)], int(steps_above))
 
-    def _fall_back(self, layer: Fp8Linear, name: str, steps_above: int) -> None:
+    def _fall_back(self, layer: Fp8Module, name: str, steps_above: int) -> None:
         layer.fp8_active = False
         self.fallbacks.append(Fallback(name, self.steps, steps_above))
         log.warning(

@@ -1,5 +1,8 @@
 """``Fp8Linear``: an ``nn.Linear`` whose three GEMMs run in FP8 through ``torch._scaled_mm``.
 
+:class:`Fp8Module` holds what every FP8 layer shares (its FP8 state, the casts, the
+statistics); :class:`Fp8Linear` and :class:`~amp_plugin.fp8.Fp8Conv1D` are its two layers.
+
 Forward ``y = x W^T``: ``x`` and ``W`` cast to the forward format (E4M3) with their scales,
 ``torch._scaled_mm`` with the reciprocal scales, the result in ``x``'s dtype. Backward: the
 output gradient cast to the gradient format (E5M2 with ``fp8_format="hybrid"``), then
@@ -15,7 +18,7 @@ multiple of 16, as that kernel requires.
 
 Each cast is measured while the layer trains: amax, scale, saturated values (``|x * scale|``
 past the format's max plus half an ulp, clamped) and values flushed to zero (non-zero, cast to
-0) are added to device tensors (:attr:`Fp8Linear.fp8_stats`), read by :class:`~amp_plugin.fp8.Fp8Layers` only when
+0) are added to device tensors (:attr:`Fp8Module.fp8_stats`), read by :class:`~amp_plugin.fp8.Fp8Layers` only when
 asked: no host sync in the step.
 """
 
@@ -31,7 +34,7 @@ from typing_extensions import override
 from amp_plugin.fp8.formats import Fp8Format, formats_for, saturating_cast
 from amp_plugin.fp8.recipe import Fp8Recipe, compute_scale
 
-__all__ = ["OPERANDS", "Fp8Linear"]
+__all__ = ["OPERANDS", "Fp8Linear", "Fp8Module"]
 
 OPERANDS = ("input", "weight", "grad_output")
 """The three cast tensors of a layer, in the order of its buffers' rows."""
@@ -40,8 +43,13 @@ INPUT, WEIGHT, GRAD = range(3)
 AMAX, SATURATED, FLUSHED, NUMEL = range(4)
 
 
-class Fp8Linear(nn.Linear):
-    """An ``nn.Linear`` computing in FP8; :meth:`from_linear` converts one, sharing its parameters.
+class Fp8Module(nn.Module):
+    """What every FP8 layer shares: the FP8 state, the casts and their statistics.
+
+    A subclass holds ``weight``, ``bias``, ``in_features`` and ``out_features`` and computes
+    ``y = x W^T + b`` with :meth:`_fp8_forward`, given ``W`` as ``[out_features, in_features]``
+    (:class:`Fp8Linear`'s own weight; :class:`~amp_plugin.fp8.Fp8Conv1D` passes its transposed
+    weight, so the two compute the same bits).
 
     Buffers (FP32 whatever the module's dtype, not in the module's ``state_dict``: the amax
     histories and scales are saved by :meth:`~amp_plugin.fp8.Fp8Layers.state_dict`):
@@ -55,23 +63,23 @@ class Fp8Linear(nn.Linear):
 
     Attributes:
         recipe: the :class:`~amp_plugin.fp8.Fp8Recipe`.
-        fp8_active: False once the layer has fallen back to BF16 (then it is a plain ``nn.Linear``).
+        fp8_active: False once the layer has fallen back to BF16 (then it computes as the
+            layer it replaced).
         fp8_fresh: True until the first scale update: with delayed scaling, the steps before it
             cast with the tensor's own amax, as current scaling does (Transformer Engine starts
             from a scale of 1.0, which flushes small gradients to zero on the first step).
     """
 
     _fp8_buffers = ("fp8_amax_history", "fp8_scale", "fp8_stats", "fp8_step_counts", "fp8_over_steps")
+    weight: Tensor
+    in_features: int
+    out_features: int
     fp8_amax_history: Tensor
     fp8_scale: Tensor
     fp8_max: Tensor
     fp8_stats: Tensor
     fp8_step_counts: Tensor
     fp8_over_steps: Tensor
-
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, recipe: Fp8Recipe, **kw: Any):
-        super().__init__(in_features, out_features, bias, **kw)
-        self._setup_fp8(recipe)
 
     def _setup_fp8(self, recipe: Fp8Recipe) -> None:
         self.recipe = recipe
@@ -92,19 +100,6 @@ class Fp8Linear(nn.Linear):
         for name, buf in buffers.items():
             self.register_buffer(name, buf, persistent=False)
 
-    @classmethod
-    def from_linear(cls, linear: nn.Linear, recipe: Fp8Recipe) -> Fp8Linear:
-        """An ``Fp8Linear`` holding ``linear``'s own weight and bias ``Parameter`` objects (an
-        optimizer built over them, or a tied weight, keeps working)."""
-        new = cls.__new__(cls)
-        nn.Module.__init__(new)
-        new.in_features, new.out_features = linear.in_features, linear.out_features
-        new.weight = linear.weight
-        new.bias = linear.bias
-        new._setup_fp8(recipe)
-        new.train(linear.training)
-        return new
-
     @override
     def _apply(self, fn: Any, recurse: bool = True) -> Any:
         # .to(device) moves the FP8 state with the module; .half()/.to(dtype) leave it FP32.
@@ -116,20 +111,18 @@ class Fp8Linear(nn.Linear):
                 setattr(self, name, buf.to(dtype))
         return self
 
-    @override
-    def forward(self, x: Tensor) -> Tensor:
-        if not self.fp8_active:
-            return F.linear(x, self.weight, self.bias)
+    def _fp8_forward(self, x: Tensor, weight: Tensor) -> Tensor:
+        """``x W^T + b`` with the GEMMs in FP8; ``weight``: ``[out_features, in_features]``."""
         shape = x.shape
         record = self.training and torch.is_grad_enabled()
-        y = _Fp8Matmul.apply(x.reshape(-1, shape[-1]), self.weight, self, record)
+        y = _Fp8Matmul.apply(x.reshape(-1, shape[-1]), weight, self, record)
         y = y.reshape(*shape[:-1], self.out_features)
-        return y if self.bias is None else y + self.bias.to(y.dtype)
+        bias: Tensor | None = getattr(self, "bias", None)
+        return y if bias is None else y + bias.to(y.dtype)
 
-    @override
-    def extra_repr(self) -> str:
+    def _fp8_repr(self) -> str:
         state = "fp8" if self.fp8_active else "bf16 (fell back)"
-        return f"{super().extra_repr()}, {state}, scaling={self.recipe.scaling}, fp8_format={self.recipe.fp8_format}"
+        return f"{state}, scaling={self.recipe.scaling}, fp8_format={self.recipe.fp8_format}"
 
     # ------------------------------------------------------------------ casts
     def cast(self, x: Tensor, operand: int, record: bool, dim: int | None = None) -> tuple[Tensor, Tensor]:
@@ -168,9 +161,44 @@ class Fp8Linear(nn.Linear):
         stats[AMAX] = torch.maximum(stats[AMAX], top.double())
         stats[SATURATED:].add_(torch.stack([saturated, flushed, numel]))
         self.fp8_step_counts[operand].add_(torch.stack([saturated, numel]))
+        # A NaN or inf stays here until update(), which drops the step (see Fp8Layers.update).
         self.fp8_amax_history[0, operand] = torch.maximum(self.fp8_amax_history[0, operand], top)
         if self.recipe.scaling != "delayed" or self.fp8_fresh:
             self.fp8_scale[operand] = scale.amin()
+
+
+class Fp8Linear(Fp8Module, nn.Linear):
+    """An ``nn.Linear`` computing in FP8; :meth:`from_linear` converts one, sharing its parameters.
+
+    Its FP8 state and casts are :class:`Fp8Module`'s.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, recipe: Fp8Recipe, **kw: Any):
+        super().__init__(in_features, out_features, bias, **kw)
+        self._setup_fp8(recipe)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, recipe: Fp8Recipe) -> Fp8Linear:
+        """An ``Fp8Linear`` holding ``linear``'s own weight and bias ``Parameter`` objects (an
+        optimizer built over them, or a tied weight, keeps working)."""
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.in_features, new.out_features = linear.in_features, linear.out_features
+        new.weight = linear.weight
+        new.bias = linear.bias
+        new._setup_fp8(recipe)
+        new.train(linear.training)
+        return new
+
+    @override
+    def forward(self, x: Tensor) -> Tensor:
+        if not self.fp8_active:
+            return F.linear(x, self.weight, self.bias)
+        return self._fp8_forward(x, self.weight)
+
+    @override
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, {self._fp8_repr()}"
 
 
 def scaled_mm(a8: Tensor, b8: Tensor, a_scale: Tensor, b_scale: Tensor, out_dtype: torch.dtype) -> Tensor:
@@ -190,7 +218,8 @@ class _Fp8Matmul(torch.autograd.Function):
     """``x @ W^T`` with FP8 operands in forward and backward (see the module text)."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, weight: Tensor, layer: Fp8Linear, record: bool) -> Tensor:
+    def forward(ctx: Any, x: Tensor, weight: Tensor, layer: Fp8Module, record: bool) -> Tensor:
+        weight = weight.contiguous()  # Conv1D's transposed weight: the same layout (and bits) as nn.Linear's
         ctx.layer, ctx.record = layer, record
         ctx.dtypes = (x.dtype, weight.dtype)
         if layer.recipe.scaling == "rowwise":

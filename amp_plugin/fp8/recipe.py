@@ -16,8 +16,10 @@ The scaling recipes keep Transformer Engine's names and meaning
 
 Guard rails (on by default): an amax below ``amax_floor`` (torchao's 1e-12) counts as the
 floor; an amax that is zero or not finite keeps the previous scale (TE's rule, so an all-zero or
-NaN batch never makes an infinite scale); every scale is clamped to ``[2**-126, 2**126]``, where
-it and its reciprocal are normal FP32 numbers; a layer in which the fraction of saturated values
+NaN batch never makes an infinite scale), and a step with a non-finite amax never enters the
+history (:meth:`~amp_plugin.fp8.Fp8Layers.update`); ``margin`` is bounded by :func:`max_margin`;
+every scale is clamped to ``[2**-126, 2**126]``, where it and its reciprocal are normal FP32
+numbers; a layer in which the fraction of saturated values
 of an operand exceeds ``fallback_saturation`` for ``fallback_steps`` steps in a row computes in
 BF16 from then on (logged once; ``fallback_steps=0`` turns this off). No Lightning import.
 """
@@ -25,6 +27,7 @@ BF16 from then on (logged once; ``fallback_steps=0`` turns this off). No Lightni
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -33,7 +36,7 @@ import torch
 from torch import Tensor
 
 from amp_plugin.checks import check_choice, check_int, check_number
-from amp_plugin.fp8.formats import FORMATS
+from amp_plugin.fp8.formats import FORMATS, formats_for
 
 __all__ = [
     "AMAX_ALGOS",
@@ -45,6 +48,7 @@ __all__ = [
     "Fp8Recipe",
     "Scaling",
     "compute_scale",
+    "max_margin",
     "reference_scale",
 ]
 
@@ -79,6 +83,28 @@ SCALE_MAX = 2.0**126
 """The largest scale (its reciprocal is FP32's smallest normal number)."""
 
 
+def max_margin(fp8_format: str) -> int:
+    """The largest ``margin`` for ``fp8_format``: with it a tensor's amax, cast to
+    ``FP8_MAX / 2**margin``, is still a normal number of every format the recipe casts to
+    (E4M3: ``448 / 2**14 >= 2**-6``, so 14 for both ``"hybrid"`` and ``"e4m3"``)."""
+    return min(math.floor(math.log2(f.max / f.min_normal)) for f in formats_for(fp8_format))
+
+
+def _check_margin(margin: object, fp8_format: str) -> None:
+    if isinstance(margin, bool) or not isinstance(margin, int):
+        raise TypeError(f"margin={margin!r} is not allowed: margin must be an integer (TE's meaning).")
+    top = max_margin(fp8_format)
+    if not 0 <= margin <= top:
+        fwd = formats_for(fp8_format)[0]
+        raise ValueError(
+            f"margin={margin} is not allowed: margin must be an integer in [0, {top}] with "
+            f"fp8_format={fp8_format!r}. Scales are divided by 2**margin, which puts a tensor's amax at "
+            f"FP8_MAX / 2**margin: past {top} that is below {fwd.name.upper()}'s smallest normal number "
+            f"(2**{int(math.log2(fwd.min_normal))}), so the values lose their precision and then flush to zero "
+            "(the GEMMs multiply zeros); a negative margin saturates the largest values."
+        )
+
+
 @dataclass(frozen=True)
 class Fp8Recipe:
     """The FP8 settings of a run, checked when built.
@@ -86,7 +112,9 @@ class Fp8Recipe:
     Args:
         scaling: ``"delayed"`` (default), ``"current"`` or ``"rowwise"`` (see the module text).
         fp8_format: ``"hybrid"`` (E4M3 forward, E5M2 gradients; default) or ``"e4m3"`` (both E4M3).
-        margin: an integer; scales are divided by ``2**margin`` (headroom against growth).
+        margin: an integer in ``[0, max_margin(fp8_format)]`` (14); scales are divided by
+            ``2**margin`` (headroom against growth). A larger one puts a tensor's amax below the
+            format's smallest normal number and flushes the values to zero: refused.
         amax_history_len: steps in the delayed amax window (TE's default, 1024).
         amax_compute_algo: ``"max"`` (default) or ``"most_recent"``.
         amax_floor: amaxes below it count as it (> 0).
@@ -95,9 +123,10 @@ class Fp8Recipe:
         fallback_steps: that many such steps in a row and the layer computes in BF16 (0: never).
             The device-side counters are read every ``fallback_steps`` steps (one host sync for
             all layers), so a layer falls back at most that many steps late.
-        keep_bf16: ``fnmatch`` patterns of qualified module names kept in BF16 (e.g. ``"lm_head"``,
-            ``"*.attn.*"``).
-        keep_first_last: keep the first and the last ``nn.Linear`` (in module order) in BF16.
+        keep_bf16: a list of ``fnmatch`` patterns of qualified module names kept in BF16 (e.g.
+            ``["model.lm_head"]``, ``["*.attn.*"]``; a string is refused, not split into letters).
+            :func:`~amp_plugin.fp8.convert_to_fp8` refuses a pattern that matches no linear layer.
+        keep_first_last: keep the first and the last linear layer (in module order) in BF16.
         min_features: a layer whose ``in_features`` or ``out_features`` is below this stays BF16.
         multiple_of: a layer whose ``in_features`` or ``out_features`` is not a multiple of this
             stays BF16 (16: what ``torch._scaled_mm`` needs on CUDA; the CPU kernel has no such
@@ -124,8 +153,7 @@ class Fp8Recipe:
         check_choice("scaling", self.scaling, SCALINGS)
         check_choice("fp8_format", self.fp8_format, FORMATS)
         check_choice("amax_compute_algo", self.amax_compute_algo, AMAX_ALGOS)
-        if isinstance(self.margin, bool) or not isinstance(self.margin, int):
-            raise TypeError(f"margin={self.margin!r} is not allowed: margin must be an integer (TE's meaning).")
+        _check_margin(self.margin, check_choice("fp8_format", self.fp8_format, FORMATS))
         check_int("amax_history_len", self.amax_history_len, ge=1)
         check_number("amax_floor", self.amax_floor, gt=0, le=1.0)
         check_number("fallback_saturation", self.fallback_saturation, ge=0, lt=1)
@@ -136,9 +164,17 @@ class Fp8Recipe:
             if not isinstance(getattr(self, key), bool):
                 raise TypeError(f"{key}={getattr(self, key)!r} is not allowed: {key} must be True or False.")
         keep = self.keep_bf16
-        if isinstance(keep, str) or not all(isinstance(p, str) for p in keep):
+        if isinstance(keep, str):
+            raise TypeError(
+                f"keep_bf16={keep!r} is not allowed: keep_bf16 must be a list of name patterns, not a string "
+                f"(one pattern: keep_bf16=[{keep!r}])."
+            )
+        if isinstance(keep, Mapping) or not isinstance(keep, Iterable):
             raise TypeError(f"keep_bf16={keep!r} is not allowed: keep_bf16 must be a list of name patterns.")
-        object.__setattr__(self, "keep_bf16", tuple(keep))
+        keep = tuple(keep)
+        if not all(isinstance(p, str) for p in keep):
+            raise TypeError(f"keep_bf16={list(keep)!r} is not allowed: keep_bf16 must be a list of name patterns.")
+        object.__setattr__(self, "keep_bf16", keep)
         object.__setattr__(self, "scaling", check_choice("scaling", self.scaling, SCALINGS))
         object.__setattr__(self, "fp8_format", check_choice("fp8_format", self.fp8_format, FORMATS))
         object.__setattr__(
@@ -147,14 +183,13 @@ class Fp8Recipe:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any] | None) -> Fp8Recipe:
-        """A recipe from a plain mapping (a config node); unknown keys are an error naming them."""
+        """A recipe from a plain mapping (a config node, ``MixedPrecisionPlugin(fp8={...})``); unknown
+        keys are an error naming them. A string for ``keep_bf16`` is refused as by the constructor."""
         values = dict(values or {})
         known = set(cls.__dataclass_fields__)
         unknown = sorted(set(values) - known)
         if unknown:
             raise ValueError(f"unknown FP8 setting(s) {unknown}: allowed are {sorted(known)}.")
-        if values.get("keep_bf16") is not None:
-            values["keep_bf16"] = tuple(values["keep_bf16"])
         return cls(**{k: v for k, v in values.items() if v is not None})
 
     def describe(self) -> str:

@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import csv
+import json
 import logging
 
+import pytest
 import torch
 from _models import TinyClassifier, as_lightning, quiet_trainer
 
 from amp_plugin import MixedPrecisionPlugin
+from amp_plugin.app.report import format_summary
 from amp_plugin.app.run import train
+from amp_plugin.app.validation import ConfigError
 from amp_plugin.callbacks import FP8Monitor
-from amp_plugin.fp8 import Fp8Linear
+from amp_plugin.fp8 import Fp8Linear, Fp8NothingConvertedWarning
 from amp_plugin.lightning.plugin import CHECKPOINT_KEY
 
 # TinyClassifier's two Linear layers (8 -> 16 -> 2) both convert with these settings.
@@ -40,6 +44,7 @@ def test_plugin_converts_updates_and_monitors(pl, tmp_path):
     assert [r[0] for r in rows[1:]] == ["2"] * 6 + ["4"] * 6  # 2 layers x 3 operands, every 2 steps
     assert {r[1] for r in rows[1:]} == {"net.0", "net.3"}
     assert {"fp8/max_saturated_frac", "fp8/min_scale", "fp8/bf16_fallbacks"} <= set(monitor.last_summary)
+    assert monitor.last_summary["fp8/fp8_layers"] == 2.0
     assert "FP8" in plugin.describe()
 
 
@@ -98,7 +103,7 @@ def test_the_app_trains_char_gpt_with_fp8(tmp_path, compose_config):
     assert result["status"] == "ok" and result["precision"] == "fp8" and result["steps"] == 4
     layers = result["plugin"].fp8_layers
     assert layers.recipe.scaling == "current"
-    assert "model.blocks.0.mlp.0" in layers.layers and "model.lm_head" not in layers.layers
+    assert "model.blocks.0.mlp.0" in layers.layers and "model.head" not in layers.layers
     assert torch.isfinite(torch.tensor(result["final_metrics"]["val/loss"]))
     with open(tmp_path / "logs" / "fp8_stats.csv", newline="") as f:
         rows = list(csv.DictReader(f))
@@ -109,3 +114,64 @@ def test_the_app_trains_char_gpt_with_fp8(tmp_path, compose_config):
     }
     with open(tmp_path / "logs" / "metrics.csv", newline="") as f:
         assert "fp8/max_saturated_frac" in next(csv.reader(f))
+    # The summary counts what ran in FP8: 2 blocks x 4 linears, the first and the head kept.
+    expected = {
+        "layers": 9,
+        "fp8": 7,
+        "bf16": 2,
+        "fp8_types": {"Linear": 7},
+        "bf16_reasons": {"first_last": 2},
+        "bf16_layers": {"model.blocks.0.attn.qkv": "first_last", "model.head": "first_last"},
+    }
+    assert result["fp8"] == expected
+    assert json.loads((tmp_path / "summary.json").read_text())["fp8"] == expected
+    assert "  fp8 layers   7 of 9 linear layers in FP8 (7 Linear); 2 in BF16: 2 first/last" in format_summary(result)
+
+
+@pytest.mark.slow
+def test_the_app_says_when_fp8_converts_nothing(tmp_path, compose_config, capsys):
+    # A CNN whose one linear layer is its head (kept BF16 as the last layer): no FP8 GEMM at all.
+    with pytest.warns(Fp8NothingConvertedWarning, match=r"all 1 of its linear layers stay BF16.*'net.9'"):
+        result = train(
+            compose_config(
+                "precision=fp8",
+                "recipe=digits",
+                "recipe.model=cnn",
+                "recipe.hidden_sizes=[16,16]",
+                "trainer.max_steps=2",
+                "trainer.limit_val_batches=1",
+                "trainer.enable_progress_bar=false",
+                "plot=false",
+                output_dir=tmp_path,
+            )
+        )
+    assert result["fp8"]["fp8"] == 0 and result["fp8"]["bf16_layers"] == {"net.9": "first_last"}
+    assert json.loads((tmp_path / "summary.json").read_text())["fp8"]["fp8"] == 0
+    printed = capsys.readouterr().out
+    assert "fp8 layers   0 of 1 linear layers in FP8; 1 in BF16: 1 first/last layer (keep_first_last) (no FP8 GEMM" in (
+        printed
+    )
+
+
+@pytest.mark.slow
+def test_a_bf16_run_has_no_fp8_summary(tmp_path, compose_config):
+    result = train(
+        compose_config(
+            "precision=bf16",
+            "trainer.max_steps=1",
+            "trainer.limit_val_batches=1",
+            "trainer.enable_progress_bar=false",
+            "plot=false",
+            output_dir=tmp_path,
+        )
+    )
+    assert result["fp8"] is None and "fp8 layers" not in format_summary(result)
+
+
+def test_the_app_names_a_bad_fp8_setting(compose_config):
+    for override, message in [
+        ("precision.fp8.margin=1000", r"margin=1000 is not allowed: margin must be an integer in \[0, 14\]"),
+        ("precision.fp8.margin=-1", r"margin=-1 is not allowed"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            train(compose_config("precision=fp8", override))

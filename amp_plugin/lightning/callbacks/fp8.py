@@ -33,10 +33,12 @@ class FP8Monitor(Callback):
 
     - ``fp8/max_saturated_frac``, ``fp8/max_flushed_frac``: the worst layer and operand;
     - ``fp8/min_scale``: the smallest scale in use;
-    - ``fp8/bf16_fallbacks``: how many layers have fallen back to BF16 so far.
+    - ``fp8/bf16_fallbacks``: how many layers have fallen back to BF16 so far;
+    - ``fp8/fp8_layers``: how many linear layers compute in FP8 now.
 
-    A layer's fallback to BF16 is also printed once when this callback first sees it. Without
-    ``precision="fp8"`` the callback does nothing.
+    At the start of training it prints which layers run in FP8 and why the others are BF16
+    (:meth:`~amp_plugin.fp8.Fp8Layers.describe`). A layer's fallback to BF16 is also printed once
+    when this callback first sees it. Without ``precision="fp8"`` the callback does nothing.
 
     Resuming: rows of an existing ``fp8_stats.csv`` from before the resume point are kept.
 
@@ -67,6 +69,7 @@ class FP8Monitor(Callback):
         self._csv.start(trainer, keep_existing=lambda row: start > 0 and int(row["step"]) < start)
         self._reported = len(self._layers.fallbacks) if self._layers is not None else 0
         if self._layers is not None:
+            rank_zero_info(f"amp: FP8: {self._layers.describe()}")
             self._layers.read_stats(reset=True)  # a fresh window from the first step
 
     @override
@@ -84,7 +87,10 @@ class FP8Monitor(Callback):
         self.last_stats = stats
         rows = [(step, s.layer, s.operand, s.amax, s.scale, s.saturated_frac, s.flushed_frac, s.numel) for s in stats]
         self._csv.append(rows)
-        self.last_summary = {"fp8/bf16_fallbacks": float(len(layers.fallbacks))}
+        self.last_summary = {
+            "fp8/bf16_fallbacks": float(len(layers.fallbacks)),
+            "fp8/fp8_layers": float(len(layers.active())),
+        }
         if stats:
             self.last_summary.update(
                 {
