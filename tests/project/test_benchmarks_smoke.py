@@ -71,6 +71,7 @@ def test_bench_step_prints_the_paths_the_traffic_floor_and_the_stages():
         "ours, AdamW(foreach=True) (its own step)",
         "ours bf16_split (BF16 + remainder, 14 B/param)",
         "ours bf16_lean (+ BF16 moments, 10 B/param)",
+        "ours bf16_lean, moments rounded to nearest (before)",
         "ours bf16_sr (stochastic, BF16 moments, 8 B/param)",
         'ours bf16_lean, torch multi-tensor (fused="torch")',
         "Lightning 16-mixed path",
