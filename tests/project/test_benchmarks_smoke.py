@@ -228,3 +228,12 @@ def test_gpu_and_step_scripts_refuse_unknown_names_and_missing_devices():
     if not torch.cuda.is_available():
         out = run("bench_step.py", "--device", "cuda", check=False)
         assert "--device cuda: torch.cuda.is_available() is False" in out
+
+
+def test_bench_moments_prints_both_tables_with_the_frozen_nearest_moments():
+    out = run("bench_moments.py", "--numel", "256", "--before", "20", "--after", "200", "--betas2", "0.999")
+    rows = {line.split("|")[1].strip(): line for line in out.splitlines() if line.startswith("| ")}
+    for scheme in ("fp32", "bf16 nearest", "bf16 stochastic", "fp16 scaled", "bf16_split, bf16 stochastic"):
+        assert scheme in rows, out
+    assert rows["bf16 nearest"].split("|")[4].strip() == "0.000"  # rounded to nearest, v never decreased
+    assert float(rows["bf16 stochastic"].split("|")[4]) > 0.05
