@@ -22,6 +22,7 @@ from typing_extensions import override
 
 from amp_plugin.app import plots
 from amp_plugin.app.rundir import FAILED_FILE, mark_failed
+from amp_plugin.app.state_bytes import COMPONENTS, per_parameter
 from amp_plugin.fp8.select import describe_summary
 from amp_plugin.lightning.namespace import Callback
 
@@ -202,6 +203,9 @@ def summarize(run: Run, wall: float, metrics: Mapping[str, Any]) -> dict[str, An
         "scaler": settings.scaling,
         # precision=fp8: how many linear layers ran in FP8, and why the others stayed BF16.
         "fp8": plugin.fp8_layers.summary() if plugin.fp8_layers is not None else None,
+        # bytes of training state per parameter (weights, grads, masters, optimizer state), counted
+        # from the tensors the run holds (app/state_bytes.py; per rank under FSDP2)
+        "state_bytes_per_param": per_parameter(run.module, trainer.optimizers),
         "seed": run.seed,
         "resumed_from": run.ckpt_path,
         "steps": steps,
@@ -226,6 +230,11 @@ def summarize(run: Run, wall: float, metrics: Mapping[str, Any]) -> dict[str, An
         "output_dir": str(output_dir),
         "paths": {k: (str(v) if v is not None else None) for k, v in paths.items()},
     }
+
+
+def _state_line(per: Mapping[str, Any]) -> str:
+    parts = ", ".join(f"{c.replace('_', ' ')} {per[c]:.2f}" for c in COMPONENTS if per.get(c))
+    return f"{per['total']:.2f} bytes of training state per parameter ({parts})"
 
 
 def _wasted(scaler: LossScaler, recorder: RunRecorder) -> float:
@@ -322,6 +331,11 @@ def format_summary(summary: Mapping[str, Any]) -> str:
         f"  recipe       {summary['recipe']}",
         f"  precision    {summary['precision']}: {summary['plugin_settings']['describe']}",
         f"  compute      {summary['plugin_settings']['compute_path']}",
+        *(
+            [f"  state        {_state_line(summary['state_bytes_per_param'])}"]
+            if summary.get("state_bytes_per_param")
+            else []
+        ),
         *([f"  fp8 layers   {describe_summary(summary['fp8'])}"] if summary.get("fp8") else []),
         *(
             [f"  strategy     {summary['strategy']['name']}, {summary['strategy']['processes']} processes"]

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["COMPONENTS", "gradient_bytes", "held_grad", "tally"]
+__all__ = ["COMPONENTS", "gradient_bytes", "held_grad", "per_parameter", "tally"]
 
 COMPONENTS = ("weights", "grads", "master", "master_grads", "moments")
 
@@ -85,3 +85,15 @@ def gradient_bytes(module: torch.nn.Module) -> int:
     once its backward has run (Lightning frees the gradients between steps, so a finished run
     holds none to count)."""
     return sum(_local(p).numel() * p.element_size() for p in module.parameters() if p.requires_grad)
+
+
+def per_parameter(module: torch.nn.Module, optimizers: Iterable[torch.optim.Optimizer]) -> dict[str, Any]:
+    """Bytes of training state per parameter of a trained run: ``{"params": N, component: bytes / N,
+    ..., "total": ...}``. Gradients, which Lightning frees between steps, count as one per parameter
+    in its dtype when none is held (:func:`gradient_bytes`). Under FSDP2, per rank (local shards)."""
+    counted = tally(module, optimizers)
+    if counted["grads"] == 0:
+        counted["grads"] = gradient_bytes(module)
+    params = sum(_local(p).numel() for p in module.parameters()) or 1
+    per = {c: counted[c] / params for c in COMPONENTS}
+    return {"params": params, **{c: round(v, 4) for c, v in per.items()}, "total": round(sum(per.values()), 4)}

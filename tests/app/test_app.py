@@ -77,6 +77,12 @@ def test_every_preset_trains_and_writes_its_outputs(tmp_path, preset, capsys, co
     assert summary["loss_scale"] == result["loss_scale"] and summary["skipped_steps"] == result["skipped_steps"]
     printed = capsys.readouterr().out
     assert "amp_plugin run summary" in printed and str(tmp_path) in printed
+    # the bytes of training state per parameter the preset buys (digits: ~2% of parameters are FP32 norms)
+    total = {"bf16_lean": 10, "bf16_sr": 8, "bf16_split": 14, "fp16": 16, "bf16": 16}.get(preset)
+    state = summary["state_bytes_per_param"]
+    assert state == result["state_bytes_per_param"] and f"{state['total']:.2f} bytes of training state" in printed
+    if total is not None:
+        assert total <= state["total"] < total + 0.4, state
 
 
 @pytest.mark.parametrize("recipe", sorted(p.stem for p in (CONFIG_DIR / "recipe").glob("*.yaml")))
