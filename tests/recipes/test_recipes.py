@@ -12,7 +12,14 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from amp_plugin.lightning import pl
-from amp_plugin.recipes import CharGPTRecipe, DigitsRecipe, StagnationDemoRecipe, UnderflowDemoRecipe
+from amp_plugin.recipes import (
+    BertRecipe,
+    CharGPTRecipe,
+    DigitsRecipe,
+    StagnationDemoRecipe,
+    UnderflowDemoRecipe,
+    ViTRecipe,
+)
 from amp_plugin.recipes.char_gpt import VOCAB_SIZE, build_corpus
 from amp_plugin.recipes.digits import load_digits_split
 
@@ -45,6 +52,9 @@ RECIPES = {
     "underflow": (UnderflowDemoRecipe, {}, {"train/loss", "val/loss"}),
     "underflow_mlp": (UnderflowDemoRecipe, {"hidden_size": 8}, {"train/loss", "val/loss"}),
     "stagnation": (StagnationDemoRecipe, {}, {"train/loss", "val/loss", "train/weight_error"}),
+    "vit": (ViTRecipe, {"n_train": 256, "n_val": 64}, {"train/loss", "val/loss", "val/acc"}),
+    "vit_mean": (ViTRecipe, {"pool": "mean", "n_embd": 16, "n_train": 128}, {"train/loss", "val/loss", "val/acc"}),
+    "bert": (BertRecipe, {"n_train": 256, "n_val": 64}, {"train/loss", "val/loss", "val/acc"}),
 }
 
 
@@ -74,7 +84,7 @@ def test_hydra_instantiates_with_plain_config(name):
         assert recipe.hparams[key] == value
 
 
-@pytest.mark.parametrize("name", ["digits_cnn", "char_gpt", "underflow", "stagnation"])
+@pytest.mark.parametrize("name", ["digits_cnn", "char_gpt", "underflow", "stagnation", "vit", "bert"])
 def test_checkpoint_restores_hparams_and_weights(name, tmp_path):
     cls, kwargs, _ = RECIPES[name]
     pl.seed_everything(0, verbose=False)
@@ -109,7 +119,9 @@ def test_half_module_and_inputs_give_fp32_loss(name, dtype):
         assert torch.isfinite(p.grad).all()
 
 
-@pytest.mark.parametrize("cls", [DigitsRecipe, CharGPTRecipe, UnderflowDemoRecipe, StagnationDemoRecipe])
+@pytest.mark.parametrize(
+    "cls", [DigitsRecipe, CharGPTRecipe, UnderflowDemoRecipe, StagnationDemoRecipe, ViTRecipe, BertRecipe]
+)
 @pytest.mark.parametrize(
     "kwargs, error, text",
     [
