@@ -9,7 +9,19 @@ candidate (``precision=``) with ``seed=i`` and the same overrides, through the a
 judged metric (:data:`~amp_plugin.app.gate_stats.DIRECTIONS`: ``val/loss``, and ``val/acc`` where
 the recipe logs it), each side's mean, the paired difference with its standard error and the
 verdict (:mod:`amp_plugin.app.gate_stats` defines them), the bytes of training state per parameter
-of each side, and the skipped steps.
+of each side, and the skipped steps. What the runs themselves print (Lightning, the run summaries,
+warnings) goes to a log file beside the report, ``DIR/gate-<A>-vs-<B>.log``: the console gets one
+line naming it, one line per seed and the report, 16 lines for 4 seeds.
+
+A regime with power against BF16 Adam moments that cannot shrink (``exp_avg_sq`` rounded to nearest
+at ``beta2=0.999``; ``char_gpt``'s ``beta2=0.95`` and 100-300 steps hide it)::
+
+    amp-gate precision=bf16_lean precision.moments_rounding=nearest --against bf16 --seeds 4 \
+        --tolerance 0.001 recipe=bert_grad_drop trainer.max_steps=400    # worse: exit 1
+    amp-gate precision=bf16_lean --against bf16 --seeds 4 \
+        --tolerance 0.001 recipe=bert_grad_drop trainer.max_steps=400    # within noise: exit 0
+
+(``docs/quality_gate.md`` has the numbers; ``tests/app/test_gate_power.py`` runs both.)
 
 Exit status: 0 when the candidate is within noise of the reference or better; 1 when it is worse,
 when a run failed or when the runs hold no judged metric; 2 on bad input (an unknown preset, fewer
@@ -21,11 +33,14 @@ Files, under ``--dir`` (default ``gate``)::
     <preset>/seed<i>/                 each run's directory (summary.json, logs/, ...)
     <preset>/seed<i>/gate_run.json    the run's composed config and its bytes per parameter
     gate-<A>-vs-<B>.json              the report (``--json`` elsewhere)
+    gate-<A>-vs-<B>.log               the runs' output (named after the report's file)
 
 A run whose directory already holds a finished run of the same composed config is reused, not
 trained again: gates of several candidates against one reference in one ``--dir`` train the
-reference once. ``--fresh`` trains every run again. Unless the overrides say otherwise, the runs
-use ``callbacks=none`` (no checkpoints), ``plot=false`` and no progress bar.
+reference once. Keys that do nothing for a run's preset do not count (:func:`reuse_key`:
+``precision.moments_rounding`` where the moments are FP32), so the gates of ``bf16_lean`` with
+either rounding share the ``bf16`` runs. ``--fresh`` trains every run again. Unless the overrides
+say otherwise, the runs use ``callbacks=none`` (no checkpoints), ``plot=false`` and no progress bar.
 
 Bytes per parameter (:mod:`amp_plugin.app.state_bytes`, the accounting of
 ``benchmarks/bench_memory.py``): weights, masters and optimizer state counted from the tensors
@@ -38,14 +53,15 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import platform
 import shlex
 import sys
 import tempfile
+import traceback
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
+from amp_plugin.app.gate_output import cpu_model, format_report, output_to
 from amp_plugin.app.gate_stats import DIRECTIONS, judge, overall
 from amp_plugin.app.validation import ConfigError, forget_checkpoints
 
@@ -176,16 +192,30 @@ def _bytes_per_param(result: dict[str, Any]) -> dict[str, Any]:
     return {"params": params, **per, "total": sum(per.values())}
 
 
-def _run_one(cfg: Any, out: Path, fresh: bool) -> dict[str, Any]:
-    """Train (or reuse) one run; its summary plus ``bytes_per_param`` and ``reused``."""
+def reuse_key(cfg: Any) -> str:
+    """The composed config as a finished run is matched against it (YAML), with the keys that do
+    nothing for the run's preset at their defaults: ``precision.moments_rounding`` where the preset
+    keeps FP32 moments. So a gate of ``bf16_lean precision.moments_rounding=nearest`` reuses the
+    reference runs of a gate of ``bf16_lean`` in the same ``--dir``."""
     from omegaconf import OmegaConf
 
+    from amp_plugin.settings import PRESETS, MomentsRounding
+
+    name = getattr(cfg.precision.precision, "value", cfg.precision.precision)
+    if PRESETS[name].moments == "fp32" and "moments_rounding" in cfg.precision:
+        cfg = cfg.copy()
+        cfg.precision.moments_rounding = MomentsRounding.stochastic
+    return OmegaConf.to_yaml(cfg)
+
+
+def _run_one(cfg: Any, out: Path, fresh: bool) -> dict[str, Any]:
+    """Train (or reuse) one run; its summary plus ``bytes_per_param`` and ``reused``."""
     from amp_plugin.app import reuse, rundir
     from amp_plugin.app.build import prepare
     from amp_plugin.app.run import train
 
     record_file, summary_file = out / "gate_run.json", out / "summary.json"
-    config_text = OmegaConf.to_yaml(cfg)
+    config_text = reuse_key(cfg)
     if not fresh and record_file.is_file() and summary_file.is_file():
         try:
             record, summary = json.loads(record_file.read_text()), json.loads(summary_file.read_text())
@@ -222,8 +252,43 @@ def _side(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def report_path(args: argparse.Namespace, candidate: str, reference: str) -> Path:
+    """The report's path: ``--json``, else ``DIR/gate-A-vs-B.json``."""
+    return args.json or args.dir / f"gate-{candidate}-vs-{reference}.json"
+
+
+def log_path(args: argparse.Namespace, candidate: str, reference: str) -> Path:
+    """The runs' output: ``DIR/<the report's name>.log``."""
+    return args.dir / (report_path(args, candidate, reference).stem + ".log")
+
+
+def _checked(configs: dict[tuple[str, int], Any], presets: Sequence[str], seed: int) -> str:
+    """:func:`check_config` of each side's first run; returns what the checks printed."""
+    with tempfile.TemporaryFile("w+") as scratch:
+        with output_to(scratch):
+            for preset in presets:
+                check_config(configs[(preset, seed)], preset)
+        scratch.seek(0)
+        return scratch.read()
+
+
+def _train(cfg: Any, preset: str, out: Path, fresh: bool, log: IO[str]) -> dict[str, Any]:
+    """:func:`_run_one` with its output, and the traceback of a failure, in ``log``."""
+    print(f"\namp-gate: precision={preset} seed={cfg.seed} -> {out}", file=log, flush=True)
+    with output_to(log):
+        try:
+            return _run_one(cfg, out, fresh)
+        except Exception:
+            traceback.print_exc()
+            raise
+
+
 def run_gate(args: argparse.Namespace) -> tuple[int, dict[str, Any]]:
-    """Check, train, judge; returns ``(exit status, report)`` (the report is also written)."""
+    """Check, train, judge; returns ``(exit status, report)`` (the report is also written).
+
+    Prints one line naming the log file that receives everything the runs print, then a line per
+    seed that grows as its two runs end (each run's wall time, or ``reused``).
+    """
     import torch
 
     candidate, reference, overrides = check_args(args)
@@ -231,8 +296,8 @@ def run_gate(args: argparse.Namespace) -> tuple[int, dict[str, Any]]:
     directory: Path = args.dir
     plan = [(preset, seed) for seed in seeds for preset in (reference, candidate)]
     configs = {(p, s): compose_run(overrides, p, s, directory / p / f"seed{s}") for p, s in plan}
-    for preset in (reference, candidate):
-        check_config(configs[(preset, seeds[0])], preset)
+    checks_output = _checked(configs, (reference, candidate), seeds[0])
+    log_file = log_path(args, candidate, reference)
     report: dict[str, Any] = {
         "command": "amp-gate " + shlex.join([*args.overrides, "--against", reference, "--seeds", str(args.seeds)]),
         "candidate": candidate,
@@ -242,28 +307,38 @@ def run_gate(args: argparse.Namespace) -> tuple[int, dict[str, Any]]:
         "tolerance": args.tolerance,
         "overrides": overrides,
         "dir": str(directory),
-        "cpu": _cpu_model(),
+        "log": str(log_file),
+        "cpu": cpu_model(),
         "torch": torch.__version__,
         "runs": [],
     }
     runs: dict[tuple[str, int], dict[str, Any]] = {}
-    for preset, seed in plan:
-        out = directory / preset / f"seed{seed}"
-        print(f"amp-gate: precision={preset} seed={seed} -> {out}", flush=True)
-        try:
-            run = _run_one(configs[(preset, seed)], out, args.fresh)
-        except ConfigError as err:  # raised before the run trains
-            raise GateInputError(f"precision={preset}: {err}") from err
-        except Exception as err:
-            message = " ".join(f"{type(err).__name__}: {err}".split())[:600]
-            report["runs"].append({"preset": preset, "seed": seed, "dir": str(out), "status": "failed"})
-            report.update(verdict="failed", exit_status=1, error=f"precision={preset} seed={seed} ({out}): {message}")
-            return 1, report
-        runs[(preset, seed)] = run
-        report["runs"].append(
-            {"preset": preset, "seed": seed, "dir": str(out), "status": run["status"], "reused": run["reused"]}
-            | {k: run[k] for k in ("steps", "skipped_steps", "wall_time_s", "final_metrics", "bytes_per_param")}
-        )
+    directory.mkdir(parents=True, exist_ok=True)
+    print(f"amp-gate: {len(plan)} runs of {reference} and {candidate}; their output goes to {log_file}", flush=True)
+    with open(log_file, "w", buffering=1) as log:
+        log.write(checks_output)
+        for preset, seed in plan:
+            out = directory / preset / f"seed{seed}"
+            print(f"  seed {seed}:" if preset == reference else ",", end="", flush=True)
+            try:
+                run = _train(configs[(preset, seed)], preset, out, args.fresh, log)
+            except ConfigError as err:  # raised before the run trains
+                print(flush=True)
+                raise GateInputError(f"precision={preset}: {err}") from err
+            except Exception as err:
+                print(f" {preset} failed", flush=True)
+                message = " ".join(f"{type(err).__name__}: {err}".split())[:600]
+                report["runs"].append({"preset": preset, "seed": seed, "dir": str(out), "status": "failed"})
+                error = f"precision={preset} seed={seed} ({out}): {message} (traceback in {log_file})"
+                report.update(verdict="failed", exit_status=1, error=error)
+                return 1, report
+            took = "reused" if run["reused"] else f"{run['wall_time_s']:.1f} s"
+            print(f" {preset} {took}", end="\n" if preset == candidate else "", flush=True)
+            runs[(preset, seed)] = run
+            report["runs"].append(
+                {"preset": preset, "seed": seed, "dir": str(out), "status": run["status"], "reused": run["reused"]}
+                | {k: run[k] for k in ("steps", "skipped_steps", "wall_time_s", "final_metrics", "bytes_per_param")}
+            )
     report["sides"] = {p: _side([runs[(p, s)] for s in seeds]) for p in (candidate, reference)}
     finals = {p: [runs[(p, s)]["final_metrics"] for s in seeds] for p in (candidate, reference)}
     judged = [m for m in DIRECTIONS if all(m in f for side in finals.values() for f in side)]
@@ -285,60 +360,6 @@ def run_gate(args: argparse.Namespace) -> tuple[int, dict[str, Any]]:
     return status, report
 
 
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _fmt(value: float | None) -> str:
-    return "-" if value is None else f"{value:+.4g}" if value < 0 else f"{value:.4g}"
-
-
-def format_report(report: dict[str, Any]) -> str:
-    """The table ``amp-gate`` prints (see the module docstring)."""
-    a, b = report["candidate"], report["reference"]
-    lines = [
-        "",
-        f"amp-gate: precision={a} against {b}, {len(report['seeds'])} paired seeds {report['seeds']}",
-        f"  overrides  {' '.join(report['overrides']) or '(none)'}",
-        f"  noise band max({report['sigmas']:g} SE, {100 * report['tolerance']:g}% of {b}'s mean)",
-    ]
-    if report.get("metrics"):
-        head = ["metric", f"{a} mean", f"{b} mean", "A-B", "SE", "band", "verdict"]
-        rows = [
-            [
-                m["metric"],
-                _fmt(m["mean_a"]),
-                _fmt(m["mean_b"]),
-                "-" if m["diff"] is None else f"{m['diff']:+.4g}",
-                _fmt(m["se"]),
-                _fmt(m["band"]),
-                m["text"],
-            ]
-            for m in report["metrics"]
-        ]
-        widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
-        lines.append("")
-        lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [head, *rows]]
-    for name in (a, b):
-        side = report.get("sides", {}).get(name)
-        if side is None:
-            continue
-        bpp = side["bytes_per_param"]
-        parts = ", ".join(f"{k} {bpp[k]:.2f}" for k in ("weights", "grads", "master", "master_grads", "moments"))
-        lines.append(f"  {name}: {bpp['total']:.2f} bytes/param ({parts}); skipped steps {side['skipped_steps']}")
-    if report.get("error"):
-        lines.append(f"  error: {report['error']}")
-    lines.append(f"verdict: {report['verdict']} (exit {report['exit_status']})")
-    return "\n".join(lines)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """The ``amp-gate`` console script; returns the exit status (see the module docstring)."""
     args = parse_args(argv)
@@ -349,7 +370,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     from amp_plugin.app.report import to_json
 
-    path = args.json or args.dir / f"gate-{report['candidate']}-vs-{report['reference']}.json"
+    path = report_path(args, report["candidate"], report["reference"])
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(to_json(report) + "\n")
     print(format_report(report) + f"\nwrote {path}", flush=True)

@@ -100,6 +100,12 @@ def test_within_noise_exits_0_and_writes_the_report(tmp_path, monkeypatch, capsy
     out = capsys.readouterr().out
     assert "verdict: within noise (exit 0)" in out and "16.00 bytes/param" in out
     assert re.search(r"val/loss +2\.575 +2\.5 +\+0\.075 +0\.06292 +0\.1258 +within noise", out)
+    log = tmp_path / "gate-bf16_split-vs-bf16.log"
+    assert out.startswith(f"amp-gate: 8 runs of bf16 and bf16_split; their output goes to {log}\n")
+    assert [line for line in out.splitlines() if line.startswith("  seed")] == [
+        f"  seed {s}: bf16 1.0 s, bf16_split 1.0 s" for s in range(4)
+    ]
+    assert len(out.splitlines()) == 1 + 4 + 11  # the log's name, a line per seed, the report
 
 
 @pytest.mark.slow
@@ -123,7 +129,11 @@ def test_a_failed_run_fails_the_gate(tmp_path, monkeypatch, capsys):
     report = json.loads((tmp_path / "gate-fp16-vs-bf16.json").read_text())
     assert report["verdict"] == "failed" and report["exit_status"] == 1
     assert "precision=fp16 seed=0" in report["error"] and "FloatingPointError" in report["error"]
-    assert "verdict: failed (exit 1)" in capsys.readouterr().out
+    log = tmp_path / "gate-fp16-vs-bf16.log"
+    assert f"(traceback in {log})" in report["error"] and report["log"] == str(log)
+    assert "Traceback (most recent call last)" in log.read_text() and "at step 3" in log.read_text()
+    out = capsys.readouterr().out
+    assert "verdict: failed (exit 1)" in out and "  seed 0: bf16 1.0 s, fp16 failed\n" in out
 
 
 @pytest.mark.slow
@@ -161,12 +171,28 @@ def test_a_small_gate_end_to_end_trains_paired_seeds_and_reuses_finished_runs(tm
     )  # + 4-byte placeholders per tensor
     assert ref["total"] - split["total"] == pytest.approx(ref["master"] / 2, abs=0.05)
     assert [m["metric"] for m in report["metrics"]] == ["val/loss", "val/acc"]
-    first = capsys.readouterr().out
-    assert "verdict: " in first and "bytes/param" in first
+    first = capsys.readouterr()
+    assert "verdict: " in first.out and "bytes/param" in first.out and first.err == ""
+    # what the runs print (Lightning's banners, the run summaries) is in the log, not on the console
+    assert "run summary" not in first.out and "GPU available" not in first.out + first.err
+    log = (tmp_path / "gate-bf16_split-vs-bf16.log").read_text()
+    assert log.count("amp_plugin run summary") == 4 and "GPU available" in log
     # the same gate again: every run is reused, and the report is the same
     assert main(argv) == status
     again = json.loads((tmp_path / "gate-bf16_split-vs-bf16.json").read_text())
     assert all(r["reused"] for r in again["runs"]) and again["metrics"] == report["metrics"]
+    assert "  seed 1: bf16 reused, bf16_split reused\n" in capsys.readouterr().out
+    # precision.moments_rounding does nothing where the moments are FP32 (bf16, bf16_split): those runs
+    # are reused; bf16_lean's BF16 moments are rounded by it, so its runs are not
+    for n, extra in enumerate([[], ["precision.moments_rounding=nearest"]]):
+        json_path = tmp_path / f"rounding{n}.json"
+        assert main([*argv, *extra, "--json", str(json_path)]) in (0, 1)
+        runs = json.loads(json_path.read_text())["runs"]
+        assert [(r["preset"], r["reused"]) for r in runs] == [("bf16", True), ("bf16_split", True)] * 2
+        lean = [o.replace("precision=bf16_split", "precision=bf16_lean") for o in argv]
+        assert main([*lean, *extra, "--json", str(json_path)]) in (0, 1)
+        runs = json.loads(json_path.read_text())["runs"]
+        assert [(r["preset"], r["reused"]) for r in runs] == [("bf16", True), ("bf16_lean", False)] * 2
     # a changed override trains again
     longer = [o.replace("max_steps=4", "max_steps=5") for o in argv]
     assert main(longer) in (0, 1)
