@@ -484,9 +484,10 @@ def test_the_environment_switch_turns_the_kernels_off(monkeypatch):
 def test_every_gradient_is_unscaled_exactly_once_on_either_path(contiguous):
     """A non-contiguous half gradient is copied and unscaled by torch's multi-tensor ops; the
     FP32 parameters (their own master) must not be unscaled a second time on the way, and the
-    model's half gradients are only read."""
+    model's half gradients are only read (``unscaled_model_grads=False``: by default an explicit
+    ``unscale_`` writes the unscaled values into them)."""
     model = half_model()
-    opt = MasterWeightOptimizer(torch.optim.AdamW(model.parameters(), fused=True))
+    opt = MasterWeightOptimizer(torch.optim.AdamW(model.parameters(), fused=True), unscaled_model_grads=False)
     scaler = DynamicLossScaler(init_scale=2.0**8)
     scaler.scale(model(torch.randn(4, 64).half()).float().sum()).backward()
     if not contiguous:
