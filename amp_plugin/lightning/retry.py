@@ -8,12 +8,18 @@ only the last one could run again.
 
 Manual optimization: :func:`manual_attempts` drives ``plugin.attempts()``; a retried attempt's
 ``opt.step()`` calls are taken back from Lightning's step count.
+
+In both, the LightningModule's buffers (BatchNorm's running statistics and counter, anything a
+forward updates) are put back before a retry, with the random streams: the retried batch runs
+from where the first attempt started (:class:`~amp_plugin.scaling.buffer_state.BufferState`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Generator
 from typing import Any
+
+from torch.nn import Module
 
 from amp_plugin.scaler import LossScaler
 
@@ -42,21 +48,23 @@ def retried_step(scaler: LossScaler, model: Any, step_once: Callable[[], Any]) -
             "gradient accumulation, or accumulate in manual optimization inside plugin.attempts()."
         )
     result = None
-    for _ in scaler.attempts():
+    for _ in scaler.attempts(model):
         result = step_once()
     return result
 
 
-def manual_attempts(scaler: LossScaler, trainer: Any, end_iteration: Callable[[], None]) -> Generator[int, None, None]:
+def manual_attempts(
+    scaler: LossScaler, trainer: Any, end_iteration: Callable[[], None], modules: tuple[Module, ...] = ()
+) -> Generator[int, None, None]:
     """The attempts of a manual optimization step (see ``MixedPrecisionPlugin.attempts``).
 
     ``end_iteration`` runs after each attempt (the scale update, so the next attempt knows
     whether to run); a retried attempt's optimizer steps are taken back from
-    ``trainer``'s step count.
+    ``trainer``'s step count, and the buffers of ``modules`` are put back.
     """
     loop = getattr(getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None), "manual_optimization", None)
     progress = getattr(loop, "optim_step_progress", None)
-    for attempt in scaler.attempts():
+    for attempt in scaler.attempts(*modules):
         counted = progress.state_dict() if progress is not None else None
         yield attempt
         end_iteration()

@@ -89,16 +89,18 @@ class OptimizerStepHooks(Precision):
 
         The scale update that would come after ``training_step`` runs at the end of each
         attempt instead, so the next attempt knows whether to run. A retried attempt's
-        ``opt.step()`` calls do not count in ``trainer.global_step``.
+        ``opt.step()`` calls do not count in ``trainer.global_step``, and the module's buffers
+        (BatchNorm's statistics) are put back before it, with the random streams.
         """
-        trainer = self._module.trainer if self._module is not None else None
+        module = self._module
+        trainer = module.trainer if module is not None else None
 
         def end_iteration() -> None:
             if self._pending_update:
                 self._pending_update = False
                 self._update(trainer)
 
-        yield from manual_attempts(self.scaler, trainer, end_iteration)
+        yield from manual_attempts(self.scaler, trainer, end_iteration, (module,) if module is not None else ())
 
     def _optimizer_step_once(
         self, optimizer: Optimizable, model: pl.LightningModule, closure: Callable[[], Any], **kwargs: Any
@@ -207,18 +209,26 @@ class OptimizerStepHooks(Precision):
         )
 
     def _update(self, trainer: pl.Trainer | None) -> None:
-        """``scaler.update()``; if the scale collapses, save the last good state first."""
+        """``scaler.update()``; if the scale collapses, save the last good state first.
+
+        The FP8 scales update once per iteration: not after an attempt that is retried, whose
+        amaxes go back with the module's buffers (a retried batch records the retry's only)."""
         self._unscaled.clear()
         self._stepped.clear()
-        if self.fp8_layers is not None:
-            self.fp8_layers.update()  # delayed scales, amax histories, fallback counters
         try:
             self.scaler.update()
         except LossScaleCollapseError as err:
+            self._update_fp8()
             if trainer is None:
                 raise
             path = save_last_good(trainer)
             raise LossScaleCollapseError(err.scale, err.iteration, err.consecutive_skips, path) from None
+        if not self.scaler.retrying:
+            self._update_fp8()
+
+    def _update_fp8(self) -> None:
+        if self.fp8_layers is not None:
+            self.fp8_layers.update()  # delayed scales, amax histories, fallback counters
 
     def _nonfinite_params(self, model: torch.nn.Module, top: int = 5) -> list[tuple[str, int]]:
         """Names and counts of parameters with inf/NaN gradients (only run on skipped steps).

@@ -5,6 +5,7 @@
 - :mod:`~amp_plugin.scaling.static_scaler` and :mod:`~amp_plugin.scaling.dynamic_scaler`: the
   two policies (backoff, growth, hysteresis, the floor, retries, early growth);
 - :mod:`~amp_plugin.scaling.retries`: running an overflowing batch again (``attempts()``);
+  :mod:`~amp_plugin.scaling.buffer_state`: the modules' buffers, put back before a retry;
 - :mod:`~amp_plugin.scaling.headroom`: early growth from the gradients' amax;
 - :mod:`~amp_plugin.scaling.scale_update`: what one ``update()`` did, float32 rounding;
 - :mod:`~amp_plugin.scaling.settings` and :mod:`~amp_plugin.scaling.state`: the settings

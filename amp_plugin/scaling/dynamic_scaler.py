@@ -95,8 +95,9 @@ class DynamicLossScaler(LossScaler):
             :meth:`~amp_plugin.LossScaler.attempts` (the plugin uses it in Lightning's
             automatic optimization), an overflow with retries left backs the scale off by
             ``backoff_factor`` (whatever the hysteresis; ``reason="retry"``, counted in
-            ``retried_steps``, not in ``skipped_steps``) and the same batch runs again; the
-            overflow that spends the last retry is a skip under the rules above. No retry at
+            ``retried_steps``, not in ``skipped_steps``) and the same batch runs again, with the
+            random streams and the modules' buffers put back; the overflow that spends the last
+            retry is a skip under the rules above. No retry at
             ``min_scale``, where it would overflow again. The scale stays where the batch fitted.
             With ``retries >= retries_to_floor`` (24 with the defaults) a batch runs until it
             fits or the scale reaches ``min_scale``: no batch is lost unless it overflows there.

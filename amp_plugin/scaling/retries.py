@@ -4,14 +4,20 @@
 accumulation window) until it steps or its retries are spent (:meth:`Retries.attempts`), and
 counts what that costs (``passes``, ``wasted_passes``, ``wasted_fraction``). The policy (how
 far to back off for a retry, and when not to retry) is the subclass's ``_retry_scale``; the
-number of retries is its ``retries`` setting (``DynamicLossScaler(retries=N)``).
+number of retries is its ``retries`` setting (``DynamicLossScaler(retries=N)``). Before a retry
+the random streams (:class:`~amp_plugin.rng_state.RngState`) and the buffers of the modules
+passed to :meth:`Retries.attempts` (:class:`~amp_plugin.scaling.buffer_state.BufferState`) are
+put back where they were before the first attempt.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
+from torch import nn
+
 from amp_plugin.rng_state import RngState
+from amp_plugin.scaling.buffer_state import BufferState, check_modules
 from amp_plugin.scaling.scale_update import ScaleUpdate
 from amp_plugin.scaling.stages import OptimizerStage, Stage
 
@@ -64,24 +70,37 @@ class Retries:
         """``wasted_passes / passes`` (0.0 before the first update)."""
         return self.wasted_passes / self.passes if self.passes else 0.0
 
-    def attempts(self) -> Iterator[int]:
+    def attempts(self, *modules: nn.Module) -> Iterator[int]:
         """Run one batch (or one accumulation window) until it steps or its retries are spent.
 
-        Yields the attempt number (0 first). Put the batch's whole step inside::
+        Yields the attempt number (0 first). Put the batch's whole step inside, and pass the
+        model (every module whose forward the body runs)::
 
-            for _ in scaler.attempts():
+            for _ in scaler.attempts(model):
                 optimizer.zero_grad()
                 scaler.scale(loss_fn(model(x), y)).backward()
                 scaler.step(optimizer)
                 scaler.update()
 
-        With ``retries=0`` (or a disabled scaler) the body runs once. Otherwise, when the step
-        overflowed, ``update()`` backs the scale off instead of ending the iteration, and the
-        body runs again, with the random streams put back where they were before the first
-        attempt (:class:`~amp_plugin.rng_state.RngState`), up to ``retries`` times; the last
-        overflow is a skip as without retries. Only an ``update()`` inside this loop can retry.
+        With ``retries=0`` (or a disabled scaler) the body runs once and nothing is saved.
+        Otherwise, when the step overflowed, ``update()`` backs the scale off instead of ending
+        the iteration, and the body runs again, up to ``retries`` times; the last overflow is a
+        skip as without retries. Before each retry the random streams
+        (:class:`~amp_plugin.rng_state.RngState`) and every buffer of ``modules`` (BatchNorm's
+        running statistics and batch counter, anything a forward updates;
+        :class:`~amp_plugin.scaling.buffer_state.BufferState`) are put back where they were
+        before the first attempt. Only an ``update()`` inside this loop can retry.
+
+        Raises:
+            TypeError: an argument is not a ``torch.nn.Module``.
         """
-        rng = RngState() if self._enabled and self.retries > 0 else None
+        checked = check_modules(modules, "attempts()")
+        return self._run_attempts(checked)
+
+    def _run_attempts(self, modules: tuple[nn.Module, ...]) -> Iterator[int]:
+        saving = self._enabled and self.retries > 0  # a retry can happen: save what it puts back
+        rng = RngState() if saving else None
+        buffers = BufferState(modules) if saving and modules else None
         self._attempt, self._retrying, self._retry_updates = 0, False, []
         try:
             while True:
@@ -91,6 +110,8 @@ class Retries:
                 self._retrying = False
                 if rng is not None:
                     rng.restore()
+                if buffers is not None:
+                    buffers.restore()
         finally:
             self._attempt, self._retrying = None, False
 

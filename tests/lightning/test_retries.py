@@ -122,7 +122,7 @@ def plain_run(init_scale, retries, steps=6):
     data = torch.randn(steps * 4, 8).half()
     loader = torch.utils.data.DataLoader(data, batch_size=4, shuffle=True)
     for step, x in enumerate(loader):
-        for _ in scaler.attempts():
+        for _ in scaler.attempts(model):
             opt.zero_grad()
             noise = random.random()  # Python's stream, put back with torch's
             loss = (model(x).float() ** 2).mean() * (1 + noise)
