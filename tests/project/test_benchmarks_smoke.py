@@ -63,7 +63,7 @@ def table_rows(text: str) -> list[list[str]]:
 def test_bench_step_prints_the_paths_the_traffic_floor_and_the_stages():
     out = run("bench_step.py", "--params", "0.2", "--chunks", "4", "--repeats", "2", "--threads", "1", "--stages")
     names = [row[0] for row in table_rows(out)]
-    assert names[:10] == [
+    assert names[:11] == [
         "floor (fused AdamW, FP32)",
         "ours (FP16 + FP32 masters)",
         'ours, torch multi-tensor (fused="torch")',
