@@ -11,10 +11,12 @@ weight into the model in the same pass). ``emulate.cpp`` holds the C++ kernels o
 the trip into Python on every call.
 
 The kernels are built with ``torch.utils.cpp_extension.load`` the first time they are needed
-(one to three minutes with two cores, said once on stderr and left out of a run's steps/s;
-cached under ``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``, after that).
-A build killed half-way never blocks later runs, and a live one is waited for at most 20
-minutes (:mod:`amp_plugin.fused._first_build`). One build is compiled per CPU variant:
+(one to three minutes with two cores, said once on stderr with the time elapsed shown while the
+compiler runs, and left out of a run's steps/s; cached under ``TORCH_EXTENSIONS_DIR``, by default
+``~/.cache/torch_extensions``, after that), or ahead of the first run with ``python -m
+amp_plugin.fused build`` (:mod:`amp_plugin.fused.__main__`). A build killed half-way never blocks
+later runs, and a live one is waited for at most 20 minutes, ``AMP_PLUGIN_FUSED_BUILD_TIMEOUT``
+(:func:`build_timeout`; :mod:`amp_plugin.fused._first_build`). One build is compiled per CPU variant:
 ``avx512`` (AVX-512 F/BW/VL/DQ, 512-bit loops) where ``torch.backends.cpu.get_cpu_capability()``
 is ``"AVX512"``, ``avx2`` (AVX2, FMA, F16C) where it is ``"AVX2"``, ``generic`` elsewhere; all
 three are written to compute the same bits (``tests/fused/test_fused.py`` checks the variant of the
@@ -30,6 +32,7 @@ and ``CpuHalfEmulation`` its Python kernels (the same results, some 50 us more p
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import platform
@@ -44,7 +47,7 @@ import torch
 
 from amp_plugin.fused import _first_build as _build_steps
 
-__all__ = ["ENV_SWITCH", "build_name", "build_seconds", "kernels", "unavailable_reason", "variant"]
+__all__ = ["ENV_SWITCH", "build_name", "build_seconds", "build_timeout", "kernels", "unavailable_reason", "variant"]
 
 ENV_SWITCH = "AMP_PLUGIN_FUSED"
 _SOURCES = [Path(__file__).with_name(name) for name in ("master_step.cpp", "emulate.cpp")]
@@ -139,8 +142,12 @@ def unavailable_reason() -> str | None:
 def kernels() -> Any | None:
     """``torch.ops.amp_plugin`` once the kernels are built and loaded, else ``None``.
 
-    The first call compiles (or loads the cached build); a failed build warns once, naming
-    the reason, and is not retried in this process.
+    The first call compiles (or loads the cached build), showing the time elapsed on stderr while
+    the compiler runs; a failed build warns once, naming the reason, and is not retried in this process.
+
+    Raises:
+        ValueError: ``AMP_PLUGIN_FUSED_BUILD_TIMEOUT`` is set to something other than a finite
+            number of seconds above 0.
     """
     if os.environ.get(ENV_SWITCH, "1") == "0":
         return None
@@ -151,6 +158,18 @@ def kernels() -> Any | None:
             _state["ops"] = _build()
             _state["tried"] = True
     return _state["ops"]
+
+
+def build_timeout() -> float:
+    """Seconds a build waits for another live process's build of the same entry:
+    ``AMP_PLUGIN_FUSED_BUILD_TIMEOUT``, default 1200. A caller that checks its configuration up front
+    (the app) calls this to refuse a bad value before anything runs.
+
+    Raises:
+        ValueError: the variable is set to something other than a finite number of seconds above 0
+            (``nan``, ``inf``, ``0``, ``-5``, ``soon``); the message names the variable, the value and the range.
+    """
+    return _build_steps.lock_timeout()
 
 
 def build_seconds() -> float:
@@ -169,6 +188,8 @@ def _compiler() -> str | None:
 
 def _build() -> Any | None:
     name, flags = _flags()
+    # A bad AMP_PLUGIN_FUSED_BUILD_TIMEOUT is the user's to fix, not a reason to run slower: raised, not warned.
+    timeout = build_timeout()
     try:
         if not hasattr(torch.ops.amp_plugin, "emulation_sync"):
             missing = _compiler()
@@ -182,10 +203,16 @@ def _build() -> Any | None:
                 os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
             build_directory = _get_build_directory(name, False)
-            with _build_steps.timed(), _build_steps.build_lock(build_directory), warnings.catch_warnings():
+            with (
+                _build_steps.timed(),
+                _build_steps.build_lock(build_directory, timeout),
+                warnings.catch_warnings(),
+                contextlib.ExitStack() as shown,
+            ):
                 warnings.simplefilter("ignore")  # torch's own notes on the compiler: our one warning says it
                 if not os.path.exists(os.path.join(build_directory, f"{name}.so")):
                     _build_steps.announce(name, build_directory, variant())
+                    shown.enter_context(_build_steps.progress("compiling the fused kernels"))
                 # copies of the flag lists: load() appends to the lists it is given
                 load(
                     name=name,

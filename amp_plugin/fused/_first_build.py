@@ -6,8 +6,12 @@
   created with ``O_EXCL`` and waited on with no time limit) is then stale, left by a build that was
   killed half-way, and is deleted with a note on stderr naming it. A live builder is waited for
   at most ``timeout`` seconds (:data:`TIMEOUT_ENV`, default 1200), with a note naming the file
-  and the process; after that the run goes on with the stock ops.
+  and the process; after that the run goes on with the stock ops. :func:`lock_timeout` reads the
+  variable and refuses a value that is not a finite number of seconds above 0 (``nan``, ``inf``,
+  ``0`` and ``-1`` would wait forever or not at all).
 - :func:`announce`: what is being built, where, and roughly how long it takes, once per process.
+- :func:`progress`: while the compiler runs, the time elapsed on stderr: one line rewritten every
+  second on a terminal, a plain line every 10 s otherwise (a log file), then the total.
 - :func:`seconds_spent`: the time this process spent building or waiting for a build, which the
   app leaves out of a run's wall time and steps/s.
 """
@@ -15,17 +19,31 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import socket
 import sys
+import threading
 import time
 from collections.abc import Iterator
+from typing import TextIO
 
-__all__ = ["TIMEOUT_ENV", "BuildLockTimeout", "announce", "build_lock", "seconds_spent", "timed"]
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "TIMEOUT_ENV",
+    "BuildLockTimeout",
+    "announce",
+    "build_lock",
+    "lock_timeout",
+    "progress",
+    "seconds_spent",
+    "timed",
+]
 
 TIMEOUT_ENV = "AMP_PLUGIN_FUSED_BUILD_TIMEOUT"
 LOCK_NAME = "amp-plugin-build.lock"
 TORCH_LOCK = "lock"  # torch.utils.cpp_extension's FileBaton in the build directory
+DEFAULT_TIMEOUT = 1200.0
 _spent = [0.0]
 _announced: set[str] = set()
 
@@ -64,12 +82,65 @@ def announce(name: str, build_directory: str, variant: str) -> None:
     )
 
 
-def _timeout() -> float:
-    value = os.environ.get(TIMEOUT_ENV, "")
+def lock_timeout() -> float:
+    """Seconds to wait for another live process's build: :data:`TIMEOUT_ENV`, or
+    :data:`DEFAULT_TIMEOUT` when it is unset or empty.
+
+    Raises:
+        ValueError: the variable holds something other than a finite number of seconds above 0.
+    """
+    value = os.environ.get(TIMEOUT_ENV, "").strip()
+    if not value:
+        return DEFAULT_TIMEOUT
     try:
-        return float(value) if value else 1200.0
+        seconds = float(value)
     except ValueError:
-        return 1200.0
+        seconds = math.nan
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise ValueError(
+            f"{TIMEOUT_ENV}={value!r} is not allowed: it is the seconds to wait for another process's build of "
+            f"the fused kernels, a finite number > 0 (default {DEFAULT_TIMEOUT:g} when unset); set it to, say, "
+            f"{TIMEOUT_ENV}=3600, or unset it"
+        )
+    return seconds
+
+
+@contextlib.contextmanager
+def progress(
+    what: str, stream: TextIO | None = None, every: float | None = None, clock=time.monotonic
+) -> Iterator[None]:
+    """Say on ``stream`` (default stderr) how long ``what`` has taken while the block runs.
+
+    On a terminal one line is rewritten (``\\r``) every second; elsewhere (a log file, a pipe) a plain
+    line is written every 10 s, so the log holds a few lines, not one per second. When the block
+    ends the line says the total: ``amp_plugin: <what>: done in 84 s`` (or ``stopped after``).
+    ``every`` overrides the interval.
+    """
+    out = sys.stderr if stream is None else stream
+    tty = bool(getattr(out, "isatty", lambda: False)())
+    interval = every if every is not None else (1.0 if tty else 10.0)
+    start, stop = clock(), threading.Event()
+
+    def say(text: str, end: str) -> None:
+        with contextlib.suppress(ValueError, OSError):  # the stream was closed under us
+            out.write(("\r" if tty else "") + text + end)
+            out.flush()
+
+    def tick() -> None:
+        while not stop.wait(interval):
+            say(f"amp_plugin: {what}: {clock() - start:.0f} s", "" if tty else "\n")
+
+    ticker = threading.Thread(target=tick, name="amp_plugin-build-progress", daemon=True)
+    ticker.start()
+    done = False
+    try:
+        yield
+        done = True
+    finally:
+        stop.set()
+        ticker.join()
+        elapsed = clock() - start
+        say(f"amp_plugin: {what}: {'done in' if done else 'stopped after'} {elapsed:.0f} s", "\n")
 
 
 @contextlib.contextmanager
@@ -77,16 +148,20 @@ def build_lock(build_directory: str, timeout: float | None = None, poll: float =
     """Hold the entry's build lock (see the module docstring) while torch builds or loads it.
 
     Raises:
-        BuildLockTimeout: another live process held it for more than ``timeout`` seconds.
+        BuildLockTimeout: another live process held it for more than ``timeout`` seconds (default:
+            :func:`lock_timeout`).
+        ValueError: ``timeout`` (or :data:`TIMEOUT_ENV`) is not a finite number of seconds above 0.
     """
     try:
         import fcntl
     except ImportError:  # no flock (Windows): torch's own lock only
         yield
         return
+    limit = lock_timeout() if timeout is None else timeout
+    if not math.isfinite(limit) or limit <= 0:
+        raise ValueError(f"timeout={limit!r}: the seconds to wait for the build lock must be a finite number > 0")
     os.makedirs(build_directory, exist_ok=True)
     path = os.path.join(build_directory, LOCK_NAME)
-    limit = _timeout() if timeout is None else timeout
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         deadline, said = time.monotonic() + limit, False

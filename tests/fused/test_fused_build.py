@@ -3,10 +3,12 @@ a variant per CPU capability, and an AVX-512 build that compiles (this CPU may n
 
 from __future__ import annotations
 
+import io
 import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -172,6 +174,9 @@ def test_the_first_build_is_announced_once_and_timed(tmp_path):
     assert str(tmp_path / "cache") in notes[0] and "not counted in the run's steps/s" in notes[0]
     seconds = float(result.stdout.split("seconds=")[1].split()[0])
     assert 1.0 <= seconds < 30  # what a run leaves out of its wall time
+    # not a terminal: no carriage returns, the total on a line of its own after the note
+    assert "\r" not in result.stderr
+    assert "amp_plugin: compiling the fused kernels: done in 1 s" in result.stderr.splitlines(), result.stderr
 
 
 @pytest.mark.slow
@@ -251,3 +256,99 @@ def test_the_build_is_not_counted_in_a_runs_wall_time(tmp_path, monkeypatch):
     summary = train(cfg)
     assert fused._state["tried"] and time.perf_counter() - started > 1.5  # it was built during the run
     assert summary["wall_time_s"] < 1.5
+
+
+# ------------------------------------------------------------------------------ the wait, the progress, ahead of time
+@pytest.mark.parametrize("value", ["nan", "NaN", "inf", "-inf", "0", "-1", "-0.5", "soon", "1e400"])
+def test_a_build_timeout_that_is_not_a_finite_number_of_seconds_is_refused(value, monkeypatch, tmp_path):
+    """nan and inf would wait forever on a live build (a comparison with nan is never true), 0 or less not at all."""
+    from amp_plugin.fused import _first_build
+
+    monkeypatch.setenv(_first_build.TIMEOUT_ENV, value)
+    message = f"AMP_PLUGIN_FUSED_BUILD_TIMEOUT={value!r} is not allowed: .* a finite number > 0 \\(default 1200"
+    with pytest.raises(ValueError, match=message):
+        fused.build_timeout()
+    entry = tmp_path / "entry"
+    with pytest.raises(ValueError, match=message), _first_build.build_lock(str(entry)):  # never waited on with it
+        pass
+    assert not entry.exists()  # refused before anything was written
+    with (
+        pytest.raises(ValueError, match="timeout=nan: .* a finite number > 0"),
+        _first_build.build_lock(str(entry), timeout=float("nan")),
+    ):
+        pass
+
+
+@pytest.mark.parametrize("value,seconds", [("", 1200.0), (" ", 1200.0), ("30", 30.0), ("0.5", 0.5), (" 7 ", 7.0)])
+def test_a_build_timeout_in_range_is_taken(value, seconds, monkeypatch):
+    monkeypatch.setenv("AMP_PLUGIN_FUSED_BUILD_TIMEOUT", value)
+    assert fused.build_timeout() == seconds
+
+
+def test_kernels_raise_on_a_bad_build_timeout_instead_of_running_slower(monkeypatch):
+    """A value the user must fix is an error, not a warning and the stock ops."""
+    monkeypatch.setenv("AMP_PLUGIN_FUSED_BUILD_TIMEOUT", "nan")
+    monkeypatch.setitem(fused._state, "tried", False)
+    with pytest.raises(ValueError, match="AMP_PLUGIN_FUSED_BUILD_TIMEOUT='nan'"):
+        fused.kernels()
+    assert not fused._state["tried"]  # nothing was decided: fixing the value and calling again builds
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_the_compile_shows_the_time_elapsed_on_one_line_on_a_terminal():
+    from amp_plugin.fused import _first_build
+
+    out = _Terminal()
+    with _first_build.progress("compiling the fused kernels", stream=out, every=0.02):
+        time.sleep(0.15)
+    text = out.getvalue()
+    assert text.count("\n") == 1 and text.endswith("\n")  # one line, rewritten in place
+    updates = text.split("\r")[1:]
+    assert len(updates) >= 3
+    assert all(u.startswith("amp_plugin: compiling the fused kernels: ") for u in updates)
+    assert updates[-1].rstrip("\n").endswith("done in 0 s")
+
+
+def test_the_compile_progress_is_plain_lines_in_a_log_and_says_when_it_stopped():
+    from amp_plugin.fused import _first_build
+
+    out = io.StringIO()
+    with pytest.raises(RuntimeError), _first_build.progress("compiling", stream=out, every=0.02):
+        time.sleep(0.1)
+        raise RuntimeError("the compiler failed")
+    lines = out.getvalue().splitlines()
+    assert "\r" not in out.getvalue() and len(lines) >= 3
+    assert lines[0] == "amp_plugin: compiling: 0 s"
+    assert lines[-1] == "amp_plugin: compiling: stopped after 0 s"
+
+
+def test_python_m_amp_plugin_fused_builds_ahead_and_says_where(capsys):
+    from amp_plugin.fused.__main__ import main
+
+    if fused.kernels() is None:
+        assert main(["build"]) == 1
+        assert "cannot be built here" in capsys.readouterr().err
+        return
+    assert main(["build"]) == 0
+    out = capsys.readouterr().out
+    assert f"amp_plugin: fused kernels ({fused.variant()}) ready: " in out and fused._flags()[0] in out
+    assert main(["status"]) == 0
+    assert f"({fused.variant()}) built: " in capsys.readouterr().out
+
+
+def test_python_m_amp_plugin_fused_status_of_an_empty_cache(tmp_path):
+    result = _fresh_process(
+        "import sys; from amp_plugin.fused.__main__ import main; sys.exit(main(['status']))", tmp_path
+    )
+    assert result.returncode == 0, result.stderr
+    assert "not built yet" in result.stdout and str(tmp_path / "cache") in result.stdout
+    result = _fresh_process(
+        "import sys; from amp_plugin.fused.__main__ import main; sys.exit(main(['build']))",
+        tmp_path,
+        AMP_PLUGIN_FUSED_BUILD_TIMEOUT="nan",
+    )
+    assert result.returncode == 2 and "AMP_PLUGIN_FUSED_BUILD_TIMEOUT='nan' is not allowed" in result.stderr
