@@ -182,7 +182,11 @@ def test_inline_commands_name_modules_and_scripts_that_exist():
         elif words[1] == "-m" and words[2] != "pytest":
             spec = importlib.util.find_spec(words[2])
             assert spec is not None and spec.origin, f"{page}: `{command}`: no module {words[2]}"
-            assert '__name__ == "__main__"' in Path(spec.origin).read_text(), f"{page}: {words[2]} cannot be run"
+            main = Path(spec.origin)
+            if spec.submodule_search_locations:  # a package: python -m runs its __main__.py
+                main = main.with_name("__main__.py")
+                assert main.is_file(), f"{page}: `{command}`: package {words[2]} has no __main__.py"
+            assert '__name__ == "__main__"' in main.read_text(), f"{page}: {words[2]} cannot be run"
 
 
 def overrides_of(command: str) -> list[str]:
