@@ -1,14 +1,21 @@
-"""Loss scalers with the ``torch.amp.GradScaler`` interface: the public import path.
+"""Deprecated: the loss scalers' old import path. Import them from :mod:`amp_plugin` (or
+:mod:`amp_plugin.scaling`, the package that holds them, one module per idea).
 
-The code lives in :mod:`amp_plugin.scaling`, one module per idea; this module gathers the
-names users import from here.
+``from amp_plugin.scaler import LossScaler`` still works and warns (``DeprecationWarning``), naming
+the path to use instead.
 """
 
 from __future__ import annotations
 
-from amp_plugin.scaling.loss_scaler import HalfLossWarning, LossScaler
-from amp_plugin.scaling.scale_update import ScaleUpdate, to_float32
-from amp_plugin.scaling.static_scaler import StaticLossScaler
-from amp_plugin.scaling.unscale import unscale_grouped
+from amp_plugin._moved import forwarding
 
-__all__ = ["HalfLossWarning", "LossScaler", "ScaleUpdate", "StaticLossScaler", "to_float32", "unscale_grouped"]
+MOVED = {
+    "HalfLossWarning": "amp_plugin",
+    "LossScaler": "amp_plugin",
+    "ScaleUpdate": "amp_plugin",
+    "StaticLossScaler": "amp_plugin",
+    "to_float32": "amp_plugin.scaling",
+    "unscale_grouped": "amp_plugin.scaling.unscale",
+}
+__all__ = sorted(MOVED)
+__getattr__, __dir__ = forwarding(__name__, MOVED)

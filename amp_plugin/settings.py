@@ -53,7 +53,7 @@ import torch
 
 from amp_plugin.checks import check_choice
 from amp_plugin.fp8.recipe import Fp8Recipe
-from amp_plugin.scaler import LossScaler, StaticLossScaler
+from amp_plugin.scaling import LossScaler, StaticLossScaler
 from amp_plugin.scaling.dynamic_scaler import DynamicLossScaler
 
 __all__ = [

@@ -21,7 +21,7 @@ from typing import Any
 
 from torch.nn import Module
 
-from amp_plugin.scaler import LossScaler
+from amp_plugin.scaling import LossScaler
 
 __all__ = ["manual_attempts", "retried_step", "retries_on"]
 

@@ -28,7 +28,7 @@ from amp_plugin.lightning.optimizers import unwrap
 from amp_plugin.lightning.recovery import save_last_good
 from amp_plugin.lightning.retry import manual_attempts, retried_step, retries_on
 from amp_plugin.master_weights import MasterWeightOptimizer
-from amp_plugin.scaler import LossScaler
+from amp_plugin.scaling import LossScaler
 from amp_plugin.scaling.dynamic_scaler import LossScaleCollapseError
 from amp_plugin.settings import PrecisionSettings
 

@@ -15,13 +15,14 @@
   fused unscale and amax kernels, torch's protocol for optimizers that unscale themselves;
 - :mod:`~amp_plugin.scaling.collapse`: :class:`LossScaleCollapseError`.
 
-Users import the scalers from :mod:`amp_plugin` (or :mod:`amp_plugin.scaler`).
+Users import the scalers from :mod:`amp_plugin`, or from here. (``amp_plugin.scaler`` and
+``amp_plugin.dynamic_scaler``, the paths of earlier releases, still work and warn.)
 """
 
 from __future__ import annotations
 
 from amp_plugin.scaling.collapse import LossScaleCollapseError
-from amp_plugin.scaling.dynamic_scaler import DynamicLossScaler
+from amp_plugin.scaling.dynamic_scaler import DynamicLossScaler, HysteresisReset, OnMinScale
 from amp_plugin.scaling.loss_scaler import HalfLossWarning, LossScaler
 from amp_plugin.scaling.scale_update import ScaleUpdate, to_float32
 from amp_plugin.scaling.static_scaler import StaticLossScaler
@@ -29,8 +30,10 @@ from amp_plugin.scaling.static_scaler import StaticLossScaler
 __all__ = [
     "DynamicLossScaler",
     "HalfLossWarning",
+    "HysteresisReset",
     "LossScaleCollapseError",
     "LossScaler",
+    "OnMinScale",
     "ScaleUpdate",
     "StaticLossScaler",
     "to_float32",

@@ -8,8 +8,7 @@ import warnings
 import pytest
 import torch
 
-from amp_plugin import DynamicLossScaler, StaticLossScaler
-from amp_plugin.scaler import HalfLossWarning
+from amp_plugin import DynamicLossScaler, HalfLossWarning, StaticLossScaler
 
 F32_MAX = torch.finfo(torch.float32).max
 F32_TINY = torch.finfo(torch.float32).tiny

@@ -13,7 +13,7 @@ from amp_plugin.checks import check_number
 from amp_plugin.lightning.callbacks._common import CsvLog, find_plugin
 from amp_plugin.lightning.namespace import Callback, rank_zero_info
 from amp_plugin.lightning.plugin import MixedPrecisionPlugin
-from amp_plugin.scaler import LossScaler, ScaleUpdate
+from amp_plugin.scaling import LossScaler, ScaleUpdate
 from amp_plugin.scaling.dynamic_scaler import LossScaleCollapseError
 from amp_plugin.settings import no_loss_scaling
 

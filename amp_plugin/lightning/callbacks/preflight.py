@@ -25,7 +25,7 @@ from amp_plugin.preflight import (
     check_weight_range,
     find_grad_scalers,
 )
-from amp_plugin.scaler import LossScaler
+from amp_plugin.scaling import LossScaler
 from amp_plugin.scaling.dynamic_scaler import DynamicLossScaler
 
 if TYPE_CHECKING:
