@@ -31,6 +31,7 @@ import torch
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from amp_plugin._delegating import DelegatingOptimizer
 from amp_plugin._dtensor import is_dtensor
 from amp_plugin.adam_rule import as_float, foreach_refusal
 from amp_plugin.master_weights import (
@@ -53,11 +54,11 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return cast("Any", t).to_local() if is_dtensor(t) else t
 
 
-class Bf16MomentsAdam(Optimizer):
+class Bf16MomentsAdam(DelegatingOptimizer, Optimizer):
     """Adam/AdamW whose moments are stored in BF16, computed in FP32 and rounded once per step.
 
-    The wrapper shares ``param_groups``, ``state`` and ``defaults`` with ``optimizer`` (LR
-    schedulers and ``torch.distributed.checkpoint`` see the same objects).
+    The wrapper shares ``param_groups``, ``state`` (:class:`~amp_plugin._delegating.DelegatingOptimizer`)
+    and ``defaults`` with ``optimizer`` (LR schedulers and ``torch.distributed.checkpoint`` see the same objects).
 
     Args:
         optimizer: an optimizer over FP32 parameters (plain tensors or FSDP2's DTensors). A
@@ -114,22 +115,6 @@ class Bf16MomentsAdam(Optimizer):
         ):
             setattr(self, name, getattr(optimizer, name))  # the wrapped optimizer's hooks run around this step
         self._patch_step_function()
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self.optimizer.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value: list[dict[str, Any]]) -> None:
-        self.optimizer.param_groups = value
-
-    @property
-    def state(self) -> Any:  # the wrapped optimizer's (its load_state_dict replaces the dict)
-        return self.optimizer.state
-
-    @state.setter
-    def state(self, value: Any) -> None:
-        self.optimizer.state = value
 
     def moments_dtype(self, p: torch.Tensor) -> torch.dtype:
         """The dtype of ``p``'s moments."""
@@ -288,9 +273,6 @@ class Bf16MomentsAdam(Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         self.optimizer.add_param_group(param_group)
         self._bf16.update(id(p) for p in self.param_groups[-1]["params"])
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.optimizer!r})"
 
 
 def _flat_offset(p: torch.Tensor) -> int:
