@@ -24,9 +24,10 @@ at ``beta2=0.999``; ``char_gpt``'s ``beta2=0.95`` and 100-300 steps hide it)::
 (``docs/quality_gate.md`` has the numbers; ``tests/app/test_gate_power.py`` runs both.)
 
 Exit status: 0 when the candidate is within noise of the reference or better; 1 when it is worse,
-when a run failed or when the runs hold no judged metric; 2 on bad input (an unknown preset, fewer
-than 2 seeds, an override the gate sets itself, a config that does not compose or is rejected),
-before anything is trained.
+when a run failed, when the runs hold no judged metric, or when the gate cannot decide (``undecided``:
+every paired difference equal, so a standard error of 0, and no ``--tolerance``); 2 on bad input
+(an unknown preset, fewer than 2 seeds, an override the gate sets itself, a config that does not
+compose or is rejected, a ``--json`` that is a directory), before anything is trained.
 
 Files, under ``--dir`` (default ``gate``)::
 
@@ -36,8 +37,9 @@ Files, under ``--dir`` (default ``gate``)::
     gate-<A>-vs-<B>.log               the runs' output (named after the report's file)
 
 A run whose directory already holds a finished run of the same composed config is reused, not
-trained again: gates of several candidates against one reference in one ``--dir`` train the
-reference once. Keys that do nothing for a run's preset do not count (:func:`reuse_key`:
+trained again (unless a ``FAILED`` note lies beside it or its ``summary.json`` is not the file the
+run wrote, which the per-seed line then says): gates of several candidates against one reference in
+one ``--dir`` train the reference once. Keys that do nothing for a run's preset do not count (:func:`reuse_key`:
 ``precision.moments_rounding`` where the moments are FP32), so the gates of ``bf16_lean`` with
 either rounding share the ``bf16`` runs. ``--fresh`` trains every run again. Unless the overrides
 say otherwise, the runs use ``callbacks=none`` (no checkpoints), ``plot=false`` and no progress bar.
@@ -52,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import hashlib
 import json
 import shlex
 import sys
@@ -63,6 +66,7 @@ from typing import IO, Any
 
 from amp_plugin.app.gate_output import cpu_model, format_report, output_to
 from amp_plugin.app.gate_stats import DIRECTIONS, judge, overall
+from amp_plugin.app.rundir import FAILED_FILE
 from amp_plugin.app.validation import ConfigError, forget_checkpoints
 
 __all__ = ["GateInputError", "compose_run", "main", "run_gate"]
@@ -122,6 +126,10 @@ def check_args(args: argparse.Namespace) -> tuple[str, str, list[str]]:
     for name, value in (("--sigmas", args.sigmas), ("--tolerance", args.tolerance)):
         if not value >= 0:  # also NaN
             raise GateInputError(f"{name}={value}: allowed values are >= 0.")
+    if args.json is not None and args.json.is_dir():
+        raise GateInputError(f"--json={args.json} is a directory: give the report's file name ({args.json}/gate.json).")
+    if args.dir.exists() and not args.dir.is_dir():
+        raise GateInputError(f"--dir={args.dir} is a file: give a directory for the runs (created if missing).")
     others = [o for o in args.overrides if _key(o) != "precision"]
     for override in others:
         key = _key(override)
@@ -132,6 +140,11 @@ def check_args(args: argparse.Namespace) -> tuple[str, str, list[str]]:
         if "=" not in override:
             raise GateInputError(f"{override!r} is not a Hydra override (KEY=VALUE).")
     return candidate, args.against, others
+
+
+def quote(path: Path | str) -> str:
+    """``path`` as a quoted Hydra override value: spaces, ``~``, ``=`` and commas are then plain characters."""
+    return "'" + str(path).replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
 def compose_run(overrides: Sequence[str], preset: str, seed: int, output_dir: Path) -> Any:
@@ -151,7 +164,7 @@ def compose_run(overrides: Sequence[str], preset: str, seed: int, output_dir: Pa
     defaults = [
         f"{k}={v}" for k, v in _DEFAULTS.items() if not any(key == k or key.startswith(k + ".") for key in keys)
     ]
-    full = [*defaults, *overrides, f"precision={preset}", f"seed={seed}", f"output_dir={output_dir.resolve()}"]
+    full = [*defaults, *overrides, f"precision={preset}", f"seed={seed}", f"output_dir={quote(output_dir.resolve())}"]
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
@@ -180,18 +193,6 @@ def check_config(cfg: Any, preset: str) -> None:
             gc.collect()
 
 
-def _bytes_per_param(result: dict[str, Any]) -> dict[str, Any]:
-    from amp_plugin.app.state_bytes import COMPONENTS, gradient_bytes, tally
-
-    module, trainer = result["module"], result["trainer"]
-    counted = tally(module, trainer.optimizers)
-    if counted["grads"] == 0:
-        counted["grads"] = gradient_bytes(module)
-    params = sum(p.numel() for p in module.parameters())
-    per = {c: counted[c] / params for c in COMPONENTS}
-    return {"params": params, **per, "total": sum(per.values())}
-
-
 def reuse_key(cfg: Any) -> str:
     """The composed config as a finished run is matched against it (YAML), with the keys that do
     nothing for the run's preset at their defaults: ``precision.moments_rounding`` where the preset
@@ -208,34 +209,60 @@ def reuse_key(cfg: Any) -> str:
     return OmegaConf.to_yaml(cfg)
 
 
+def _reusable(out: Path, config_text: str) -> tuple[dict[str, Any] | None, str | None]:
+    """The finished run in ``out`` when it can stand for this one, else why not (None when there is none).
+
+    It stands when its record has the same composed config, its summary says ``ok``, no ``FAILED`` note
+    lies beside it, and ``summary.json`` is the file the run wrote (its SHA-256 is in the record)."""
+    record_file, summary_file = out / "gate_run.json", out / "summary.json"
+    if not (record_file.is_file() and summary_file.is_file()):
+        return None, None
+    try:
+        record, text = json.loads(record_file.read_text()), summary_file.read_bytes()
+        summary = json.loads(text)
+    except (OSError, ValueError):
+        return None, "its summary.json or gate_run.json cannot be read"
+    if not isinstance(record, dict) or not isinstance(summary, dict) or record.get("config") != config_text:
+        return None, None  # another config: not this run
+    if (out / FAILED_FILE).exists():
+        return None, f"a {FAILED_FILE} note lies beside its summary.json"
+    if summary.get("status") != "ok":
+        return None, f"its summary.json says status {summary.get('status')!r}"
+    if record.get("summary_sha256") != hashlib.sha256(text).hexdigest():
+        return None, "its summary.json is not the file the run wrote (edited, or written by another version)"
+    return {**summary, "bytes_per_param": record["bytes_per_param"], "reused": True}, None
+
+
 def _run_one(cfg: Any, out: Path, fresh: bool) -> dict[str, Any]:
-    """Train (or reuse) one run; its summary plus ``bytes_per_param`` and ``reused``."""
+    """Train (or reuse) one run; its summary plus ``bytes_per_param``, ``reused`` and, when a finished run
+    there could not be reused, ``trained_again`` (why)."""
     from amp_plugin.app import reuse, rundir
     from amp_plugin.app.build import prepare
     from amp_plugin.app.run import train
 
     record_file, summary_file = out / "gate_run.json", out / "summary.json"
     config_text = reuse_key(cfg)
-    if not fresh and record_file.is_file() and summary_file.is_file():
-        try:
-            record, summary = json.loads(record_file.read_text()), json.loads(summary_file.read_text())
-        except (OSError, ValueError):
-            record, summary = {}, {}
-        if record.get("config") == config_text and summary.get("status") == "ok":
-            return {**summary, "bytes_per_param": record["bytes_per_param"], "reused": True}
+    why = None
+    if not fresh:
+        finished, why = _reusable(out, config_text)
+        if finished is not None:
+            return finished
     rundir.claim(out, "--dir")
     try:
         reuse.clear_outputs(out)
         record_file.unlink(missing_ok=True)
         result = train(cfg, prepare(cfg))
-        per_param = _bytes_per_param(result)
     finally:
         rundir.release(out)
     summary = {k: v for k, v in result.items() if k not in ("trainer", "module", "plugin")}
     del result
     gc.collect()
-    record_file.write_text(json.dumps({"config": config_text, "bytes_per_param": per_param}, indent=1) + "\n")
-    return {**summary, "bytes_per_param": per_param, "reused": False}
+    per_param = summary["state_bytes_per_param"]  # state_bytes.per_parameter, as the run summary states it
+    record = {"config": config_text, "bytes_per_param": per_param}
+    if summary_file.is_file():
+        record["summary_sha256"] = hashlib.sha256(summary_file.read_bytes()).hexdigest()
+    record_file.write_text(json.dumps(record, indent=1) + "\n")
+    return {**summary, "bytes_per_param": per_param, "reused": False, **({"trained_again": why} if why else {})}
 
 
 def _mean(values: Sequence[float]) -> float:
@@ -333,6 +360,8 @@ def run_gate(args: argparse.Namespace) -> tuple[int, dict[str, Any]]:
                 report.update(verdict="failed", exit_status=1, error=error)
                 return 1, report
             took = "reused" if run["reused"] else f"{run['wall_time_s']:.1f} s"
+            if run.get("trained_again"):
+                took += f" (trained again: {run['trained_again']})"
             print(f" {preset} {took}", end="\n" if preset == candidate else "", flush=True)
             runs[(preset, seed)] = run
             report["runs"].append(
@@ -355,8 +384,14 @@ def run_gate(args: argparse.Namespace) -> tuple[int, dict[str, Any]]:
         )
         return 1, report
     verdict = overall(verdicts)
-    status = 1 if verdict == "worse" else 0
+    status = 1 if verdict in ("worse", "undecided") else 0
     report.update(verdict=verdict, exit_status=status)
+    if verdict == "undecided":
+        names = ", ".join(v.metric for v in verdicts if v.verdict == "undecided")
+        report["error"] = (
+            f"{names}: the paired differences are all equal, so their standard error is 0 and there is no noise "
+            "band to judge them against. Add seeds (--seeds), or give the difference you accept (--tolerance)."
+        )
     return status, report
 
 

@@ -10,11 +10,12 @@ For each judged metric the gate has one value per seed for the candidate (A) and
 - the noise band is ``max(sigmas * SE, tolerance * |mean(B)|)``: ``sigmas`` standard errors
   (default 2, about a 95% interval), or a relative tolerance where that is wider (default 0);
 - the verdict is ``within noise`` when ``|harm| <= band``, ``worse`` when ``harm > band`` and
-  ``better`` when ``harm < -band``.
+  ``better`` when ``harm < -band``; ``undecided`` when the band is 0 (every ``d_i`` equal, so
+  ``SE = 0``, and no tolerance) while the difference is not: there is no noise estimate to judge by.
 
 A metric that is not finite in a run of A is ``worse``; one not finite in B (while A's are) is
-``better``. The gate's overall verdict is ``worse`` when any metric is, else ``better`` when any
-metric is, else ``within noise``.
+``better``. The gate's overall verdict is ``worse`` when any metric is, else ``undecided`` when any
+metric is, else ``better`` when any metric is, else ``within noise``.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import Any, Literal
 
 __all__ = ["DIRECTIONS", "MetricVerdict", "Verdict", "direction_of", "judge", "overall", "paired_difference"]
 
-Verdict = Literal["within noise", "better", "worse"]
+Verdict = Literal["within noise", "better", "worse", "undecided"]
 
 DIRECTIONS: dict[str, Literal["lower", "higher"]] = {"val/loss": "lower", "val/acc": "higher"}
 """The metrics the gate judges, and which way is better. Add an entry to judge another."""
@@ -84,7 +85,7 @@ class MetricVerdict:
 
     def describe(self) -> str:
         """``within noise``, ``better by ...`` or ``worse by X (+1.2%, 3.1 SE)``."""
-        if self.verdict == "within noise" or self.harm is None:
+        if self.verdict in ("within noise", "undecided") or self.harm is None:
             return self.verdict if not self.notes else f"{self.verdict} ({'; '.join(self.notes)})"
         parts = []
         if self.relative is not None:
@@ -137,10 +138,15 @@ def judge(
     harm = diff if direction == "lower" else -diff
     band = max(sigmas * se, tolerance * abs(mean_b))
     verdict = "within noise" if abs(harm) <= band else "worse" if harm > 0 else "better"
-    return MetricVerdict(metric, direction, a, b, mean_a, mean_b, diff, se, band, harm, verdict)
+    notes = []
+    if band == 0 and harm != 0:
+        verdict = "undecided"
+        notes.append("every paired difference is the same: SE 0, no noise band")
+    return MetricVerdict(metric, direction, a, b, mean_a, mean_b, diff, se, band, harm, verdict, notes)
 
 
 def overall(verdicts: Sequence[MetricVerdict]) -> Verdict:
-    """``worse`` if any metric is, else ``better`` if any is, else ``within noise``."""
+    """``worse`` if any metric is, else ``undecided`` if any is, else ``better`` if any is, else ``within noise``."""
     kinds = {v.verdict for v in verdicts}
-    return "worse" if "worse" in kinds else "better" if "better" in kinds else "within noise"
+    order: tuple[Verdict, ...] = ("worse", "undecided", "better")
+    return next((kind for kind in order if kind in kinds), "within noise")

@@ -3,9 +3,11 @@ status, a failed run fails the gate, and one small end-to-end gate (slow)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
+from pathlib import Path
 
 import pytest
 
@@ -110,15 +112,110 @@ def test_within_noise_exits_0_and_writes_the_report(tmp_path, monkeypatch, capsy
 
 @pytest.mark.slow
 def test_worse_exits_1_and_says_by_how_much(tmp_path, monkeypatch, capsys):
-    _fake_runs(monkeypatch, {"bf16": [1.0, 1.0], "bf16_autocast": [1.1, 1.1]})
+    _fake_runs(monkeypatch, {"bf16": [1.0, 1.2], "bf16_autocast": [1.1, 1.35]})  # d = [.1, .15]: SE 0.025
     assert main(["precision=bf16_autocast", "--against", "bf16", "--seeds", "2", *TINY, "--dir", str(tmp_path)]) == 1
     out = capsys.readouterr().out
-    assert "worse by 0.1 (+10.00%)" in out and "verdict: worse (exit 1)" in out
+    assert "worse by 0.125 (+11.36%, 5.0 SE)" in out and "verdict: worse (exit 1)" in out
     # a tolerance wider than the difference accepts it
     json_path = tmp_path / "tolerant.json"
     argv = ["precision=bf16_autocast", "--against", "bf16", "--seeds", "2", "--tolerance", "0.15", *TINY]
     assert main([*argv, "--dir", str(tmp_path), "--json", str(json_path)]) == 0
-    assert json.loads(json_path.read_text())["metrics"][0]["band"] == pytest.approx(0.15)
+    assert json.loads(json_path.read_text())["metrics"][0]["band"] == pytest.approx(0.165)
+
+
+@pytest.mark.slow
+def test_equal_paired_differences_give_no_verdict_without_a_tolerance(tmp_path, monkeypatch, capsys):
+    _fake_runs(monkeypatch, {"bf16": [1.0, 2.0], "bf16_autocast": [1.5, 2.5]})  # d = [.5, .5]: SE 0
+    assert main(["precision=bf16_autocast", "--against", "bf16", "--seeds", "2", *TINY, "--dir", str(tmp_path)]) == 1
+    report = json.loads((tmp_path / "gate-bf16_autocast-vs-bf16.json").read_text())
+    assert report["verdict"] == "undecided" and report["exit_status"] == 1
+    assert "standard error is 0" in report["error"] and "--tolerance" in report["error"]
+    out = capsys.readouterr().out
+    assert "verdict: undecided (exit 1)" in out
+    # with a tolerance the band is not 0: a verdict again
+    argv = ["precision=bf16_autocast", "--against", "bf16", "--seeds", "2", "--tolerance", "0.5", *TINY]
+    assert main([*argv, "--dir", str(tmp_path)]) == 0
+
+
+def test_a_json_path_that_is_a_directory_exits_2_before_training(tmp_path, monkeypatch, capsys):
+    asked = _fake_runs(monkeypatch, {"bf16": [1.0, 2.0], "fp16": [1.0, 2.0]})
+    (tmp_path / "taken").mkdir()
+    argv = ["precision=fp16", "--against", "bf16", "--seeds", "2", "--json", str(tmp_path / "taken")]
+    assert main([*argv, "--dir", str(tmp_path / "g")]) == 2
+    line = _error(capsys)
+    assert f"--json={tmp_path / 'taken'} is a directory" in line
+    assert asked == [] and not (tmp_path / "g").exists()
+
+
+def test_a_dir_with_a_space_and_a_comma_works(tmp_path, monkeypatch, capsys):
+    _fake_runs(monkeypatch, {"bf16": [1.0, 2.0], "fp16": [1.0, 2.1]})
+    spaced = tmp_path / "my gate, v2"  # a space and a comma (Hydra reads an unquoted comma as a sweep)
+    assert main(["precision=fp16", "--against", "bf16", "--seeds", "2", *TINY, "--dir", str(spaced)]) in (0, 1)
+    report = json.loads((spaced / "gate-fp16-vs-bf16.json").read_text())
+    assert report["runs"][0]["dir"] == str(spaced / "bf16" / "seed0")
+
+
+def _finished(out, cfg, summary: dict) -> None:
+    """The files a finished gate run leaves (as :func:`gate._run_one` writes them)."""
+    from amp_plugin.app import rundir
+
+    out.mkdir(parents=True)
+    rundir.write_run_id(out, "0123456789abcdef")
+    text = json.dumps(summary) + "\n"
+    (out / "summary.json").write_text(text)
+    record = {"config": gate.reuse_key(cfg), "bytes_per_param": {"total": 16.0}}
+    record["summary_sha256"] = hashlib.sha256(text.encode()).hexdigest()
+    (out / "gate_run.json").write_text(json.dumps(record) + "\n")
+
+
+@pytest.mark.parametrize("damage", ["none", "failed_note", "edited_summary"])
+def test_a_run_is_reused_only_while_its_files_are_as_the_gate_left_them(tmp_path, monkeypatch, damage):
+    import amp_plugin.app.run
+
+    out = tmp_path / "bf16" / "seed0"
+    cfg = gate.compose_run(TINY, "bf16", 0, out)
+    _finished(out, cfg, {"status": "ok", "steps": 4, "final_metrics": {"val/loss": 1.0}})
+    if damage == "failed_note":
+        (out / "FAILED").write_text("RunFailed: the last 4 of its 4 steps were all skipped\n")
+    elif damage == "edited_summary":
+        (out / "summary.json").write_text(json.dumps({"status": "ok", "steps": 4, "final_metrics": {"val/loss": 0.1}}))
+
+    class Trained(Exception):
+        pass
+
+    def train(cfg, settings=None, **kwargs):
+        raise Trained
+
+    monkeypatch.setattr(amp_plugin.app.run, "train", train)
+    if damage == "none":
+        assert gate._run_one(cfg, out, fresh=False)["reused"] is True
+        return
+    with pytest.raises(Trained):
+        gate._run_one(cfg, out, fresh=False)
+
+
+def test_the_gate_counts_bytes_with_the_run_summarys_accounting(tmp_path, monkeypatch):
+    import types
+
+    import torch
+
+    import amp_plugin.app.run
+
+    counted = {"params": 7, "weights": 2.0, "grads": 2.0, "master": 4.0, "master_grads": 0.0, "moments": 2.0}
+    counted["total"] = 10.0
+
+    def train(cfg, settings=None, **kwargs):
+        module = torch.nn.Linear(3, 3)
+        trainer = types.SimpleNamespace(optimizers=[torch.optim.AdamW(module.parameters())])
+        summary = {"status": "ok", "steps": 4, "state_bytes_per_param": counted}
+        Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
+        (Path(cfg.output_dir) / "summary.json").write_text(json.dumps(summary))
+        return {**summary, "module": module, "trainer": trainer, "plugin": None}
+
+    monkeypatch.setattr(amp_plugin.app.run, "train", train)
+    out = tmp_path / "bf16" / "seed0"
+    run = gate._run_one(gate.compose_run(TINY, "bf16", 0, out), out, fresh=True)
+    assert run["bytes_per_param"] == counted  # the summary's state_bytes.per_parameter, not a second count
 
 
 @pytest.mark.slow

@@ -54,11 +54,13 @@ def test_a_lower_loss_beyond_the_band_is_better():
     assert v.verdict == "better" and v.diff == pytest.approx(-0.1) and v.harm == pytest.approx(-0.1)
 
 
-def test_identical_runs_are_within_noise_and_a_constant_shift_is_not():
+def test_identical_runs_are_within_noise_and_a_constant_shift_is_undecided():
     same = judge("val/loss", [1.0, 2.0], [1.0, 2.0])
     assert (same.diff, same.se, same.band, same.verdict) == (0.0, 0.0, 0.0, "within noise")
-    shifted = judge("val/loss", [1.5, 2.5], [1.0, 2.0])  # every seed 0.5 worse: SE 0, band 0
-    assert shifted.se == 0.0 and shifted.verdict == "worse" and shifted.describe() == "worse by 0.5 (+33.33%)"
+    shifted = judge("val/loss", [1.5, 2.5], [1.0, 2.0])  # every seed 0.5 worse: SE 0, band 0, no noise estimate
+    assert shifted.se == 0.0 and shifted.verdict == "undecided"
+    assert shifted.describe() == "undecided (every paired difference is the same: SE 0, no noise band)"
+    assert judge("val/loss", [1.5, 2.5], [1.0, 2.0], tolerance=0.1).verdict == "worse"  # 0.5 > 10% of 1.5
 
 
 def test_the_relative_tolerance_widens_the_band_where_it_is_wider():
@@ -86,9 +88,13 @@ def test_judge_refuses_unknown_metrics_and_negative_bands():
 
 
 def test_the_overall_verdict_is_the_worst_metric():
-    worse = judge("val/loss", [1.5, 2.5], [1.0, 2.0])
-    better = judge("val/acc", [0.9, 0.8], [0.8, 0.7])
+    worse = judge("val/loss", [1.5, 2.7], [1.0, 2.0])
+    better = judge("val/acc", [0.9, 0.85], [0.8, 0.7])
     noise = judge("val/loss", [1.0, 2.0], [1.0, 2.0])
+    undecided = judge("val/loss", [1.5, 2.5], [1.0, 2.0])
+    assert (worse.verdict, better.verdict, undecided.verdict) == ("worse", "better", "undecided")
+    assert overall([noise, better, undecided, worse]) == "worse"
+    assert overall([noise, better, undecided]) == "undecided"
     assert overall([noise, better, worse]) == "worse"
     assert overall([noise, better]) == "better"
     assert overall([noise]) == "within noise"
