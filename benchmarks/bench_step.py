@@ -18,7 +18,9 @@ CPU time, which the other jobs on a shared machine disturb less):
 - ours bf16_split / bf16_lean / bf16_sr: the same step over N BF16 params with the lean master
              kinds (``master="bf16_split"``: BF16 weight + 16-bit remainder; ``bf16_lean`` adds BF16
              moments; ``bf16_sr``: no master, stochastic rounding, BF16 moments), amp_plugin's
-             kernel (and ``bf16_lean`` on torch's multi-tensor path).
+             kernel (and ``bf16_lean`` on torch's multi-tensor path; both on it with their bit handling
+             compiled by torch.compile, ``fused="compiled"``, what runs off the CPU: compiled during
+             the warm-up, not timed).
 - lightning: Lightning `16-mixed`'s path: torch.amp.GradScaler + default AdamW (foreach) on
              N FP32 params: unscale_, step, update.
 
@@ -321,6 +323,12 @@ def main() -> None:
         ),
         'ours bf16_lean, torch multi-tensor (fused="torch")': master_weight_path(
             "torch", master="bf16_split", moments=torch.bfloat16
+        ),
+        'ours bf16_lean, compiled (fused="compiled")': master_weight_path(
+            "compiled", master="bf16_split", moments=torch.bfloat16
+        ),
+        'ours bf16_sr, compiled (fused="compiled")': master_weight_path(
+            "compiled", master="stochastic", moments=torch.bfloat16
         ),
         "Lightning 16-mixed path": lightning,
     }

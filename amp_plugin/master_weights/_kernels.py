@@ -8,8 +8,10 @@ that fits (:func:`choose`); a kernel may still decline one step (a gradient it c
 kinds that keep an FP32 tensor (``master="fp32"`` with FP32 moments) fall back to the wrapped
 optimizer's own ``step()`` ("stock") when no kernel fits.
 
-Registered here: amp_plugin's one-pass CPU Adam/AdamW (``amp_plugin.fused``) and torch's
-multi-tensor Adam/AdamW (any device), both for every kind and both moment dtypes.
+Registered here, for every kind and both moment dtypes: amp_plugin's one-pass CPU Adam/AdamW
+(``amp_plugin.fused``); torch's multi-tensor Adam/AdamW with the lean kinds' joins and stores
+compiled by ``torch.compile`` (``_compiled.py``; any device, on the CPU only when named); and
+torch's multi-tensor Adam/AdamW with those joins and stores in torch ops (any device).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch
 from torch.optim import Optimizer
 
 from amp_plugin.fused import adam as _adam
-from amp_plugin.master_weights import _multi_tensor
+from amp_plugin.master_weights import _compiled, _multi_tensor
 from amp_plugin.master_weights._parameter import Record
 
 __all__ = ["KERNELS", "StepCall", "StepKernel", "choose", "register_kernel"]
@@ -43,6 +45,7 @@ class StepCall:
     moments_dtype: torch.dtype
     sr_moments: bool  # BF16 moments rounded stochastically (moment keys from `keys`), else to nearest
     ops: Any  # amp_plugin's kernels, or None
+    fused: bool | str | None = None  # the wrapper's fused= (a kernel named there may not fall back)
 
 
 @dataclass(frozen=True)
@@ -50,11 +53,12 @@ class StepKernel:
     """A step kernel's registration.
 
     Attributes:
-        name: what ``fused=`` calls it: ``"amp_plugin"`` (``fused=True``) or ``"torch"``.
+        name: what ``fused=`` calls it: ``"amp_plugin"`` (``fused=True``), ``"compiled"`` or ``"torch"``.
         optimizers: the optimizer classes whose update rule it computes (exact type).
         kinds: the ``master=`` kinds it can store into.
         device_type: where the parameters must be (``None``: any device).
         automatic_on_cpu: whether ``fused=None`` picks it when every parameter is on the CPU.
+        only_named_on_cpu: on the CPU only ``fused=<name>`` picks it (not a fallback of ``fused=None``).
         ineligible: why an optimizer (options, parameters) cannot take it, or ``None``; the
             flag: its half-precision parameters are not yet replaced by masters.
         run: the step; ``False`` means it declined and changed nothing.
@@ -69,6 +73,7 @@ class StepKernel:
     ineligible: Callable[[Optimizer, bool], str | None]
     run: Callable[[StepCall], bool]
     needs_half_grads_in_fp32: bool
+    only_named_on_cpu: bool = False
 
 
 KERNELS: list[StepKernel] = []
@@ -94,6 +99,10 @@ def choose(
         if type(optimizer) not in kernel.optimizers or kind not in kernel.kinds:
             continue
         if (fused == "torch" or fused is False) and kernel.name != "torch":
+            continue
+        if fused == "compiled" and kernel.name != "compiled":
+            continue
+        if kernel.only_named_on_cpu and all_cpu and fused != kernel.name:
             continue
         if kernel.name == "amp_plugin" and ops is None:
             continue
@@ -144,7 +153,16 @@ def _run_amp_plugin(call: StepCall) -> bool:
 
 
 @torch.no_grad()
-def _run_torch(call: StepCall) -> bool:
+def _run_compiled(call: StepCall) -> bool:
+    devices = {p.device for g in call.optimizer.param_groups for p in g["params"]}
+    strict = call.fused == "compiled"
+    if not all(_compiled.available(device, strict) for device in devices):
+        return False  # nothing changed: the next kernel (torch's ops) runs the step
+    return _run_torch(call, compiled=True)
+
+
+@torch.no_grad()
+def _run_torch(call: StepCall, compiled: bool = False) -> bool:
     _multi_tensor.torch_adam_step(
         call.optimizer,
         call.grads,
@@ -155,6 +173,7 @@ def _run_torch(call: StepCall) -> bool:
         call.keys,
         call.moments_dtype,
         call.sr_moments,
+        compiled,
     )
     if call.kind.has_fp32_tensor:
         pairs = [(call.models[i], r.master) for i, r in enumerate(call.records) if call.grads[i] is not None]
@@ -174,6 +193,19 @@ register_kernel(
         ineligible=lambda opt, to_come: _adam.adam_ineligible(opt, to_come, device_type="cpu"),
         run=_run_amp_plugin,
         needs_half_grads_in_fp32=False,
+    )
+)
+register_kernel(
+    StepKernel(
+        name="compiled",
+        optimizers=_ADAM,
+        kinds=_ALL_KINDS,
+        device_type=None,
+        automatic_on_cpu=False,
+        ineligible=lambda opt, to_come: _adam.adam_ineligible(opt, to_come, device_type=None),
+        run=_run_compiled,
+        needs_half_grads_in_fp32=True,
+        only_named_on_cpu=True,
     )
 )
 register_kernel(

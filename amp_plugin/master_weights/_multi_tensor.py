@@ -40,6 +40,7 @@ import torch
 from torch.optim import Optimizer
 
 from amp_plugin.adam_rule import as_float, init_state
+from amp_plugin.master_weights import _compiled
 from amp_plugin.master_weights._parameter import Record
 from amp_plugin.master_weights._stochastic import moment_keys, round_stochastic
 
@@ -57,6 +58,7 @@ def torch_adam_step(
     keys: list[int] | None = None,
     moments_dtype: torch.dtype = torch.float32,
     sr_moments: bool = False,
+    compiled: bool = False,
 ) -> None:
     """One Adam/AdamW step of ``optimizer`` over FP32 masters with torch's fused kernel.
 
@@ -67,11 +69,14 @@ def torch_adam_step(
     are rebuilt from ``models``/``records`` and stored back by it (``keys``: the stochastic
     rounding keys by index); otherwise the caller copies the stepped masters into the model.
     ``sr_moments``: BF16 moments rounded stochastically with the moment keys of ``keys[i]``.
+    ``compiled``: the joins and stores of the lean kinds and BF16 moments run as one fused pass per
+    tensor (:mod:`amp_plugin.master_weights._compiled`), the same bits.
     """
     lean = kind is not None and not kind.has_fp32_tensor
     adamw_default = isinstance(optimizer, torch.optim.AdamW)
     for group in optimizer.param_groups:
-        params, group_grads, values, indices = [], [], [], []
+        params, group_grads, indices = [], [], []
+        values: list[Any] = []
         for p in group["params"]:
             i = index_of.get(id(p))
             g = p.grad if i is None else grads[i]
@@ -79,8 +84,10 @@ def torch_adam_step(
                 params.append(p)
                 group_grads.append(g)
                 indices.append(i)
-                if lean and i is not None:
+                if lean and i is not None and not compiled:
                     values.append(kind.step_value(cast("list", models)[i], cast("list", records)[i]))
+                elif lean and i is not None:
+                    values.append(None)  # from _compiled.prepare, below
                 else:
                     values.append(p)
         if not params:
@@ -91,7 +98,20 @@ def torch_adam_step(
         exp_avgs = [s["exp_avg"] for s in states]
         exp_avg_sqs = [s["exp_avg_sq"] for s in states]
         low = [j for j, m in enumerate(exp_avgs) if m.dtype is not torch.float32]
-        for j in low:  # BF16 moments: computed in FP32, rounded once when stored
+        if compiled:
+            for j, i in enumerate(indices):
+                if i is None or not (lean or exp_avgs[j].dtype is not torch.float32):
+                    continue
+                weight = remainder = None
+                if lean:
+                    weight, remainder = cast("list", models)[i], cast("list", records)[i].remainder
+                moments = (exp_avgs[j], exp_avg_sqs[j]) if exp_avgs[j].dtype is not torch.float32 else None
+                value, m32, v32 = _compiled.prepare(weight, remainder, moments)
+                if value is not None:
+                    values[j] = value
+                if m32 is not None:
+                    exp_avgs[j], exp_avg_sqs[j] = m32, cast("torch.Tensor", v32)
+        for j in low if not compiled else ():  # BF16 moments: computed in FP32, rounded once when stored
             exp_avgs[j] = exp_avgs[j].float()
             exp_avg_sqs[j] = exp_avg_sqs[j].float()
         grouped = cast(  # its lists hold no None: every list given has a tensor at every index
@@ -135,6 +155,11 @@ def torch_adam_step(
                 grad_scale=None,
                 found_inf=None,
             )
+        if compiled:
+            _compiled_stores(
+                params, values, indices, states, exp_avgs, exp_avg_sqs, low, lean, models, records, keys, sr_moments
+            )
+            continue
         for j in low:
             if sr_moments:
                 key_m, key_v = moment_keys(cast("list", keys)[cast("int", indices[j])])
@@ -147,3 +172,39 @@ def torch_adam_step(
             for value, i in zip(values, indices):
                 if i is not None:
                     kind.store(cast("list", models)[i], cast("list", records)[i], value, cast("list", keys)[i])
+
+
+def _compiled_stores(
+    params: list[torch.Tensor],
+    values: list[torch.Tensor],
+    indices: list[int | None],
+    states: list[dict[str, Any]],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    low: list[int],
+    lean: bool,
+    models: list[torch.Tensor] | None,
+    records: list[Record] | None,
+    keys: list[int] | None,
+    sr_moments: bool,
+) -> None:
+    """What the torch ops above store, through :func:`_compiled.store`: one pass per tensor."""
+    low_set = set(low)
+    stored = [j for j, i in enumerate(indices) if i is not None and (lean or j in low_set)]
+    if not stored:
+        return
+    all_keys = cast("list[int]", keys)
+    rows = [(all_keys[i], *moment_keys(all_keys[i])) for i in (cast("int", indices[j]) for j in stored)]
+    by_device: dict[torch.device, torch.Tensor] = {}
+    for row, j in enumerate(stored):
+        i = cast("int", indices[j])
+        device = params[j].device
+        if device not in by_device:
+            by_device[device] = _compiled.keys_tensor(rows, device)
+        weight = remainder = None
+        if lean:
+            weight, remainder = cast("list", models)[i], cast("list", records)[i].remainder
+        moments = None
+        if j in low_set:
+            moments = (exp_avgs[j], exp_avg_sqs[j], states[j]["exp_avg"], states[j]["exp_avg_sq"])
+        _compiled.store(values[j], weight, remainder, moments, by_device[device][row], sr_moments)

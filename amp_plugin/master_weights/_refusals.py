@@ -33,7 +33,7 @@ __all__ = [
 
 
 def check_fused_possible(optimizer: Optimizer, fused: bool | str) -> None:
-    if fused == "torch":
+    if fused in ("torch", "compiled"):
         reason = _adam.adam_ineligible(optimizer, masters_to_come=True, device_type=None)
         if reason is None:
             reason = foreach_refusal(optimizer)
@@ -180,7 +180,10 @@ def check_wrappable(
     if optimizer in WRAPPED or any(p in MASTER_TENSORS for g in optimizer.param_groups for p in g["params"]):
         raise ValueError(already_wrapped(type(optimizer).__name__))
     kind = KINDS[master]
-    if fused is True or fused == "torch":  # checked before the optimizer's parameters are swapped for masters
+    if fused is True or fused in (
+        "torch",
+        "compiled",
+    ):  # checked before the optimizer's parameters are swapped for masters
         check_fused_possible(optimizer, fused)
     check_kind_possible(optimizer, kind)
     return kind, moments

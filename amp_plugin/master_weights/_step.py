@@ -54,6 +54,7 @@ def run_step(opt: MasterWeightOptimizer, session: GradSession, kwargs: dict[str,
             opt.moments_dtype,
             opt.sr_moments,
             opt._kernel_ops(),
+            opt.fused,
         )
         if kernel.run(call):
             # what an LR scheduler's step tracking records (torch's private flag, not in the stubs)

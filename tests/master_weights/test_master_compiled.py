@@ -1,0 +1,110 @@
+"""``fused="compiled"``: the lean kinds' joins and stores compiled by ``torch.compile`` around torch's
+fused Adam (what ``fused=None`` runs off the CPU), bit for bit the torch-ops path and amp_plugin's CPU
+kernel; chosen on the CPU only when named; a failure to compile falls back or, when named, raises."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from amp_plugin import DynamicLossScaler, MasterWeightOptimizer
+from amp_plugin.master_weights import FrozenMomentWarning, _compiled
+from amp_plugin.master_weights._kernels import StepCall, choose
+from amp_plugin.master_weights._step import step_kernels
+
+BF16 = torch.bfloat16
+SIZES = (1, 7, 1000, 70001)  # one element (Dynamo specializes it), a vector tail, past 2**16 for the hash
+
+
+def bits(t):
+    if t.dtype in (BF16, torch.float16):
+        return t.view(torch.int16)
+    return t.view(torch.int32) if t.dtype is torch.float32 else t
+
+
+def train(fused, master, moments, rounding, steps=4):
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(n).to(BF16)) for n in SIZES]
+    seeded = master == "stochastic" or (moments is BF16 and rounding == "stochastic")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FrozenMomentWarning)
+        opt = MasterWeightOptimizer(
+            torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, fused=True),
+            master=master,
+            moments_dtype=moments,
+            moments_rounding=rounding,
+            fused=fused,
+            sr_seed=5 if seeded else None,
+        )
+    scaler = DynamicLossScaler(init_scale=2.0**10)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        for p in params:
+            p.grad = (torch.randn(p.shape, generator=gen) * 2.0**10).to(BF16)
+        scaler.unscale_(opt)
+        scaler.step(opt)
+        scaler.update()
+    state = opt.state_dict()
+    tensors = [bits(p.detach()) for p in params]
+    tensors += [bits(r.remainder) for r in opt._records if r.remainder is not None]
+    tensors += [bits(s[k]) for s in state["state"].values() for k in ("exp_avg", "exp_avg_sq")]
+    return tensors, opt
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("master", ["bf16_split", "stochastic", "fp32"])
+@pytest.mark.parametrize(
+    "moments, rounding", [(BF16, "stochastic"), (BF16, "nearest"), (None, "stochastic")], ids=["sr", "rne", "fp32"]
+)
+def test_the_compiled_stores_give_the_bits_of_every_other_path(master, moments, rounding):
+    compiled, opt = train("compiled", master, moments, rounding)
+    assert [k.name for k in step_kernels(opt, {})] == ["compiled"]
+    for other in ("torch", None):  # torch's ops (pinned against the FP32 oracles in test_master_lean.py); the CPU kernel
+        expected, _ = train(other, master, moments, rounding)
+        assert len(expected) == len(compiled)
+        for a, b in zip(compiled, expected):
+            assert torch.equal(a, b), (other, a.shape)
+
+
+def test_on_the_cpu_only_fused_compiled_selects_it():
+    params = [torch.nn.Parameter(torch.randn(8).to(BF16))]
+    opt = MasterWeightOptimizer(torch.optim.AdamW(params, fused=True), master="bf16_split").optimizer
+    assert [k.name for k in choose(opt, "bf16_split", "compiled", True, False, object())] == ["compiled"]
+    assert "compiled" not in [k.name for k in choose(opt, "bf16_split", None, True, False, object())]
+    assert "compiled" not in [k.name for k in choose(opt, "bf16_split", "torch", True, False, object())]
+    # off the CPU fused=None takes it first (amp_plugin's kernels are CPU-only), torch's ops after it
+    assert [k.name for k in choose(opt, "bf16_split", None, False, False, None)] == ["compiled", "torch"]
+
+
+def _call(opt, fused):
+    return StepCall(opt.optimizer, [], {}, [], [], None, [], None, torch.float32, False, None, fused)
+
+
+def test_a_failure_to_compile_falls_back_to_the_torch_ops_or_raises_when_named(monkeypatch, capsys):
+    from amp_plugin.master_weights._kernels import KERNELS
+
+    run = next(k for k in KERNELS if k.name == "compiled").run
+    opt = MasterWeightOptimizer(torch.optim.AdamW([torch.nn.Parameter(torch.randn(8).to(BF16))], fused=True))
+
+    def broken(device):
+        raise RuntimeError("no compiler")
+
+    monkeypatch.setattr(_compiled, "_probe", broken)
+    monkeypatch.setattr(_compiled, "_state", {"ok": None, "error": None})
+    with pytest.warns(RuntimeWarning, match="could not compile the lean step .*no compiler.*torch's multi-tensor ops"):
+        assert run(_call(opt, None)) is False  # declined, nothing changed: the next kernel runs the step
+    assert "compiling the lean step" in capsys.readouterr().err
+    assert run(_call(opt, None)) is False  # said once
+    assert capsys.readouterr().err == ""
+    with pytest.raises(RuntimeError, match="fused='compiled': torch.compile failed: no compiler"):
+        run(_call(opt, "compiled"))
+
+
+def test_fused_compiled_is_refused_where_torch_is():
+    params = [torch.nn.Parameter(torch.randn(8).to(BF16))]
+    with pytest.raises(ValueError, match="fused='compiled' is not possible here: .*Adam and AdamW only, not SGD"):
+        MasterWeightOptimizer(torch.optim.SGD(params, lr=0.1), fused="compiled")
+    with pytest.raises(TypeError, match="fused='yes' is not allowed.*'compiled'"):
+        MasterWeightOptimizer(torch.optim.AdamW(params), fused="yes")
