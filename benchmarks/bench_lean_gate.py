@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps-scale", type=float, default=1.0)
     args = parser.parse_args(argv)
     for candidate in args.candidates:
-        preset, _, rounding = candidate.partition(":")
+        rounding = candidate.partition(":")[2]
         if rounding not in ("", "nearest", "stochastic"):
             parser.error(f"--candidates {candidate}: the rounding after ':' is nearest or stochastic")
     print(HEADER, flush=True)
