@@ -73,3 +73,34 @@ def test_the_docs_name_tests_and_files_that_exist():
         if not (root / path).is_file()
     ]
     assert not missing
+
+
+def section(text: str, heading: str) -> str:
+    return text.split(heading, 1)[1].split("\n## ", 1)[0]
+
+
+def test_the_start_here_numbers_are_the_benchmarks_and_the_first_run_times_are_runs_md():
+    """Every number the README's preset advice quotes is one BENCHMARKS.md reports; the first-run
+    times are the ones docs/runs.md measured (with the machine beside them)."""
+    root = Path(__file__).resolve().parents[2]
+    benchmarks = (root / "BENCHMARKS.md").read_text()
+    advice = section(README, "## Start here: which preset")
+    quoted = re.findall(r"\d+\.\d+", advice)
+    assert len(quoted) >= 15
+    assert [n for n in quoted if n not in benchmarks] == []
+    runs = (root / "docs" / "runs.md").read_text()
+    first_run = section(README, "## The first run")
+    times = re.findall(r"(\d+(?:\.\d+)?(?:-\d+\.\d+)?) s\b", first_run.split("```", 2)[2])
+    assert {"98", "74", "22.6-22.9", "75"} <= set(times)
+    assert all(f"{t} s" in runs for t in times), times
+    assert "AMD EPYC" in first_run and "avx2 fma f16c" in runs
+
+
+def test_the_hydra_projects_trainer_config_names_every_preset():
+    from amp_plugin.settings import PRESETS
+
+    trainer = Path(__file__).resolve().parents[1] / "hydra_project" / "configs" / "trainer"
+    config = (trainer / "default.yaml").read_text()
+    comment = config.split("precision: fp16", 1)[1].split("scaler:", 1)[0]
+    named = {word.strip() for word in re.split(r"[|:#\s]+", comment) if word.strip()} - {"a", "preset"}
+    assert named == set(PRESETS)
