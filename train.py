@@ -8,6 +8,7 @@ import hydra
 from omegaconf import DictConfig
 
 from amp_plugin.app.cli import run_job
+from amp_plugin.app.overrides import check_overrides
 from amp_plugin.app.schema import register_configs
 
 register_configs()
@@ -19,4 +20,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    check_overrides()  # an unquoted ~ or bracket in a value: the fix in one line, not Hydra's lexer error
     main()

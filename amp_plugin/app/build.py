@@ -231,6 +231,7 @@ def build(cfg: DictConfig, settings: PrecisionSettings | None = None, output_dir
     injector = construct("fault", FaultInjector, fault) if any(v is not None for v in fault.values()) else None
     if injector is not None and injector.nan_input_at:
         _check_float_inputs(module, fault)
+    _check_fractions(module, cfg.trainer)
     recorder = RunRecorder(history_path=output_dir / HISTORY_FILE, continue_history=in_place)
     run_id = (read_run_id(output_dir) if in_place else None) or uuid.uuid4().hex[:16]
     # The guard first: a non-finite step stops the run before any callback saves it. The
@@ -314,6 +315,25 @@ def _check_float_inputs(module: Any, fault: Any) -> None:
             f"batches hold no floating-point tensor ({', '.join(dtypes) or 'no tensors'}), so there is no input to "
             "write a NaN into. Use fault.nan_loss_at or fault.inject_nan_at instead."
         )
+
+
+def _check_fractions(module: Any, trainer: DictConfig) -> None:
+    """A fraction ``limit_train_batches``/``limit_val_batches`` must leave at least one batch of the recipe's
+    data (Lightning raises a traceback at the first epoch or validation otherwise)."""
+    for key, loader in (("limit_train_batches", "train_dataloader"), ("limit_val_batches", "val_dataloader")):
+        value = trainer.get(key)
+        if not isinstance(value, float) or isinstance(value, bool) or not 0.0 < value < 1.0:
+            continue
+        try:
+            batches = len(getattr(module, loader)())
+        except Exception:  # no such loader, no length, or one that needs its trainer: Lightning checks it
+            continue
+        if batches > 0 and int(value * batches) < 1:
+            raise ConfigError(
+                f"trainer.{key}={show(value)} is not allowed: the recipe's {loader.split('_')[0]} data has {batches} "
+                f"batches, and {show(value)} of them is less than one. Use a fraction >= {1 / batches:.4g}, a batch "
+                "count (an integer >= 1), or null for all of it."
+            )
 
 
 def _tensors(batch: Any, torch: Any) -> list[Any]:

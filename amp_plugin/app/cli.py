@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +38,16 @@ from amp_plugin.app.outcome import catch_sigterm, refused_jobs, report_end, rest
 from amp_plugin.app.schema import register_configs
 from amp_plugin.app.validation import ConfigError
 
-__all__ = ["LIGHTNING_LOGGERS", "RunDirGuard", "SweepFailures", "config_dir", "main", "route_lightning_logs", "run_job"]
+__all__ = [
+    "LIGHTNING_LOGGERS",
+    "RunDirGuard",
+    "SweepFailures",
+    "config_dir",
+    "detach_job_log",
+    "main",
+    "route_lightning_logs",
+    "run_job",
+]
 
 CONFIG_NAME = "train"
 
@@ -94,6 +104,17 @@ def check_environment() -> None:
             )
 
 
+def detach_job_log(directory: Path) -> None:
+    """Close the log handlers Hydra opened for this job inside ``directory`` (its ``train.log``)."""
+    root = os.path.realpath(directory)
+    for logger in (logging.getLogger(), *(logging.getLogger(n) for n in logging.root.manager.loggerDict)):
+        for handler in list(getattr(logger, "handlers", [])):
+            name = getattr(handler, "baseFilename", None)
+            if isinstance(handler, logging.FileHandler) and name and os.path.realpath(name).startswith(root + os.sep):
+                logger.removeHandler(handler)
+                handler.close()
+
+
 LIGHTNING_LOGGERS = ("lightning", "lightning.pytorch", "lightning.fabric", "pytorch_lightning", "lightning_fabric")
 
 
@@ -122,14 +143,21 @@ def run_job(cfg: DictConfig) -> dict[str, Any] | None:
     previous = catch_sigterm()
     try:
         check_environment()
+        clear = False
         if out is not None:
-            rundir.claim(out)
-            reuse.check_reuse(out, cfg.ckpt_path, bool(cfg.get("overwrite", False)))
+            try:
+                rundir.claim(out)
+                clear = reuse.check_reuse(out, cfg.ckpt_path, bool(cfg.get("overwrite", False)))
+            except ConfigError:
+                detach_job_log(out)  # the directory is not this job's: Hydra's log file there gets no line
+                raise
+            if reuse.outputs_in(out):
+                rundir.protect(out)  # another run's outputs until every check passed (train() adopts it)
         settings = prepare(cfg)  # every check and the scaler, before importing Lightning: a typo fails fast
         from amp_plugin.app.run import train
 
         route_lightning_logs()
-        result = train(cfg, settings)
+        result = train(cfg, settings, clear_outputs=clear)
         return {k: v for k, v in result.items() if k not in ("trainer", "module", "plugin")}
     except BaseException as err:
         report_end(err, cfg, out, multirun)
@@ -157,14 +185,14 @@ class RunDirGuard(Callback):
         except Exception:
             return
         try:
+            check_environment()
             rundir.check_empty(name, "hydra.sweep.dir")
             directory = Path(name)
             rundir.claim(directory, "hydra.sweep.dir")
             self._check_sweep(directory, bool(config.get("overwrite", False)))
-        except rundir.RunDirError as err:
-            self._refuse(str(err))
-        for job in self._taken(directory):
-            reuse.clear_outputs(job, "hydra.sweep.dir")
+        except ConfigError as err:
+            self._refuse(err)
+        # Each job overwrites only its own directory, once it has passed every check (run_job).
 
     @staticmethod
     def _taken(directory: Path) -> list[Path]:
@@ -173,8 +201,8 @@ class RunDirGuard(Callback):
         return [job for job in sorted(directory.iterdir()) if job.is_dir() and reuse.outputs_in(job)]
 
     def _check_sweep(self, directory: Path, overwrite: bool) -> None:
-        """Before Hydra writes a job's ``.hydra/``: no job directory may be a live run's, and a sweep
-        that overwrites may delete only what runs wrote."""
+        """Before the first job: no job directory may be a live run's, and a sweep that does not
+        overwrite may not mix with an earlier one."""
         if directory.is_dir():
             for lock in sorted(directory.rglob(rundir.LOCK_FILE)):
                 live = rundir.holder(lock.parent)
@@ -189,33 +217,60 @@ class RunDirGuard(Callback):
             raise rundir.RunDirError(
                 f"hydra.sweep.dir={directory} already holds a sweep ({len(taken)} job directories with outputs, "
                 f"e.g. {taken[0].name}/); this sweep would overwrite or mix with it. Drop hydra.sweep.dir= for a "
-                "fresh directory, or add overwrite=true to replace it."
+                "fresh directory, or add overwrite=true to replace its jobs' outputs (each job replaces only its "
+                "own directory's)."
             )
-        for job in taken:
-            reuse.refuse_overwrite(job, "hydra.sweep.dir")
 
     def _guard(self, directory: str, config: DictConfig, key: str) -> None:
         try:
+            check_environment()
             rundir.check_empty(directory, key)
             rundir.claim(directory, key)
             reuse.check_reuse(directory, config.get("ckpt_path"), bool(config.get("overwrite", False)), key)
-        except rundir.RunDirError as err:
-            self._refuse(str(err))
+        except ConfigError as err:
+            self._refuse(err)
 
     @staticmethod
-    def _refuse(message: str) -> None:
+    def _refuse(err: ConfigError) -> None:
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
-            raise rundir.RunDirError(message)
-        print(f"Run directory refused: {message}", file=sys.stderr, flush=True)
+            raise err
+        kind = "Run directory refused" if isinstance(err, rundir.RunDirError) else "Invalid configuration"
+        print(f"{kind}: {err}", file=sys.stderr, flush=True)
         sys.exit(1)
 
 
 class SweepFailures(Callback):
-    """Hydra callback: after a multirun, list the jobs that failed and exit with status 1."""
+    """Hydra callback: after a multirun, list the jobs of this sweep that failed and exit with status 1.
+
+    Only this sweep's jobs count: the ``FAILED`` of a directory beside them that this sweep did not
+    run (an earlier sweep's job) is not this sweep's failure."""
+
+    def __init__(self) -> None:
+        self.jobs: list[Path] = []
+        self.started = 0.0
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        self.jobs, self.started = [], time.time()
+
+    def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
+        self.jobs.append(Path(config.hydra.runtime.output_dir))
+
+    def _failed(self, sweep_dir: Path) -> dict[Path, str]:
+        if self.jobs:  # an in-process launcher: the jobs it ran
+            notes = [job / rundir.FAILED_FILE for job in self.jobs]
+        else:  # a launcher that runs the jobs elsewhere: the notes written since the sweep started
+            notes = [p for p in sweep_dir.glob(f"*/{rundir.FAILED_FILE}") if p.stat().st_mtime >= self.started - 1]
+        failed = {}
+        for note in notes:
+            try:
+                failed[note.parent] = (note.read_text().strip().splitlines() or [""])[0]
+            except OSError:
+                continue
+        return failed
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
-        failed = {p.parent: p.read_text().strip().splitlines()[0] for p in sweep_dir.glob("*/FAILED")}
+        failed = self._failed(sweep_dir)
         failed.update(refused_jobs())  # refused directories get no FAILED: they are not the job's
         if not failed:
             return
@@ -231,7 +286,10 @@ def main() -> None:
     """The ``amp-train`` console script: the same CLI as ``python train.py``."""
     import hydra
 
+    from amp_plugin.app.overrides import check_overrides
+
     register_configs()
+    check_overrides()
     try:
         configs = config_dir()
     except ConfigError as err:

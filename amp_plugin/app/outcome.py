@@ -17,7 +17,9 @@
   training starts (checks, building the Trainer, Lightning's setup) and after it ends;
 - in a sweep (``-m``), any other error of one job: ``Job failed: ...``, its traceback in
   ``FAILED``, and the sweep goes on. A job whose directory was refused is counted as failed
-  (:func:`refused_jobs`) without a ``FAILED`` in a directory that is not its own.
+  (:func:`refused_jobs`) without a ``FAILED`` in a directory that is not its own; so is a job
+  refused by a check in a directory that holds another run's outputs (overwrite, resume in
+  place), which it has not taken over yet.
 
 Everything else (a bug in a single run) keeps Python's traceback. The note goes to stderr and,
 but for a refused directory, to ``FAILED`` in the run directory.
@@ -136,9 +138,11 @@ def report_end(err: BaseException, cfg: DictConfig, out: Path | None, multirun: 
     if isinstance(err, LossScaleCollapseError) and err.checkpoint_path and out is not None:
         text += _recovery_hint(err.checkpoint_path, cfg, out)
     message = f"{kind}: {type(err).__name__}: {' '.join(text.split())[:600]}" if details else f"{kind}: {text}"
+    written = False
     if out is not None and not isinstance(err, rundir.RunDirError):  # a refused directory is not ours to mark
-        rundir.mark_failed(out, err, f"{type(err).__name__}: {text}\n" + (f"\n{details}" if details else ""))
-    elif out is not None and multirun:
+        note = f"{type(err).__name__}: {text}\n" + (f"\n{details}" if details else "")
+        written = rundir.mark_failed(out, err, note)  # not into another run's directory (rundir.protect)
+    if out is not None and multirun and not written:
         _refused[out] = message
     if multirun:
         print(f"{message}\n(This job failed; the sweep goes on.)", file=sys.stderr, flush=True)

@@ -4,9 +4,13 @@
 the run resumes from one of that run's own checkpoints inside it
 (``ckpt_path=<dir>/checkpoints/last.ckpt``; the run id in :data:`~amp_plugin.app.rundir.RUN_FILE`
 and in the checkpoint must match) or ``overwrite=true`` asks to replace them (:func:`clear_outputs`).
-Overwriting deletes only what a run of this project wrote: a directory without
-:data:`~amp_plugin.app.rundir.RUN_FILE`, or with files in ``logs/`` or ``checkpoints/`` that no run
-writes, is refused and nothing is deleted.
+Overwriting deletes only what the run in the directory wrote: a directory without
+:data:`~amp_plugin.app.rundir.RUN_FILE`, with files in ``logs/`` or ``checkpoints/`` that no run
+writes, or with a checkpoint that another run wrote (its run id is not the directory's), is refused,
+naming the file, and nothing is deleted.
+
+:func:`check_reuse` only decides; the deleting waits until the new run has passed every check
+(:func:`amp_plugin.app.run.train` calls :func:`clear_outputs`), so bad input changes nothing.
 """
 
 from __future__ import annotations
@@ -18,7 +22,16 @@ from pathlib import Path
 
 from amp_plugin.app.rundir import FAILED_FILE, RUN_FILE, RunDirError, read_run_id, secondary_rank, spawned_by_owner
 
-__all__ = ["OUTPUTS", "check_reuse", "clear_outputs", "foreign_files", "outputs_in", "refuse_overwrite"]
+__all__ = [
+    "OUTPUTS",
+    "check_reuse",
+    "checkpoint_run_id",
+    "clear_outputs",
+    "foreign_checkpoints",
+    "foreign_files",
+    "outputs_in",
+    "refuse_overwrite",
+]
 
 # What a run writes (besides .hydra/ and the job log): their presence means the directory is taken.
 OUTPUTS = ("summary.json", "training_curves.csv", "training_curves.png", "logs", "checkpoints")
@@ -57,28 +70,30 @@ def _inside(path: str, directory: Path) -> bool:
 
 def check_reuse(
     directory: str | os.PathLike[str], ckpt_path: str | None, overwrite: bool, key: str = "hydra.run.dir"
-) -> None:
+) -> bool:
     """Refuse a directory holding another run's outputs (see the module docstring).
 
-    With ``overwrite``, those outputs are deleted first (:func:`clear_outputs`).
+    Returns:
+        Whether the directory's outputs are to be deleted (``overwrite`` and a directory holding a run);
+        the caller deletes them (:func:`clear_outputs`) once the run has passed every other check.
 
     Raises:
-        RunDirError: the directory holds a run and this one neither resumes it nor overwrites it.
+        RunDirError: the directory holds a run and this one neither resumes it nor may overwrite it.
     """
     directory = Path(directory)
     if spawned_by_owner(directory):
-        return  # a DDP child of the run that checked it
+        return False  # a DDP child of the run that checked it
     if secondary_rank() or not directory.is_dir():
-        return
+        return False  # a rank other than 0 that joined its rank 0 (rundir.claim checked that)
     found = outputs_in(directory)
     if not found:
-        return
+        return False
     if ckpt_path is not None and _inside(ckpt_path, directory):
         _check_own_checkpoint(directory, ckpt_path, key)
-        return  # resuming in place: the run continues its own files
+        return False  # resuming in place: the run continues its own files
     if overwrite:
-        clear_outputs(directory, key)
-        return
+        refuse_overwrite(directory, key)
+        return True
     finished = "a finished run" if (directory / "summary.json").is_file() else "another run's outputs"
     resume = directory / "checkpoints" / "last.ckpt"
     hint = f"resume it with ckpt_path={resume} {key}={directory}, " if resume.is_file() else ""
@@ -128,12 +143,43 @@ def foreign_files(directory: str | os.PathLike[str]) -> list[str]:
     return found
 
 
+def checkpoint_run_id(path: str | os.PathLike[str]) -> str | None:
+    """The run id a checkpoint carries (``amp_plugin_app.run_id``), or None (unreadable, or none recorded).
+
+    Memory-mapped: the tensors' bytes are not read."""
+    import torch
+
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    except Exception:  # not a checkpoint of this project
+        return None
+    app = checkpoint.get("amp_plugin_app") if isinstance(checkpoint, dict) else None
+    value = app.get("run_id") if isinstance(app, dict) else None
+    return value if isinstance(value, str) else None
+
+
+def foreign_checkpoints(directory: str | os.PathLike[str]) -> list[str]:
+    """The ``checkpoints/*.ckpt`` of ``directory`` that the run recorded in its :data:`RUN_FILE` did not
+    write (another run's, a user's own, or unreadable), as relative paths."""
+    directory = Path(directory)
+    ours = read_run_id(directory)
+    folder = directory / "checkpoints"
+    if not folder.is_dir() or folder.is_symlink():
+        return []
+    return [
+        f"checkpoints/{path.name}"
+        for path in sorted(folder.glob("*.ckpt"))
+        if path.is_symlink() or not path.is_file() or ours is None or checkpoint_run_id(path) != ours
+    ]
+
+
 def clear_outputs(directory: str | os.PathLike[str], key: str = "hydra.run.dir") -> None:
     """Delete what a run wrote into ``directory`` (``.hydra/`` and the job log stay).
 
     Raises:
         RunDirError: ``directory`` holds outputs but no :data:`RUN_FILE` (no run of this project
-            wrote them), or files in ``logs/`` or ``checkpoints/`` that no run writes; nothing is deleted.
+            wrote them), files in ``logs/`` or ``checkpoints/`` that no run writes, or a checkpoint
+            another run wrote; nothing is deleted.
     """
     directory = Path(directory)
     refuse_overwrite(directory, key)
@@ -159,9 +205,18 @@ def refuse_overwrite(directory: str | os.PathLike[str], key: str = "hydra.run.di
             "and overwriting would delete them. Move them elsewhere first, or give this run its own directory "
             f"(drop {key}=)."
         )
-    if read_run_id(directory) is None:
+    ours = read_run_id(directory)
+    if ours is None:
         raise RunDirError(
             f"overwrite=true is not allowed for {key}={directory}: its {', '.join(found)} were not written by a run "
             f"of amp_plugin (there is no {RUN_FILE} file), so overwriting could delete files of yours. Delete them "
             f"yourself if they can go, or give this run its own directory (drop {key}=)."
+        )
+    others = foreign_checkpoints(directory)
+    if others:
+        shown = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
+        raise RunDirError(
+            f"overwrite=true is not allowed for {key}={directory}: {shown} was not written by the run in it (run "
+            f"{ours}; it is another run's checkpoint, a file of yours, or unreadable), and overwriting would delete "
+            f"it. Move it elsewhere first, or give this run its own directory (drop {key}=)."
         )

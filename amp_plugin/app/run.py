@@ -49,12 +49,17 @@ from amp_plugin.settings import PrecisionSettings
 __all__ = ["train"]
 
 
-def train(cfg: DictConfig, settings: PrecisionSettings | None = None) -> dict[str, Any]:
+def train(cfg: DictConfig, settings: PrecisionSettings | None = None, *, clear_outputs: bool = False) -> dict[str, Any]:
     """Build the run, train, write the plot and ``summary.json``, print the summary.
+
+    Nothing is written into the run directory (``FAILED``, Hydra's ``.hydra/`` record) or deleted from it
+    before every check has passed (:func:`take_over`).
 
     Args:
         cfg: the composed config.
         settings: :func:`~amp_plugin.app.build.prepare`'s result when the caller already ran it.
+        clear_outputs: delete the outputs of the run the directory holds first (``overwrite=true``;
+            :func:`~amp_plugin.app.reuse.check_reuse` said they may go), once every check has passed.
 
     Returns:
         The summary (JSON-friendly: ``final_metrics``, ``loss_scale``, ``skipped_steps``,
@@ -68,6 +73,7 @@ def train(cfg: DictConfig, settings: PrecisionSettings | None = None) -> dict[st
     try:
         run = build(cfg, settings, output_dir)
         check_writable(run, cfg)
+        take_over(output_dir, cfg, clear_outputs, spawned=rundir.spawned_by_owner(output_dir))
     except ConfigError as err:
         mark_failed(output_dir, err)
         raise
@@ -120,17 +126,60 @@ def train(cfg: DictConfig, settings: PrecisionSettings | None = None) -> dict[st
     return {**summary, "trainer": run.trainer, "module": run.module, "plugin": run.plugin}
 
 
+HYDRA_RECORD = ".hydra"
+"""Where the run records its config, Hydra's config and the overrides (``hydra.output_subdir`` is null in
+``configs/train.yaml``, so that Hydra writes nothing into the directory before the run's checks)."""
+
+
+def take_over(output_dir: Path, cfg: DictConfig, clear_outputs: bool, spawned: bool = False) -> None:
+    """Every check passed: delete the outputs ``overwrite=true`` replaces, stop protecting the directory,
+    and write Hydra's record of the run (``.hydra/config.yaml``, ``hydra.yaml``, ``overrides.yaml``).
+
+    Raises:
+        RunDirError: the outputs may not be deleted after all (a file appeared since the check).
+    """
+    if spawned:
+        return  # a DDP child: the launching process took the directory over
+    if clear_outputs:
+        from amp_plugin.app.reuse import clear_outputs as clear
+
+        clear(output_dir)
+    rundir.adopt(output_dir)
+    _write_hydra_record(output_dir, cfg)
+
+
+def _write_hydra_record(output_dir: Path, cfg: DictConfig) -> None:
+    """What Hydra writes into ``<run dir>/.hydra/`` when ``hydra.output_subdir`` is set, written now."""
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf
+
+    try:
+        hydra_cfg = HydraConfig.instance().cfg
+        hydra_node = HydraConfig.get()
+    except ValueError:  # train() outside @hydra.main
+        return
+    if hydra_cfg is None or hydra_node.output_subdir is not None:
+        return  # Hydra wrote it itself (hydra.output_subdir=... on the command line, or a DDP child's)
+    if os.path.realpath(str(hydra_node.runtime.output_dir)) != os.path.realpath(output_dir):
+        return
+    record = output_dir / HYDRA_RECORD
+    record.mkdir(parents=True, exist_ok=True)
+    (record / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+    (record / "hydra.yaml").write_text(OmegaConf.to_yaml(hydra_cfg))
+    (record / "overrides.yaml").write_text(OmegaConf.to_yaml(hydra_node.overrides.task))
+
+
 STALLED_STEPS = 10
 """A run that ends with this many skipped steps in a row failed (a healthy dynamic scale skips about one
 step per growth, and ten backoffs in a row mean 2**10 too high a scale or gradients that stay inf/NaN); so
-does one that ends with more than half of its steps skipped in a row at the scaler's ``min_scale``, where the
-scale cannot back off further."""
+does one whose every step was skipped, however short, one that took no step, and one that ends with more
+than half of its steps skipped in a row at the scaler's ``min_scale``, where the scale cannot back off further."""
 
 
 def failed_training(summary: dict[str, Any], scaler: Any) -> str | None:
     """Why a run that reached its last step did not train, or None: its final losses are not finite,
-    or it ended on :data:`STALLED_STEPS` or more skipped steps in a row (or on more than half of its
-    steps at ``min_scale``)."""
+    it took no step, or it ended on :data:`STALLED_STEPS` or more skipped steps in a row, on a streak
+    that covers all of its steps, or on more than half of its steps at ``min_scale``."""
     final = summary.get("final_metrics") or {}
     nonfinite = [k for k in ("train/loss", "val/loss") if k in final and not math.isfinite(float(final[k]))]
     if nonfinite:
@@ -141,10 +190,16 @@ def failed_training(summary: dict[str, Any], scaler: Any) -> str | None:
             "preset, try one with FP32 master weights (fp16, bf16) or a larger optimizer eps."
         )
     steps, streak = int(summary["steps"]), int(getattr(scaler, "consecutive_skips", 0))
+    if steps == 0:
+        return (
+            "it took no optimizer step (trainer.max_steps, trainer.max_epochs or the data left nothing to train), so "
+            "it has no trained model to report. Check trainer.max_steps, trainer.limit_train_batches and the recipe's "
+            "data."
+        )
     floor = getattr(scaler, "min_scale", None)
     stuck = floor is not None and scaler.is_enabled() and scaler.get_scale() <= floor  # it cannot back off further
     streak = streak if scaler.is_enabled() else 0
-    if steps > 0 and (streak >= STALLED_STEPS or (stuck and streak > steps / 2)):
+    if streak >= STALLED_STEPS or streak >= steps or (stuck and streak > steps / 2):
         first = int(summary["global_step"]) - streak
         return (
             f"the last {streak} of its {steps} steps were all skipped (every step from step {first} on overflowed), "

@@ -11,7 +11,8 @@ here, and runs once per run, before Lightning is imported:
 - Trainer arguments Lightning accepts and then divides by in the middle of a run
   (``accumulate_grad_batches``, ``check_val_every_n_epoch``, ``val_check_interval`` 0), or trains
   nothing with (``limit_train_batches``, ``max_steps``, ``max_epochs`` 0), a NaN
-  ``gradient_clip_val``, and ``num_nodes`` above 1 without a cluster environment (a hang);
+  ``gradient_clip_val``, ``num_nodes`` above 1 without a cluster environment, and a
+  ``WORLD_SIZE`` in the environment that is not ``num_nodes`` x the processes per node (hangs);
 - the strategy: Lightning strategies that refuse the plugin (FSDP1, DeepSpeed), and more CPU
   processes than the machine has cores;
 - the app's own keys: ``seed``, ``num_threads``, and ``ckpt_path`` (a readable Lightning
@@ -98,9 +99,16 @@ def validate(cfg: DictConfig) -> None:
 
 def _check_trainer_amounts(trainer: DictConfig) -> None:
     """Trainer values Lightning takes and then trains nothing with, divides by, or misreports."""
+    for key in ("limit_train_batches", "limit_val_batches", "val_check_interval"):
+        value = trainer.get(key)
+        if isinstance(value, bool):  # Lightning reads true as 1 batch and false as 0
+            raise ConfigError(
+                f"trainer.{key}={show(value)} is not allowed: trainer.{key} must be a batch count (an integer) or a "
+                "fraction of an epoch (a float), or null for all of it; a boolean would be read as 1 or 0 batches."
+            )
     for key in ("limit_train_batches", "val_check_interval"):
         value = trainer.get(key)
-        if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+        if value is None or not isinstance(value, (int, float)):
             continue  # a string or another type: Lightning's own check names it
         if (isinstance(value, int) and value < 1) or (isinstance(value, float) and not 0.0 < value <= 1.0):
             why = "it trains nothing" if key == "limit_train_batches" else "Lightning divides by it"
@@ -132,6 +140,25 @@ def _check_trainer_amounts(trainer: DictConfig) -> None:
             f"{', '.join(CLUSTER_ENV)}), so the other machines never join and the run would wait for them forever. "
             "Start it on each machine with SLURM (srun), torchrun or mpirun, or set MASTER_ADDR, NODE_RANK and "
             "WORLD_SIZE; on one machine use trainer.num_nodes=1."
+        )
+    _check_world_size(trainer)
+
+
+def _check_world_size(trainer: DictConfig) -> None:
+    """A ``WORLD_SIZE`` in the environment must hold ``num_nodes`` x the processes per node: otherwise the
+    process group waits forever for processes that never start (or Lightning refuses it mid-setup)."""
+    world = os.environ.get("WORLD_SIZE", "").strip()
+    if not world:
+        return
+    processes = process_count(trainer) or 1
+    wanted = trainer.num_nodes * processes
+    if not world.isdigit() or int(world) != wanted:
+        raise ConfigError(
+            f"WORLD_SIZE={world} is set in the environment, but trainer.num_nodes={show(trainer.num_nodes)} x "
+            f"trainer.devices={show(trainer.devices)} asks for {wanted} processes, so the process group would wait "
+            f"forever for the missing ones. Unset WORLD_SIZE (a leftover of a distributed launcher?), or launch "
+            f"{wanted} processes (torchrun --nnodes {trainer.num_nodes} --nproc-per-node {processes}, srun) with "
+            "matching trainer.num_nodes and trainer.devices."
         )
 
 
