@@ -11,10 +11,11 @@
   that could not be written; a run directory deleted while the run wrote to it), or a run that
   ended without training (:class:`RunFailed`: its last steps all skipped, or a non-finite
   validation loss): ``Training stopped: ...``, exit 1;
-- SIGTERM (how SLURM and Kubernetes pre-empt) or SIGINT (Ctrl+C): the signal, the step, the
-  checkpoint and the exact command that resumes the run in place, exit ``128 + signal`` (143,
-  130), also in a sweep, which stops there. :func:`catch_sigterm` covers the time before
-  training starts (checks, building the Trainer, Lightning's setup) and after it ends;
+- SIGTERM (how SLURM and Kubernetes pre-empt), SIGHUP (a closed terminal or ssh session) or SIGINT
+  (Ctrl+C): the signal, the step, the checkpoint and the exact command that resumes the run in place,
+  exit ``128 + signal`` (143, 129, 130), also in a sweep, which stops there. :func:`catch_sigterm`
+  covers the time before training starts (checks, building the Trainer, Lightning's setup) and after
+  it ends; under DDP only SIGTERM is passed on to the ranks Lightning started;
 - in a sweep (``-m``), any other error of one job: ``Job failed: ...``, its traceback in
   ``FAILED``, and the sweep goes on. A job whose directory was refused is counted as failed
   (:func:`refused_jobs`) without a ``FAILED`` in a directory that is not its own; so is a job
@@ -77,20 +78,34 @@ def _raise_terminated(signum: int, frame: object) -> None:
     raise Terminated(signum)
 
 
+def _forward_sighup(signum: int, frame: object) -> None:
+    """SIGHUP (a closed terminal or ssh session) stops the run as SIGTERM does, under its own name: the
+    SIGTERM handler in place (:class:`~amp_plugin.lightning.interrupt.GracefulInterrupt`'s while training
+    runs, :func:`_raise_terminated` before and after) gets it."""
+    handler = signal.getsignal(signal.SIGTERM)
+    if callable(handler) and handler is not _forward_sighup:
+        handler(signum, frame)
+    else:
+        raise Terminated(signum)
+
+
 def catch_sigterm() -> object:
-    """Make SIGTERM raise :class:`Terminated` (main thread only); returns the handler to restore.
+    """Make SIGTERM raise :class:`Terminated` (main thread only), and SIGHUP go where SIGTERM goes;
+    returns the handlers to restore.
 
     While training runs, :class:`~amp_plugin.lightning.interrupt.GracefulInterrupt` has its own
     handler; Lightning calls this one too when it registers its own during setup."""
     if threading.current_thread() is not threading.main_thread():
         return None
-    return signal.signal(signal.SIGTERM, _raise_terminated)
+    return signal.signal(signal.SIGTERM, _raise_terminated), signal.signal(signal.SIGHUP, _forward_sighup)
 
 
 def restore_sigterm(previous: object) -> None:
-    """Put back the handler :func:`catch_sigterm` replaced."""
+    """Put back the handlers :func:`catch_sigterm` replaced."""
     if previous is not None and threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, cast("signal.Handlers", previous))
+        term, hup = cast("tuple[signal.Handlers, signal.Handlers]", previous)
+        signal.signal(signal.SIGTERM, term)
+        signal.signal(signal.SIGHUP, hup)
 
 
 _refused: dict[Path, str] = {}

@@ -76,3 +76,15 @@ def test_a_signal_saves_a_checkpoint_exits_128_plus_n_and_the_resume_command_con
     assert f"steps        {STEPS - step} (resumed at step {step})" in resumed.stdout
     assert not (run_dir / "FAILED").exists()
     assert metric_steps(run_dir) == list(range(STEPS))  # both parts, each step once
+
+
+@pytest.mark.slow
+def test_sighup_saves_a_checkpoint_and_leaves_a_note_like_sigterm(tmp_path):
+    run_dir, note, code = interrupt(tmp_path, signal.SIGHUP)  # a closed terminal or ssh session
+    assert code == 129, note + (tmp_path / "SIGHUP.log").read_text()[-3000:]
+    match = re.search(r"Interrupted by SIGHUP at step (\d+): the run stopped after that step and saved", note)
+    assert match, note
+    checkpoint = run_dir / "checkpoints" / "last.ckpt"
+    assert torch.load(checkpoint, weights_only=False)["global_step"] == int(match.group(1))
+    assert "Exit status 129 (128 + SIGHUP)" in note and "resume with " in note
+    assert "Traceback" not in (tmp_path / "SIGHUP.log").read_text()
