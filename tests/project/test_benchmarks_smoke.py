@@ -198,6 +198,8 @@ def test_gpu_script_runs_its_code_path_on_cpu():
         "--cpu-dry-run",
         "--configs",
         "ours fp16",
+        "ours bf16",
+        "ours bf16_lean",
         "Lightning 32-true",
         "Lightning bf16-mixed",
         "--batch-size",
@@ -212,11 +214,14 @@ def test_gpu_script_runs_its_code_path_on_cpu():
         "ours fp16",
     )
     rows = table_rows(out)
-    assert [row[0] for row in rows] == ["ours fp16", "Lightning 32-true", "Lightning bf16-mixed"]
+    assert [row[0] for row in rows] == [
+        "ours fp16", "ours bf16", "ours bf16_lean", "Lightning 32-true", "Lightning bf16-mixed"
+    ]  # fmt: skip
     assert all(not row[1].startswith("failed") for row in rows)
-    assert [row[6] for row in rows] == ["2", "2", "2"]  # the rounds column
-    assert out.count("round 2, ") == 3  # the configurations alternate: each one in every round
+    assert [row[6] for row in rows] == ["2"] * 5  # the rounds column
+    assert out.count("round 2, ") == 5  # the configurations alternate: each one in every round
     assert "ours fp16: " in out and "x FP32" in out
+    assert re.search(r"- ours bf16_lean: [0-9.]+x ours bf16, peak", out)
     profile = out.split("## Profile of ours fp16", 1)[1]
     assert "aten::" in profile and "Self CPU time total" in profile
 
