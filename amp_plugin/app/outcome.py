@@ -36,6 +36,7 @@ import sys
 import threading
 import traceback
 from pathlib import Path
+from types import FrameType
 from typing import TYPE_CHECKING, cast
 
 from omegaconf import DictConfig
@@ -78,7 +79,7 @@ def _raise_terminated(signum: int, frame: object) -> None:
     raise Terminated(signum)
 
 
-def _forward_sighup(signum: int, frame: object) -> None:
+def _forward_sighup(signum: int, frame: FrameType | None) -> None:
     """SIGHUP (a closed terminal or ssh session) stops the run as SIGTERM does, under its own name: the
     SIGTERM handler in place (:class:`~amp_plugin.lightning.interrupt.GracefulInterrupt`'s while training
     runs, :func:`_raise_terminated` before and after) gets it."""
