@@ -35,7 +35,8 @@ def _state_bytes(module: torch.nn.Module, optimizers: list[torch.optim.Optimizer
     return sum(nbytes for _, nbytes in {_storage_key(t) for t in tensors})
 
 
-def _proc_status_mb(field: str) -> float:
+def proc_status_mb(field: str) -> float:
+    """A ``/proc/self/status`` field (``VmRSS``, ``VmHWM``) in MiB."""
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith(field + ":"):
@@ -77,7 +78,7 @@ class MemoryProbe(pl.Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if trainer.global_step == self.rss_step and _reset_peak_rss():
-            self._rss_start = _proc_status_mb("VmRSS")
+            self._rss_start = proc_status_mb("VmRSS")
         if trainer.global_step != self.tensor_step:
             return
         self.result["state_mb"] = _state_bytes(pl_module, trainer.optimizers) / 2**20
@@ -93,7 +94,7 @@ class MemoryProbe(pl.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if self._rss_start is not None:
-            self.result["rss_step_mb"] = max(_proc_status_mb("VmHWM") - self._rss_start, 0.0)
+            self.result["rss_step_mb"] = max(proc_status_mb("VmHWM") - self._rss_start, 0.0)
             self._rss_start = None
         if self._profiler is None:
             return

@@ -30,19 +30,20 @@ import argparse
 import contextlib
 import functools
 import shlex
-import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 
 try:
     import amp_plugin.emulation  # noqa: F401
 except ImportError:  # running from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # this script's helpers
+
+from _emulation_timing import calibrate, run_rounds, table, timed
+from _emulation_training import MasterWeightOptimizer, bench_training
 
 from amp_plugin.emulation import (
     CpuHalfEmulation,
@@ -51,61 +52,6 @@ from amp_plugin.emulation import (
     native_kernels_available,
     python_kernels_only,
 )
-
-try:
-    from amp_plugin.master_weights import MasterWeightOptimizer
-except ImportError:  # the numerics core without master weights: plain optimizer on half params
-    MasterWeightOptimizer = None
-
-
-def timed(fn, inner: int = 1, ctx=contextlib.nullcontext) -> tuple[float, float]:
-    """(wall, cpu) seconds per call of ``fn`` averaged over ``inner`` calls made
-    inside one ``ctx()``."""
-    w0, c0 = time.perf_counter(), time.process_time()
-    with ctx():
-        for _ in range(inner):
-            fn()
-    return (time.perf_counter() - w0) / inner, (time.process_time() - c0) / inner
-
-
-def run_rounds(variants: dict, rounds: int, warmup: int = 1, only_first: dict | None = None) -> dict:
-    """Alternate the variants round by round. ``variants``: name -> (fn, inner, ctx).
-    ``only_first``: name -> number of rounds that variant takes part in (slow ones)."""
-    only_first = only_first or {}
-    samples: dict = {name: [] for name in variants}
-    for name, (fn, _inner, ctx) in variants.items():
-        for _ in range(0 if name in only_first else warmup):  # slow ones: their first round is long enough
-            with ctx():
-                fn()
-    for r in range(rounds):
-        for name, (fn, inner, ctx) in variants.items():
-            if r < only_first.get(name, rounds):
-                samples[name].append(timed(fn, inner, ctx))
-    return {
-        name: (statistics.median(s[0] for s in v) * 1e3, statistics.median(s[1] for s in v) * 1e3, len(v))
-        for name, v in samples.items()
-        if v  # a variant given 0 rounds (--skip-native-training) is left out
-    }
-
-
-def calibrate(fn, ctx, target_s: float = 0.05) -> int:
-    timed(fn, 1, ctx)
-    _, cpu = timed(fn, 1, ctx)
-    return max(1, int(target_s / max(cpu, 1e-6)))
-
-
-def table(results: dict, base: str, title: str) -> str:
-    bw, bc, _ = results[base]
-    lines = [
-        f"### {title}",
-        "",
-        "| variant | wall ms | wall vs FP32 | CPU ms | CPU vs FP32 | rounds |",
-        "|---|---:|---:|---:|---:|---:|",
-    ]
-    for name, (w, c, n) in results.items():
-        lines.append(f"| {name} | {w:.2f} | {w / bw:.2f}x | {c:.2f} | {c / bc:.2f}x | {n} |")
-    return "\n".join(lines)
-
 
 # ----------------------------------------------------------------------------- (a)
 
@@ -127,85 +73,6 @@ def bench_matmul(n: int, rounds: int) -> dict:
         fn = functools.partial(torch.mm, a, b)
         variants[name] = (fn, calibrate(fn, ctx), ctx)
     return run_rounds(variants, rounds)
-
-
-# ----------------------------------------------------------------------------- (b)
-
-
-def make_model(d_model: int, layers: int, classes: int, dtype: torch.dtype) -> nn.Module:
-    torch.manual_seed(0)
-    layer = nn.TransformerEncoderLayer(d_model, nhead=4, dim_feedforward=4 * d_model, dropout=0.0, batch_first=True)
-    model = nn.Sequential(nn.TransformerEncoder(layer, layers, enable_nested_tensor=False), nn.Linear(d_model, classes))
-    return model.to(dtype)
-
-
-def make_step(args, dtype: torch.dtype, emulate: bool, backend: str = "auto"):
-    model = make_model(args.d_model, args.layers, args.classes, dtype).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
-    if dtype != torch.float32 and MasterWeightOptimizer is not None:
-        opt = MasterWeightOptimizer(opt)
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(args.batch, args.seq, args.d_model, generator=g).to(dtype)
-    y = torch.randint(0, args.classes, (args.batch, args.seq), generator=g)
-    python_only = backend == "kernel-python"  # the kernel backend without its C++ kernels
-    emu = CpuHalfEmulation(enabled=emulate, backend="kernel" if python_only else backend)
-
-    def step():
-        with python_kernels_only() if python_only else contextlib.nullcontext():
-            emulated_step()
-
-    def emulated_step():
-        with emu:
-            out = model(x)
-            loss = F.cross_entropy(out.float().reshape(-1, args.classes), y.reshape(-1))
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-        opt.step()
-
-    return step, emu, model
-
-
-def bench_training(args) -> tuple[dict, list[str]]:
-    notes = []
-    variants, slow = {}, {}
-    f16, bf16 = torch.float16, torch.bfloat16
-    plan = [
-        ("FP32", torch.float32, False, "auto"),
-        ("FP16 emulated", f16, True, "auto"),
-        ("BF16 emulated", bf16, True, "auto"),
-        ("FP16 emulated, Python kernels", f16, True, "kernel-python"),
-        ("FP16 emulated, mode backend", f16, True, "mode"),
-        ("FP16 native", f16, False, "auto"),
-        ("BF16 native", bf16, False, "auto"),
-    ]
-    if CpuHalfEmulation().backend == "mode":  # the default already is the mode backend
-        plan = [entry for entry in plan if entry[3] not in ("mode", "kernel-python")]
-    elif not native_kernels_available():  # the kernel backend runs its Python kernels anyway
-        plan = [entry for entry in plan if entry[3] != "kernel-python"]
-    for name, dt, emulate, backend in plan:
-        step, emu, model = make_step(args, dt, emulate, backend)
-        variants[name] = (step, 1, contextlib.nullcontext)
-        if "native" in name:
-            slow[name] = args.native_rounds
-        if name == "FP16 emulated":
-            step()
-            emu.reset_counts()
-            step()
-            calls = ", ".join(f"{k.removeprefix('aten.')} x{v}" for k, v in sorted(emu.emulated_calls.items()))
-            notes.append(f"emulated per training step: {calls}")
-            # nn.TransformerEncoderLayer's fused fast path (eval, no grad) is covered too
-            model.eval()
-            probe = CpuHalfEmulation()
-            with torch.no_grad(), probe:
-                model(torch.randn(2, args.seq, args.d_model).to(dt))
-            model.train()
-            inner = sum(v for k, v in probe.emulated_calls.items())
-            notes.append(
-                "eval/no-grad forward (fused `_transformer_encoder_layer_fwd` fast path): "
-                f"{inner} matmul-family calls emulated inside it"
-            )
-    results = run_rounds(variants, args.repeats, warmup=1, only_first=slow)
-    return results, notes
 
 
 # ----------------------------------------------------------------------------- (c)

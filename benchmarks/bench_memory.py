@@ -66,7 +66,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import shlex
 import subprocess
@@ -78,14 +77,16 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+for path in (ROOT, ROOT / "benchmarks"):  # the project, and this script's helpers (also when loaded by path)
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
 
 import torch
-import torch.nn.functional as F
-from torch import nn
+from _harness import cpu_model, lightning_16_mixed_cpu, quiet_trainer, skipped_steps
+from _memory import proc_status_mb
+from _memory_stack import Stack, StateProbe, shape_for
 
-from amp_plugin.app.state_bytes import COMPONENTS, tally
+from amp_plugin.app.state_bytes import COMPONENTS
 from amp_plugin.lightning import pl
 
 MMAP_THRESHOLD = 128 * 1024  # glibc's initial threshold, kept fixed (MALLOC_MMAP_THRESHOLD_)
@@ -116,122 +117,6 @@ def _lightning_name(precision: str) -> str:
     return "Lightning 16-mixed (CPU GradScaler)" if precision == "16-mixed" else f"Lightning {precision}"
 
 
-def cpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
-        for line in out.splitlines():
-            if line.startswith("Model name:"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
-# ---------------------------------------------------------------------------------- the model
-class Block(nn.Module):
-    def __init__(self, d: int) -> None:
-        super().__init__()
-        self.fc = nn.Linear(d, d)
-        self.norm = nn.LayerNorm(d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.gelu(self.norm(self.fc(x)))
-
-
-class Stack(pl.LightningModule):
-    def __init__(
-        self,
-        d: int,
-        depth: int,
-        steps: int,
-        batch: int = 64,
-        fsdp: str | None = None,
-        fused_adamw: bool = False,
-    ) -> None:
-        super().__init__()
-        self.net = nn.Sequential(*[Block(d) for _ in range(depth)])
-        self.d, self.steps, self.batch, self.fsdp = d, steps, batch, fsdp
-        self.fused_adamw = fused_adamw
-
-    def configure_model(self) -> None:
-        if self.fsdp is None:
-            return
-        mesh = self.device_mesh["data_parallel"]
-        if self.fsdp == "ours":
-            from amp_plugin.fsdp import fully_shard_mixed
-
-            fully_shard_mixed(self.net, mesh, self.trainer.precision_plugin, units=(Block,))
-        else:
-            from torch.distributed.fsdp import fully_shard
-
-            for block in self.net:
-                fully_shard(block, mesh=mesh)
-            fully_shard(self.net, mesh=mesh)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x)
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return F.mse_loss(self(x).float(), y)
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=1e-3, fused=self.fused_adamw or None)
-
-    def train_dataloader(self):
-        g = torch.Generator().manual_seed(0)
-        n = self.batch * self.steps
-        x = torch.randn(n, self.d, generator=g)
-        y = 0.1 * torch.randn(n, self.d, generator=g)
-        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=self.batch)
-
-
-def shape_for(params_m: float, d: int) -> tuple[int, int]:
-    """``(d, depth)`` for about ``params_m`` million parameters."""
-    per_block = d * d + 3 * d
-    return d, max(1, round(params_m * 1e6 / per_block))
-
-
-# ---------------------------------------------------------------------------------- counting
-class StateProbe(pl.Callback):
-    """Count the state after the last step (gradients present), then after
-    ``zero_grad(set_to_none=True)``; under FSDP2 also what the last block's forward holds."""
-
-    def __init__(self) -> None:
-        self.during: dict[str, int] = {}
-        self.between: dict[str, int] = {}
-        self.gathered = 0
-        self.real_steps = 0
-
-    def on_train_start(self, trainer, pl_module) -> None:
-        if getattr(pl_module, "fsdp", None) is not None:
-            # before the last norm layer runs, its block's linear layer and the norm itself are unsharded
-            pl_module.net[-1].norm.register_forward_pre_hook(lambda *_: self._gathered(trainer, pl_module))
-
-    def _gathered(self, trainer, pl_module) -> None:
-        if trainer.global_step != trainer.max_steps - 1:
-            return
-        # Inside a forward, FSDP2 registers the unsharded parameters (plain tensors) of the
-        # units in flight in place of their DTensor shards.
-        seen, total = set(), 0
-        for p in pl_module.parameters():
-            if hasattr(p, "to_local"):
-                continue
-            s = p.untyped_storage()
-            if s.nbytes() and s.data_ptr() not in seen:
-                seen.add(s.data_ptr())
-                total += s.nbytes()
-        self.gathered = total
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if trainer.global_step != trainer.max_steps:
-            return
-        self.during = tally(pl_module, trainer.optimizers)
-        for opt in trainer.optimizers:
-            opt.zero_grad(set_to_none=True)
-        self.between = tally(pl_module, trainer.optimizers)
-
-
 def _plugin(name: str, devices: int) -> dict[str, Any]:
     kind, _, preset = name.partition(" ")
     if kind == "ours":
@@ -239,26 +124,15 @@ def _plugin(name: str, devices: int) -> dict[str, Any]:
 
         return {"plugins": [MixedPrecisionPlugin(preset)]}
     if preset.startswith("16-mixed"):
-        MixedPrecision = pl.plugins.precision.MixedPrecision
-
-        return {"plugins": [MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu"))]}
+        return lightning_16_mixed_cpu()
     return {"precision": preset}
-
-
-def _skipped(trainer: pl.Trainer) -> int | None:
-    scaler = getattr(trainer.precision_plugin, "scaler", None)
-    if scaler is None:
-        return 0
-    if isinstance(scaler, torch.amp.GradScaler):
-        return None  # not public
-    return scaler.skipped_steps
 
 
 def run_child(
     name: str, params_m: float, d: int, steps: int, devices: int, result_dir: str | None, fused_adamw: bool = False
 ) -> dict[str, Any]:
     """Train one configuration in this (fresh) process and return its numbers."""
-    rss_imports = _rss_mib()
+    rss_imports = proc_status_mb("VmRSS")
     pl.seed_everything(0, verbose=False)
     d, depth = shape_for(params_m, d)
     fsdp = None if devices == 1 else ("ours" if name.startswith("ours") else "lightning")
@@ -268,17 +142,7 @@ def run_child(
         ModelParallelStrategy = pl.strategies.ModelParallelStrategy
 
         kwargs["strategy"] = ModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=devices,
-        max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[probe],
-        **kwargs,
-    )
+    trainer = quiet_trainer(steps, [probe], devices=devices, **kwargs)
     # Under FSDP2 the model is built on the meta device and each rank materializes only its
     # shards (Lightning calls reset_parameters after fully_shard), as a model too big for one
     # device must be; one process builds it in full.
@@ -298,7 +162,7 @@ def run_child(
         "during": probe.during,
         "between": probe.between,
         "gathered": probe.gathered,
-        "skipped": _skipped(trainer),
+        "skipped": skipped_steps(trainer),
         "optimizer": type(trainer.optimizers[0]).__name__,
         "rss_imports_mib": rss_imports,
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
@@ -307,14 +171,6 @@ def run_child(
     if result_dir is not None:
         Path(result_dir, f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
     return result
-
-
-def _rss_mib() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
 
 
 def absent(name: str) -> str | None:
