@@ -6,7 +6,8 @@
 Run it once after ``pip install`` (in a Dockerfile, a CI image, a cluster's setup job) and every
 later run, in that environment with these sources, loads the cached build in a second or two. It
 builds for the CPU it runs on (the variant is in the entry's name), in ``TORCH_EXTENSIONS_DIR``
-(default ``~/.cache/torch_extensions``), and honours ``AMP_PLUGIN_FUSED_BUILD_TIMEOUT``. Exit
+(default ``~/.cache/torch_extensions``), and honours ``AMP_PLUGIN_FUSED_BUILD_TIMEOUT``; asked for by
+name, it builds even with ``AMP_PLUGIN_FUSED=0`` set. Exit
 status 0 when the kernels load, 1 when they cannot be built here (the reason is printed; runs then
 use stock torch ops), 2 for a bad argument.
 """
