@@ -47,7 +47,16 @@ import torch
 
 from amp_plugin.fused import _first_build as _build_steps
 
-__all__ = ["ENV_SWITCH", "build_name", "build_seconds", "build_timeout", "kernels", "unavailable_reason", "variant"]
+__all__ = [
+    "ENV_SWITCH",
+    "build_name",
+    "build_seconds",
+    "build_timeout",
+    "counted_as_build",
+    "kernels",
+    "unavailable_reason",
+    "variant",
+]
 
 ENV_SWITCH = "AMP_PLUGIN_FUSED"
 _SOURCES = [Path(__file__).with_name(name) for name in ("master_step.cpp", "emulate.cpp")]
@@ -174,8 +183,14 @@ def build_timeout() -> float:
 
 def build_seconds() -> float:
     """Seconds this process spent building, loading or waiting for the kernels' build (the app
-    leaves them out of a run's wall time and steps/s)."""
+    leaves them out of a run's wall time and steps/s), and compiling other code the step needs
+    (:func:`counted_as_build`)."""
     return _build_steps.seconds_spent()
+
+
+def counted_as_build() -> contextlib.AbstractContextManager[None]:
+    """A ``with`` block whose time counts in :func:`build_seconds` (a first ``torch.compile``)."""
+    return _build_steps.timed()
 
 
 def _compiler() -> str | None:

@@ -17,7 +17,7 @@ modulo 2**32 there too); the Adam update between them is still torch's own fused
 
 The first call compiles (tens of seconds on a small CPU; Inductor caches the generated code on disk,
 so a later process loads it): said once on stderr, and the time is counted apart from training's
-(:func:`amp_plugin.fused._first_build.timed`). :func:`available` compiles on a small tensor before
+(:func:`amp_plugin.fused.counted_as_build`). :func:`available` compiles on a small tensor before
 a step changes anything, so a failure to compile sends the step down the torch-ops path.
 """
 
@@ -30,12 +30,12 @@ from typing import Any, cast
 
 import torch
 
-from amp_plugin.fused._first_build import timed
-from amp_plugin.master_weights._stochastic import _INDEX_MULTIPLIER, _MIX1, _MIX2, _int32
+from amp_plugin.fused import counted_as_build
+from amp_plugin.master_weights._stochastic import INDEX_MULTIPLIER, MIX1, MIX2, as_int32
 
 __all__ = ["available", "join", "keys_tensor", "prepare", "store"]
 
-_M, _X1, _X2 = _int32(_INDEX_MULTIPLIER), _int32(_MIX1), _int32(_MIX2)
+_M, _X1, _X2 = as_int32(INDEX_MULTIPLIER), as_int32(MIX1), as_int32(MIX2)
 T = torch.Tensor
 
 
@@ -200,7 +200,7 @@ def store(
 def keys_tensor(keys: list[tuple[int, int, int]], device: torch.device) -> torch.Tensor:
     """The (weight, exp_avg, exp_avg_sq) rounding keys of each tensor, as one int32 tensor on
     ``device`` (one copy to the device per step): row ``i`` is what :func:`store` takes."""
-    return torch.tensor([[_int32(k & 0xFFFFFFFF) for k in row] for row in keys], dtype=torch.int32, device=device)
+    return torch.tensor([[as_int32(k & 0xFFFFFFFF) for k in row] for row in keys], dtype=torch.int32, device=device)
 
 
 def available(device: torch.device, strict: bool) -> bool:
@@ -216,7 +216,7 @@ def available(device: torch.device, strict: bool) -> bool:
         )
         start = time.perf_counter()
         try:
-            with timed():
+            with counted_as_build():
                 _probe(device)
             _state["ok"] = True
             print(f"amp_plugin: compiled in {time.perf_counter() - start:.0f} s.", file=sys.stderr, flush=True)

@@ -40,9 +40,9 @@ __all__ = [
 ]
 
 _MASK32 = 0xFFFFFFFF
-_INDEX_MULTIPLIER = 0x9E3779B1
-_MIX1 = 0x85EBCA6B
-_MIX2 = 0xC2B2AE35
+INDEX_MULTIPLIER = 0x9E3779B1
+MIX1 = 0x85EBCA6B
+MIX2 = 0xC2B2AE35
 _MOMENT_SALTS = (0x6A09E667, 0xBB67AE85)  # exp_avg, exp_avg_sq (the kernel's kMomentSalt*)
 
 FREEZE_THRESHOLD = 1 - 2.0**-9
@@ -51,9 +51,9 @@ FREEZE_THRESHOLD = 1 - 2.0**-9
 
 def _fmix32(h: int) -> int:
     h ^= h >> 16
-    h = (h * _MIX1) & _MASK32
+    h = (h * MIX1) & _MASK32
     h ^= h >> 13
-    h = (h * _MIX2) & _MASK32
+    h = (h * MIX2) & _MASK32
     return h ^ (h >> 16)
 
 
@@ -76,7 +76,7 @@ def state_key(key: int, name: str) -> int:
 def offset_key(key: int, offset: int) -> int:
     """The key that gives element ``i`` the bits of element ``offset + i`` under ``key`` (a shard
     that starts at flat index ``offset`` of its whole tensor): the hash reads ``i * M + key``."""
-    return (key + offset * _INDEX_MULTIPLIER) & _MASK32
+    return (key + offset * INDEX_MULTIPLIER) & _MASK32
 
 
 def shared_seed(seed: int | None) -> int:
@@ -113,7 +113,7 @@ class SRGenerator:
         """Advance the counter (one step) and return the 32-bit key of each tensor position."""
         self.counter += 1
         base = _fmix32(_fmix32((self.seed & _MASK32) ^ _fmix32(self.counter & _MASK32)) ^ (self.seed >> 32))
-        return [_fmix32((base + (pos * _INDEX_MULTIPLIER)) & _MASK32) for pos in positions]
+        return [_fmix32((base + (pos * INDEX_MULTIPLIER)) & _MASK32) for pos in positions]
 
     def state_dict(self) -> dict[str, int]:
         return {"seed": self.seed, "counter": self.counter}
@@ -123,7 +123,7 @@ class SRGenerator:
         self.counter = int(state["counter"])
 
 
-def _int32(c: int) -> int:
+def as_int32(c: int) -> int:
     """A 32-bit constant as the int32 with its bits."""
     return c - (1 << 32) if c >= (1 << 31) else c
 
@@ -138,11 +138,11 @@ def _random_bits(key: int, numel: int, device: torch.device) -> torch.Tensor:
 
     In int32 arithmetic, whose products and sums wrap modulo 2**32 on every torch backend, as the
     kernel's uint32 ones do: the same bits, in a fraction of the time int64 arithmetic takes."""
-    h = torch.arange(numel, dtype=torch.int32, device=device) * _int32(_INDEX_MULTIPLIER) + _int32(key & _MASK32)
+    h = torch.arange(numel, dtype=torch.int32, device=device) * as_int32(INDEX_MULTIPLIER) + as_int32(key & _MASK32)
     h = h ^ _shr(h, 16)
-    h = h * _int32(_MIX1)
+    h = h * as_int32(MIX1)
     h = h ^ _shr(h, 13)
-    h = h * _int32(_MIX2)
+    h = h * as_int32(MIX2)
     h = h ^ _shr(h, 16)
     return _shr(h, 16)
 

@@ -61,7 +61,10 @@ def train(fused, master, moments, rounding, steps=4):
 def test_the_compiled_stores_give_the_bits_of_every_other_path(master, moments, rounding):
     compiled, opt = train("compiled", master, moments, rounding)
     assert [k.name for k in step_kernels(opt, {})] == ["compiled"]
-    for other in ("torch", None):  # torch's ops (pinned against the FP32 oracles in test_master_lean.py); the CPU kernel
+    for other in (
+        "torch",
+        None,
+    ):  # torch's ops (pinned against the FP32 oracles in test_master_lean.py); the CPU kernel
         expected, _ = train(other, master, moments, rounding)
         assert len(expected) == len(compiled)
         for a, b in zip(compiled, expected):
