@@ -158,6 +158,8 @@ def report_end(err: BaseException, cfg: DictConfig, out: Path | None, multirun: 
     if out is not None and not isinstance(err, rundir.RunDirError):  # a refused directory is not ours to mark
         note = f"{type(err).__name__}: {text}\n" + (f"\n{details}" if details else "")
         written = rundir.mark_failed(out, err, note)  # not into another run's directory (rundir.protect)
+        if written and not (out / rundir.HYDRA_RECORD).exists():
+            rundir.write_hydra_record(out, cfg)  # what the refused run was given, beside its FAILED
     if out is not None and multirun and not written:
         _refused[out] = message
     if multirun:

@@ -26,7 +26,10 @@ from __future__ import annotations
 
 import math
 import os
+import signal
+import sys
 import tempfile
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -80,6 +83,7 @@ def train(cfg: DictConfig, settings: PrecisionSettings | None = None, *, clear_o
     finally:
         forget_checkpoints()
     threads = torch.get_num_threads()
+    late = LateSignals()
     if cfg.num_threads is not None:
         torch.set_num_threads(cfg.num_threads)
     try:
@@ -92,12 +96,14 @@ def train(cfg: DictConfig, settings: PrecisionSettings | None = None, *, clear_o
                 rundir.write_run_id(output_dir, cast(str, run.run_id))  # its checkpoints carry the same id
             start, building = time.perf_counter(), build_seconds()
             run.trainer.fit(run.module, ckpt_path=run.ckpt_path)
+            late.hold(run)  # from here until the outputs are written, SIGTERM and SIGHUP wait
             # A first run on a machine compiles the fused kernels inside fit: not training time.
             wall = time.perf_counter() - start - (build_seconds() - building)
             metrics = dict(run.trainer.callback_metrics)  # trainer.validate() below drops the train/* entries
             _final_validation(run)
             metrics.update(run.trainer.callback_metrics)
     except BaseException as err:
+        late.release()
         if isinstance(err, OSError) and not isinstance(err, rundir.RunDirGone) and not output_dir.is_dir():
             raise rundir.RunDirGone(output_dir) from err  # a write failed because the directory is gone
         interrupted = _interrupted(run, err)
@@ -111,24 +117,26 @@ def train(cfg: DictConfig, settings: PrecisionSettings | None = None, *, clear_o
         raise
     finally:
         torch.set_num_threads(threads)
-    summary = summarize(run, wall, metrics)
-    failure = failed_training(summary, run.plugin.scaler)
-    if failure is not None:
-        summary["status"], summary["failure"] = "failed", failure
-    if run.trainer.is_global_zero:
-        (output_dir / FAILED_FILE).unlink(missing_ok=True)  # a stale note from an earlier attempt here
-        write_outputs(run, summary)
-        print(format_summary(summary), flush=True)
+    try:
+        summary = summarize(run, wall, metrics)
+        failure = failed_training(summary, run.plugin.scaler)
+        if failure is not None:
+            summary["status"], summary["failure"] = "failed", failure
+        if late.received:
+            summary["notes"] = [*summary.get("notes", []), late.note(summary)]
+        if run.trainer.is_global_zero:
+            (output_dir / FAILED_FILE).unlink(missing_ok=True)  # a stale note from an earlier attempt here
+            write_outputs(run, summary)
+            print(format_summary(summary), flush=True)
+    finally:
+        late.release()
+    if late.received:
+        print(late.note(summary), file=sys.stderr, flush=True)
     if failure is not None:
         stopped = RunFailed(failure)
         mark_failed(output_dir, stopped)
         raise stopped
     return {**summary, "trainer": run.trainer, "module": run.module, "plugin": run.plugin}
-
-
-HYDRA_RECORD = ".hydra"
-"""Where the run records its config, Hydra's config and the overrides (``hydra.output_subdir`` is null in
-``configs/train.yaml``, so that Hydra writes nothing into the directory before the run's checks)."""
 
 
 def take_over(output_dir: Path, cfg: DictConfig, clear_outputs: bool, spawned: bool = False) -> None:
@@ -145,28 +153,45 @@ def take_over(output_dir: Path, cfg: DictConfig, clear_outputs: bool, spawned: b
 
         clear(output_dir)
     rundir.adopt(output_dir)
-    _write_hydra_record(output_dir, cfg)
+    rundir.write_hydra_record(output_dir, cfg)
 
 
-def _write_hydra_record(output_dir: Path, cfg: DictConfig) -> None:
-    """What Hydra writes into ``<run dir>/.hydra/`` when ``hydra.output_subdir`` is set, written now."""
-    from hydra.core.hydra_config import HydraConfig
-    from omegaconf import OmegaConf
+class LateSignals:
+    """SIGTERM or SIGHUP after the last step began: the run finishes that step (GracefulInterrupt lets a
+    last step finish), validates and writes its outputs, says so on stderr and in ``summary.json``'s
+    ``notes``, and ends as it would have (exit 0 when it trained): nothing is cut off half-written.
+    A signal that arrives after the outputs are written stops the process as before (143, 129)."""
 
-    try:
-        hydra_cfg = HydraConfig.instance().cfg
-        hydra_node = HydraConfig.get()
-    except ValueError:  # train() outside @hydra.main
-        return
-    if hydra_cfg is None or hydra_node.output_subdir is not None:
-        return  # Hydra wrote it itself (hydra.output_subdir=... on the command line, or a DDP child's)
-    if os.path.realpath(str(hydra_node.runtime.output_dir)) != os.path.realpath(output_dir):
-        return
-    record = output_dir / HYDRA_RECORD
-    record.mkdir(parents=True, exist_ok=True)
-    (record / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
-    (record / "hydra.yaml").write_text(OmegaConf.to_yaml(hydra_cfg))
-    (record / "overrides.yaml").write_text(OmegaConf.to_yaml(hydra_node.overrides.task))
+    def __init__(self) -> None:
+        self.received: list[int] = []
+        self._previous: dict[int, Any] = {}
+
+    def hold(self, run: Run) -> None:
+        """From now on record SIGTERM and SIGHUP instead of acting on them; note one that arrived in the last step."""
+        from amp_plugin.lightning.interrupt import GracefulInterrupt
+
+        pending = next((c.requested for c in run.trainer.callbacks if isinstance(c, GracefulInterrupt)), None)
+        if pending:
+            self.received.append(int(pending))
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGTERM, signal.SIGHUP):
+                self._previous[signum] = signal.signal(signum, self._record)
+
+    def _record(self, signum: int, frame: Any) -> None:
+        self.received.append(int(signum))
+
+    def release(self) -> None:
+        """Put the handlers back."""
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous.clear()
+
+    def note(self, summary: dict[str, Any]) -> str:
+        name = signal.Signals(self.received[0]).name
+        return (
+            f"{name} received after the last step began: the run finished it (step {summary.get('global_step')}), "
+            "validated and wrote its outputs (summary.json, checkpoints/last.ckpt); nothing was cut short."
+        )
 
 
 STALLED_STEPS = 10

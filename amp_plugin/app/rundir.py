@@ -30,11 +30,13 @@ import secrets
 import socket
 import time
 from pathlib import Path
+from typing import Any
 
 from amp_plugin.app.validation import ConfigError
 
 __all__ = [
     "FAILED_FILE",
+    "HYDRA_RECORD",
     "OWNER_ENV",
     "RESOLVER",
     "RUN_FILE",
@@ -53,6 +55,7 @@ __all__ = [
     "run_id",
     "secondary_rank",
     "spawned_by_owner",
+    "write_hydra_record",
     "write_run_id",
 ]
 
@@ -79,6 +82,10 @@ JOIN_SECONDS = 60.0
 
 RUN_FILE = ".amp_run"
 """Written when a run starts in a directory: its run id, which every checkpoint of the run carries."""
+
+HYDRA_RECORD = ".hydra"
+"""Where the run records its config, Hydra's config and the overrides (``hydra.output_subdir`` is null in
+``configs/train.yaml``, so that Hydra writes nothing into the directory before the run's checks)."""
 
 _held: dict[str, int] = {}  # realpath -> file descriptor holding the flock
 _protected: set[str] = set()  # realpaths holding another run's outputs that this run has not taken over
@@ -372,3 +379,24 @@ def _launched_rank() -> int:
         if env.get(key, "").isdigit():
             return int(env[key])
     return 0
+
+
+def write_hydra_record(output_dir: str | os.PathLike[str], cfg: Any) -> None:
+    """What Hydra writes into ``<run dir>/.hydra/`` when ``hydra.output_subdir`` is set, written now."""
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf
+
+    try:
+        hydra_cfg = HydraConfig.instance().cfg
+        hydra_node = HydraConfig.get()
+    except ValueError:  # train() outside @hydra.main
+        return
+    if hydra_cfg is None or hydra_node.output_subdir is not None:
+        return  # Hydra wrote it itself (hydra.output_subdir=... on the command line, or a DDP child's)
+    if os.path.realpath(str(hydra_node.runtime.output_dir)) != os.path.realpath(output_dir):
+        return
+    record = Path(output_dir) / HYDRA_RECORD
+    record.mkdir(parents=True, exist_ok=True)
+    (record / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+    (record / "hydra.yaml").write_text(OmegaConf.to_yaml(hydra_cfg))
+    (record / "overrides.yaml").write_text(OmegaConf.to_yaml(hydra_node.overrides.task))

@@ -9,6 +9,7 @@ command resumes in place and keeps the logs of both parts, without duplicated or
 from __future__ import annotations
 
 import csv
+import json
 import re
 import signal
 import subprocess
@@ -88,3 +89,24 @@ def test_sighup_saves_a_checkpoint_and_leaves_a_note_like_sigterm(tmp_path):
     assert torch.load(checkpoint, weights_only=False)["global_step"] == int(match.group(1))
     assert "Exit status 129 (128 + SIGHUP)" in note and "resume with " in note
     assert "Traceback" not in (tmp_path / "SIGHUP.log").read_text()
+
+
+@pytest.mark.slow
+def test_sigterm_in_the_last_step_lets_the_run_finish_and_says_so(tmp_path):
+    run_dir, log = tmp_path / "late", tmp_path / "late.log"
+    args = ["recipe=underflow_demo", "trainer.max_steps=5", "trainer.limit_val_batches=1", *QUIET]
+    proc = start([*args, *throttle(5, 4.0), f"hydra.run.dir={run_dir}"], tmp_path, log)  # sleeps after step 5
+    try:
+        wait_until(lambda: logged_steps(log), proc)
+        time.sleep(2.5)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    output = log.read_text()
+    assert proc.returncode == 0, output[-3000:]
+    assert "SIGTERM received after the last step began: the run finished it (step 5)" in output
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "ok" and any("SIGTERM received" in n for n in summary["notes"])
+    assert not (run_dir / "FAILED").exists()
