@@ -1,7 +1,7 @@
 """What the reliability cases share: the child processes they run, the callbacks a child builds
 from ``_target_`` strings, and the comparisons of checkpoints and logs.
 
-Children run ``train.py`` with :func:`child_env`, which puts benchmarks/ on ``PYTHONPATH``, so a case
+Children run ``train.py`` with :func:`child_env`, which puts benchmarks/reliability/ on ``PYTHONPATH``, so a case
 adds a callback to a run with ``+callbacks.throttle._target_=reliability_harness.Throttle``.
 """
 
@@ -42,7 +42,8 @@ __all__ = [
     "wait_for",
 ]
 
-ROOT = Path(__file__).resolve().parents[1]
+HERE = Path(__file__).resolve().parent  # benchmarks/reliability/
+ROOT = HERE.parents[1]
 K = 23  # batches per epoch of the default digits recipe: checkpoints at epoch ends resume exactly
 QUIET = ["trainer.enable_progress_bar=false", "plot=false"]
 TINY = ["recipe=underflow_demo", "trainer.max_steps=3", *QUIET]
@@ -87,12 +88,37 @@ class SlowSetup(pl.Callback):
         time.sleep(self.seconds)
 
 
+class HoldDirectory(pl.Callback):
+    """While job 0 of a sweep sets up, another run takes ``directory`` (job 1's): it writes its
+    ``.hydra/config.yaml`` and ``train.log`` there and a process holds the directory's lock (its pid in
+    ``pid_file``, for the case to kill)."""
+
+    def __init__(self, directory: str, pid_file: str) -> None:
+        self.directory, self.pid_file = Path(directory), Path(pid_file)
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if self.pid_file.exists():
+            return
+        (self.directory / ".hydra").mkdir(parents=True, exist_ok=True)
+        (self.directory / ".hydra" / "config.yaml").write_text("precision: mine\n")
+        (self.directory / "train.log").write_text("mine\n")
+        code = (
+            "import sys, time; from amp_plugin.app import rundir; rundir.claim(sys.argv[1]); "
+            "print('held', flush=True); time.sleep(300)"
+        )
+        env = {k: v for k, v in os.environ.items() if not k.startswith("AMP_PLUGIN_RUN_DIR")}
+        command = [sys.executable, "-c", code, str(self.directory)]
+        proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, text=True)
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "held"
+        self.pid_file.write_text(str(proc.pid))
+
+
 # ---------------------------------------------------------------------------------- processes
 def child_env(**extra: str) -> dict[str, str]:
-    """The environment of a child run: benchmarks/ first on ``PYTHONPATH`` (its ``_target_`` strings name
+    """The environment of a child run: benchmarks/reliability/ first on ``PYTHONPATH`` (its ``_target_`` strings name
     ``reliability_harness`` callbacks), ``HYDRA_FULL_ERROR`` unset (a message, not a traceback), and ``extra``."""
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "benchmarks"), str(ROOT), env.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), str(ROOT), env.get("PYTHONPATH")]))
     return env | extra
 
 

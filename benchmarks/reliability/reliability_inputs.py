@@ -89,6 +89,12 @@ BAD_ARGS = [
     ),
     ("overwrite=true over a user's files", ["overwrite=true", "hydra.run.dir=userfiles"], "overwrite=true"),
     ("empty hydra.run.dir", ["hydra.run.dir="], "hydra.run.dir"),
+    ("limit_val_batches 1e-9", ["trainer.limit_val_batches=1e-9"], "trainer.limit_val_batches"),
+    ("limit_train_batches 1e-9", ["trainer.limit_train_batches=1e-9"], "trainer.limit_train_batches"),
+    ("val_check_interval=true", ["trainer.val_check_interval=true"], "trainer.val_check_interval"),
+    ("unquoted ~ in ckpt_path", ["ckpt_path=~/runs/last.ckpt"], "ckpt_path"),
+    ("unquoted ( in hydra.run.dir", ["hydra.run.dir=runs/a(b)"], "hydra.run.dir"),
+    ("FP8 margin -8", ["precision=fp8", "precision.fp8.margin=-8"], "margin"),
 ]
 
 
@@ -189,6 +195,31 @@ def bad_inputs(work: Path) -> list[dict[str, Any]]:
         run([*TINY, f"hydra.run.dir={work / 'env1'}"], work, env=child_env(LOCAL_RANK="1")),
         "LOCAL_RANK",
         work / "env1",
+    )
+    record(
+        "stray RANK=1 WORLD_SIZE=2",
+        run([*TINY, f"hydra.run.dir={work / 'env2'}"], work, env=child_env(RANK="1", WORLD_SIZE="2")),
+        "RANK=1",
+        work / "env2",
+    )
+    record(
+        "stray WORLD_SIZE=1 with trainer.num_nodes=2",
+        run(
+            [*TINY, "trainer.num_nodes=2", "strategy=ddp", f"hydra.run.dir={work / 'env3'}"],
+            work,
+            timeout=120,
+            env=child_env(WORLD_SIZE="1"),
+        ),
+        "WORLD_SIZE=1",
+        work / "env3",
+    )
+    (work / "a_directory").mkdir()
+    gate = [sys.executable, "-m", "amp_plugin.app.gate", "precision=fp16", "--against", "bf16", *TINY]
+    record(
+        "amp-gate: --json a directory",
+        run([], work, command=[*gate, "--json", "a_directory", "--dir", str(work / "gate")]),
+        "--json",
+        None,
     )
     record(
         "AMP_PLUGIN_CONFIG_DIR pointing nowhere",

@@ -1,6 +1,6 @@
 """Reliability numbers for RELIABILITY.md: bad input tried through the CLI, faults injected into real runs.
 
-    python benchmarks/reliability.py [--work DIR] [--write RELIABILITY.md] [--only PART ...] [--out FILE]
+    python benchmarks/reliability/run.py [--work DIR] [--write RELIABILITY.md] [--only PART ...] [--out FILE]
 
 Everything runs ``train.py`` (or ``amp-compare``) as a user or a scheduler would: in a
 subprocess, with signals, concurrent processes, a full disk and damaged files.
@@ -15,9 +15,10 @@ subprocess, with signals, concurrent processes, a full disk and damaged files.
 Writes ``benchmarks/results/reliability.json`` (or ``--out``) and prints the Markdown table; with ``--write``,
 replaces the table between the ``reliability-table`` markers of that file.
 
-The cases live beside this script: ``reliability_inputs`` (bad input), ``reliability_scaler_faults``,
-``reliability_interrupts`` and ``reliability_run_dirs`` (faults), on ``reliability_harness`` (processes,
-comparisons, and the callbacks a child run builds from ``_target_``).
+The cases live beside this script, in ``benchmarks/reliability/``: ``reliability_inputs`` (bad input),
+``reliability_scaler_faults``, ``reliability_interrupts``, ``reliability_run_dirs`` and
+``reliability_unchanged`` (faults), on ``reliability_harness`` (processes, comparisons, and the
+callbacks a child run builds from ``_target_``).
 """
 
 from __future__ import annotations
@@ -37,6 +38,15 @@ from reliability_inputs import bad_inputs
 from reliability_interrupts import disk_full, early_sigterm, interrupt, sigkill
 from reliability_run_dirs import concurrent, deleted, live_sweep, stale_build_lock
 from reliability_scaler_faults import collapse, divergence, fault_in_run, stalled
+from reliability_unchanged import (
+    late_sigterm,
+    leftover_rank,
+    overwrite_bad_value,
+    overwrite_foreign,
+    short_all_skipped,
+    sweep_overwrite,
+    taken_job,
+)
 
 __all__ = ["FAULTS", "main", "table"]
 
@@ -60,6 +70,14 @@ FAULTS = {
     "deleted": deleted,
     "early_sigterm": early_sigterm,
     "stale_build_lock": stale_build_lock,
+    "overwrite_bad_value": overwrite_bad_value,
+    "overwrite_foreign": overwrite_foreign,
+    "sweep_overwrite": sweep_overwrite,
+    "taken_job": taken_job,
+    "leftover_rank": leftover_rank,
+    "short_all_skipped": short_all_skipped,
+    "sighup": lambda w: interrupt(w, signal.SIGHUP),
+    "late_sigterm": late_sigterm,
 }
 
 
@@ -134,10 +152,6 @@ def main(argv: list[str] | None = None) -> int:
     if not args.work:
         shutil.rmtree(work, ignore_errors=True)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""benchmarks/reliability.py runs two cheap fault cases end to end and reports nothing lost.
+"""benchmarks/reliability/run.py runs two cheap fault cases end to end and reports nothing lost.
 
 The two cases build their callbacks in the child run from ``_target_`` strings (``Throttle`` and
 ``SlowSetup`` in ``reliability_harness``), so this also pins down that those strings and the child's
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "benchmarks" / "reliability.py"
+SCRIPT = ROOT / "benchmarks" / "reliability" / "run.py"
 COMMITTED = ROOT / "benchmarks" / "results" / "reliability.json"
 # In the order the script runs them (its registry order), with the name each has in the table.
 CASES = {"deleted": "run directory deleted mid-run", "early_sigterm": "SIGTERM before the first step"}
