@@ -38,7 +38,7 @@ from omegaconf import DictConfig, OmegaConf
 from amp_plugin.app.config_nodes import entries, naming_key, plain
 from amp_plugin.app.rundir import read_run_id
 from amp_plugin.app.validation import ConfigError, process_count, show, validate
-from amp_plugin.scaler import LossScaler
+from amp_plugin.scaling import LossScaler
 from amp_plugin.settings import PrecisionSettings
 
 __all__ = ["Run", "build", "construct", "instantiate", "prepare", "resolve_output_dir", "retarget"]

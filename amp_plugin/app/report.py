@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
     from amp_plugin.app.build import Run
     from amp_plugin.lightning.plugin import MixedPrecisionPlugin
-    from amp_plugin.scaler import LossScaler
+    from amp_plugin.scaling import LossScaler
 else:
     from amp_plugin.lightning import pl
 

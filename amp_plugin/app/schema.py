@@ -25,8 +25,7 @@ from omegaconf import MISSING
 
 from amp_plugin.app.rundir import register_resolver
 from amp_plugin.fp8.recipe import AmaxComputeAlgo, Fp8FormatName, Scaling
-from amp_plugin.scaler import StaticLossScaler
-from amp_plugin.scaling import dynamic_scaler
+from amp_plugin.scaling import StaticLossScaler, dynamic_scaler
 from amp_plugin.scaling.dynamic_scaler import DynamicLossScaler
 from amp_plugin.settings import PRESETS, Emulate, MomentsRounding
 

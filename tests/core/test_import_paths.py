@@ -85,3 +85,23 @@ def test_the_callbacks_path_of_the_design_stays_without_a_warning():
         names = [name for name in design.__all__ if getattr(design, name) is not getattr(home, name)]
     assert not names
     assert {"LossScaleMonitor", "GradientHealthMonitor", "PreflightChecks", "FP8Monitor"} <= set(design.__all__)
+
+
+def test_the_projects_own_modules_import_without_a_deprecation_warning():
+    """The app, its entry point and the recipes import the scalers from their new paths: run with
+    ``-W error::DeprecationWarning``, as a user who turns deprecations into errors would, nothing fails."""
+    pytest.importorskip("hydra")
+    code = (
+        "import pkgutil, importlib, amp_plugin.app, recipes\n"
+        "import amp_plugin.app.cli\n"
+        "for package in (amp_plugin.app, recipes):\n"
+        "    for info in pkgutil.iter_modules(package.__path__, package.__name__ + '.'):\n"
+        "        importlib.import_module(info.name)\n"
+        "print('ok')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-W", "error::DeprecationWarning", "-c", code], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["ok"]
+    assert "is deprecated" not in done.stderr
