@@ -17,6 +17,8 @@ here, and runs once per run, before Lightning is imported:
   processes than the machine has cores;
 - the app's own keys: ``seed``, ``num_threads``, and ``ckpt_path`` (a readable Lightning
   checkpoint that leaves something to train before ``trainer.max_steps``);
+- ``AMP_PLUGIN_FUSED_BUILD_TIMEOUT`` (:func:`amp_plugin.fused.build_timeout`), read by the first
+  build of the fused kernels in the middle of a run;
 - fault steps at or past ``trainer.max_steps``: a warning, since they never happen.
 
 Every failure is a :class:`ConfigError` whose message names the key, repeats the value and
@@ -33,6 +35,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from amp_plugin import fused
 from amp_plugin._checksum import verify_checksum
 from amp_plugin.settings import PRESETS
 
@@ -92,6 +95,10 @@ def validate(cfg: DictConfig) -> None:
     _at_least(
         "num_threads", cfg.num_threads, 1, "It sets torch.set_num_threads for the run; null keeps PyTorch's default."
     )
+    try:
+        fused.build_timeout()
+    except ValueError as err:
+        raise ConfigError(f"{err}.") from None
     if cfg.ckpt_path is not None:
         _check_checkpoint(cfg.ckpt_path, trainer.max_steps)
     _warn_unreachable_faults(cfg.get("fault"), trainer.max_steps)

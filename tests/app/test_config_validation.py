@@ -491,3 +491,25 @@ def test_one_cli_run_validates_once(tmp_path, monkeypatch, compose_config):
         )
     )
     assert result["steps"] == 2 and len(calls) == 1
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "0", "-1", "soon"])
+def test_a_bad_fused_build_timeout_is_a_config_error(value, monkeypatch, compose_config):
+    monkeypatch.setenv("AMP_PLUGIN_FUSED_BUILD_TIMEOUT", value)
+    with pytest.raises(ConfigError) as info:
+        validate(compose_config())
+    message = str(info.value)
+    assert f"AMP_PLUGIN_FUSED_BUILD_TIMEOUT={value!r} is not allowed" in message and "a finite number > 0" in message
+    assert "\n" not in message
+
+
+@pytest.mark.slow
+def test_a_bad_fused_build_timeout_through_the_cli_is_one_line_before_training(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = run_cli(
+        ["trainer.max_steps=1", f"hydra.run.dir={run_dir}"], cwd=tmp_path, AMP_PLUGIN_FUSED_BUILD_TIMEOUT="nan"
+    )
+    assert proc.returncode == 1
+    assert "AMP_PLUGIN_FUSED_BUILD_TIMEOUT='nan' is not allowed" in proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
+    assert not run_dir.exists() or sorted(p.name for p in run_dir.iterdir()) == [".hydra", "FAILED"]
