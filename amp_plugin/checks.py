@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from enum import Enum
 from typing import Any
 
-__all__ = ["FLOAT32_MAX", "FLOAT32_TINY", "check_choice", "check_int", "check_number", "check_scale"]
+__all__ = ["FLOAT32_MAX", "FLOAT32_TINY", "check_choice", "check_int", "check_number", "check_scale", "check_type"]
 
 FLOAT32_MAX = 3.4028234663852886e38
 """The largest finite float32."""
@@ -87,4 +87,14 @@ def check_int(name: str, value: Any, *, ge: int) -> int:
         raise TypeError(f"{name}={value!r} is not allowed: {name} must be an integer >= {ge}.")
     if value < ge:
         raise _bad(name, value, f"an integer >= {ge}")
+    return value
+
+
+def check_type(name: str, value: Any, types: type | tuple[type, ...], allowed: str) -> Any:
+    """Return ``value`` if it is an instance of ``types``; otherwise a ``TypeError`` naming ``name``,
+    the value (its repr cut to 60 characters), its type and ``allowed``."""
+    if not isinstance(value, types):
+        text = repr(value)
+        text = text if len(text) <= 60 else text[:57] + "..."
+        raise TypeError(f"{name}={text} ({type(value).__name__}) is not allowed: {name} must be {allowed}.")
     return value

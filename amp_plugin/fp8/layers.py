@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from amp_plugin.checks import check_type
 from amp_plugin.fp8.conv1d import Fp8Conv1D
 from amp_plugin.fp8.linear import AMAX, FLUSHED, NUMEL, OPERANDS, SATURATED, Fp8Linear, Fp8Module
 from amp_plugin.fp8.recipe import Fp8Recipe, compute_scale
@@ -89,6 +90,17 @@ def _default_reduce(recipe: Fp8Recipe) -> Reduce | None:
     return None
 
 
+_RECIPE_OR_NONE = "an amp_plugin.fp8.Fp8Recipe or None (the default recipe)"
+
+
+def _check_reduce(reduce: Any) -> None:
+    if reduce is not None and not callable(reduce):
+        raise TypeError(
+            f"reduce={reduce!r} ({type(reduce).__name__}) is not allowed: reduce must be a callable that "
+            "max-reduces a tensor in place across ranks (such as amp_plugin.fp8.distributed_max), or None."
+        )
+
+
 def convert_to_fp8(model: nn.Module, recipe: Fp8Recipe | None = None, reduce: Reduce | None = None) -> Fp8Layers:
     """Swap ``model``'s eligible linear layers (:func:`~amp_plugin.fp8.eligible`) for FP8 ones in
     place: ``nn.Linear`` -> :class:`Fp8Linear`, ``transformers``' ``Conv1D`` ->
@@ -105,8 +117,14 @@ def convert_to_fp8(model: nn.Module, recipe: Fp8Recipe | None = None, reduce: Re
         recipe: the :class:`Fp8Recipe` (default: ``Fp8Recipe()``).
         reduce: how amaxes are max-reduced across ranks; default: :func:`distributed_max` when
             ``torch.distributed`` runs more than one process and ``recipe.reduce_amax``.
+
+    Raises:
+        TypeError: ``model`` is no ``nn.Module``, ``recipe`` no :class:`Fp8Recipe` or None, or
+            ``reduce`` not callable or None; the message names the argument and the value's type.
     """
-    recipe = recipe or Fp8Recipe()
+    check_type("model", model, nn.Module, "a torch.nn.Module (the model whose linear layers convert)")
+    recipe = Fp8Recipe() if recipe is None else check_type("recipe", recipe, Fp8Recipe, _RECIPE_OR_NONE)
+    _check_reduce(reduce)
     check_keep_bf16(model, recipe)
     verdicts = classify(model, recipe)
     for name, verdict in verdicts.items():
@@ -152,6 +170,11 @@ class Fp8Layers:
         kept: Mapping[str, str] | None = None,
         types: Mapping[str, str] | None = None,
     ) -> None:
+        check_type("layers", layers, Mapping, "a mapping of qualified names to amp_plugin.fp8.Fp8Module layers")
+        for name, layer in layers.items():
+            check_type(f"layers[{name!r}]", layer, Fp8Module, "an amp_plugin.fp8.Fp8Module (see convert_to_fp8)")
+        check_type("recipe", recipe, Fp8Recipe, "an amp_plugin.fp8.Fp8Recipe")
+        _check_reduce(reduce)
         self.layers = dict(layers)
         self.recipe = recipe
         self.reduce = reduce if reduce is not None else _default_reduce(recipe)

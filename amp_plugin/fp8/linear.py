@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from typing_extensions import override
 
+from amp_plugin.checks import check_type
 from amp_plugin.fp8.formats import Fp8Format, formats_for, saturating_cast
 from amp_plugin.fp8.recipe import Fp8Recipe, compute_scale
 
@@ -82,7 +83,7 @@ class Fp8Module(nn.Module):
     fp8_over_steps: Tensor
 
     def _setup_fp8(self, recipe: Fp8Recipe) -> None:
-        self.recipe = recipe
+        self.recipe = check_type("recipe", recipe, Fp8Recipe, "an amp_plugin.fp8.Fp8Recipe")
         fwd, bwd = formats_for(recipe.fp8_format)
         self.formats: tuple[Fp8Format, Fp8Format, Fp8Format] = (fwd, fwd, bwd)  # input, weight, grad_output
         self.fp8_active = True
@@ -181,6 +182,8 @@ class Fp8Linear(Fp8Module, nn.Linear):
     def from_linear(cls, linear: nn.Linear, recipe: Fp8Recipe) -> Fp8Linear:
         """An ``Fp8Linear`` holding ``linear``'s own weight and bias ``Parameter`` objects (an
         optimizer built over them, or a tied weight, keeps working)."""
+        check_type("linear", linear, nn.Linear, "a torch.nn.Linear")
+        check_type("recipe", recipe, Fp8Recipe, "an amp_plugin.fp8.Fp8Recipe")
         new = cls.__new__(cls)
         nn.Module.__init__(new)
         new.in_features, new.out_features = linear.in_features, linear.out_features

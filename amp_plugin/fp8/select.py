@@ -19,6 +19,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
+from amp_plugin.checks import check_type
 from amp_plugin.fp8.conv1d import Fp8Conv1D, is_conv1d
 from amp_plugin.fp8.linear import Fp8Module
 from amp_plugin.fp8.recipe import Fp8Recipe
@@ -83,7 +84,13 @@ def _features(module: nn.Module) -> tuple[int, int]:
 
 
 def classify(model: nn.Module, recipe: Fp8Recipe) -> dict[str, Verdict]:
-    """Each candidate layer of ``model`` (:func:`candidates`) by qualified name, with its :class:`Verdict`."""
+    """Each candidate layer of ``model`` (:func:`candidates`) by qualified name, with its :class:`Verdict`.
+
+    Raises:
+        TypeError: ``model`` is no ``nn.Module`` or ``recipe`` no :class:`~amp_plugin.fp8.Fp8Recipe`.
+    """
+    check_type("model", model, nn.Module, "a torch.nn.Module (the model whose linear layers convert)")
+    check_type("recipe", recipe, Fp8Recipe, "an amp_plugin.fp8.Fp8Recipe")
     layers = candidates(model)
     ends = {layers[0][0], layers[-1][0]} if layers and recipe.keep_first_last else set()
     verdicts = {}
