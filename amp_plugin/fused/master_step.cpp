@@ -44,6 +44,17 @@
 #define AMP_PLUGIN_AVX512 1
 #endif
 
+// The vector types' operations, the loads and stores of the policies and the update are a few
+// instructions each: the inner loops must inline them (GCC's heuristics otherwise leave calls,
+// with the constants read through pointers, in the loop over a template instantiation this large).
+#if defined(__GNUC__)
+#define AMP_INLINE __attribute__((always_inline)) inline
+#define AMP_LAMBDA_INLINE __attribute__((always_inline))
+#else
+#define AMP_INLINE inline
+#define AMP_LAMBDA_INLINE
+#endif
+
 namespace {
 
 constexpr int64_t kGrain = 1 << 15;        // elements per parallel task, at least
@@ -54,7 +65,7 @@ constexpr int64_t kStreamBytes = 8 << 20;
 
 using BF16Bits = uint16_t;
 
-inline float bf16_to_float(BF16Bits b) {
+AMP_INLINE float bf16_to_float(BF16Bits b) {
   const uint32_t u = static_cast<uint32_t>(b) << 16;
   float f;
   std::memcpy(&f, &u, sizeof f);
@@ -62,7 +73,7 @@ inline float bf16_to_float(BF16Bits b) {
 }
 
 // Round to nearest even, as c10::BFloat16 does; NaN stays NaN.
-inline BF16Bits float_to_bf16(float f) {
+AMP_INLINE BF16Bits float_to_bf16(float f) {
   uint32_t u;
   std::memcpy(&u, &f, sizeof u);
   if ((u & 0x7fffffffu) > 0x7f800000u) {
@@ -73,7 +84,7 @@ inline BF16Bits float_to_bf16(float f) {
 
 // A BF16 number with stochastic rounding: rounds up (in magnitude) with probability
 // low16(f) / 2**16, given 16 uniform random bits r; NaN stays NaN.
-inline BF16Bits bf16_stochastic(float f, uint32_t r) {
+AMP_INLINE BF16Bits bf16_stochastic(float f, uint32_t r) {
   uint32_t u;
   std::memcpy(&u, &f, sizeof u);
   if ((u & 0x7fffffffu) > 0x7f800000u) {
@@ -88,7 +99,7 @@ inline BF16Bits bf16_stochastic(float f, uint32_t r) {
 constexpr uint32_t kIndexMultiplier = 0x9e3779b1u;
 constexpr uint32_t kMix1 = 0x85ebca6bu;
 constexpr uint32_t kMix2 = 0xc2b2ae35u;
-inline uint32_t fmix32(uint32_t h) {
+AMP_INLINE uint32_t fmix32(uint32_t h) {
   h ^= h >> 16;
   h *= kMix1;
   h ^= h >> 13;
@@ -96,18 +107,18 @@ inline uint32_t fmix32(uint32_t h) {
   h ^= h >> 16;
   return h;
 }
-inline uint32_t sr_bits(uint32_t key, int64_t i) {
+AMP_INLINE uint32_t sr_bits(uint32_t key, int64_t i) {
   return fmix32(static_cast<uint32_t>(i) * kIndexMultiplier + key) >> 16;
 }
 
-inline uint32_t nonfinite(float f) {
+AMP_INLINE uint32_t nonfinite(float f) {
   uint32_t u;
   std::memcpy(&u, &f, sizeof u);
   return (u & 0x7f800000u) == 0x7f800000u;
 }
 
 template <typename Half>
-inline float to_float(Half h) {
+AMP_INLINE float to_float(Half h) {
   if constexpr (std::is_same_v<Half, _Float16>) {
     return static_cast<float>(h);
   } else {
@@ -417,45 +428,45 @@ struct V1 {
   using F = float;
   using H = uint16_t;
   static constexpr int64_t kWidth = 1;
-  static F set1(float x) { return x; }
-  static F load(const float* p) { return *p; }
-  static void store(float* p, F x) { *p = x; }
-  static F add(F a, F b) { return a + b; }
-  static F sub(F a, F b) { return a - b; }
-  static F mul(F a, F b) { return a * b; }
-  static F div(F a, F b) { return a / b; }
-  static F sqrt(F a) { return std::sqrt(a); }
-  static F fma(F a, F b, F c) { return std::fma(a, b, c); }
-  static F load_f16(const _Float16* p) { return static_cast<float>(*p); }
-  static F load_bf16(const uint16_t* p) { return bf16_to_float(*p); }
-  static H to_f16(F x) {
+  AMP_INLINE static F set1(float x) { return x; }
+  AMP_INLINE static F load(const float* p) { return *p; }
+  AMP_INLINE static void store(float* p, F x) { *p = x; }
+  AMP_INLINE static F add(F a, F b) { return a + b; }
+  AMP_INLINE static F sub(F a, F b) { return a - b; }
+  AMP_INLINE static F mul(F a, F b) { return a * b; }
+  AMP_INLINE static F div(F a, F b) { return a / b; }
+  AMP_INLINE static F sqrt(F a) { return std::sqrt(a); }
+  AMP_INLINE static F fma(F a, F b, F c) { return std::fma(a, b, c); }
+  AMP_INLINE static F load_f16(const _Float16* p) { return static_cast<float>(*p); }
+  AMP_INLINE static F load_bf16(const uint16_t* p) { return bf16_to_float(*p); }
+  AMP_INLINE static H to_f16(F x) {
     const _Float16 h = static_cast<_Float16>(x);
     H bits;
     std::memcpy(&bits, &h, sizeof bits);
     return bits;
   }
-  static H to_bf16(F x) { return float_to_bf16(x); }
-  static void store_h(void* p, H x, bool) { *static_cast<H*>(p) = x; }
-  static void store_h2(void* p, H x, H y, bool) {
+  AMP_INLINE static H to_bf16(F x) { return float_to_bf16(x); }
+  AMP_INLINE static void store_h(void* p, H x, bool) { *static_cast<H*>(p) = x; }
+  AMP_INLINE static void store_h2(void* p, H x, H y, bool) {
     static_cast<H*>(p)[0] = x;
     static_cast<H*>(p)[1] = y;
   }
   // The remainder scheme: the weight is the FP32 value rounded to nearest (half away from zero
   // in magnitude), the signed remainder the difference of the bit patterns.
-  static F load_rem(const uint16_t* hi, const uint16_t* lo) {
+  AMP_INLINE static F load_rem(const uint16_t* hi, const uint16_t* lo) {
     const uint32_t u = (static_cast<uint32_t>(*hi) << 16) + static_cast<uint32_t>(static_cast<int16_t>(*lo));
     float f;
     std::memcpy(&f, &u, sizeof f);
     return f;
   }
-  static void store_rem(uint16_t* hi, uint16_t* lo, F x) {
+  AMP_INLINE static void store_rem(uint16_t* hi, uint16_t* lo, F x) {
     uint32_t u;
     std::memcpy(&u, &x, sizeof u);
     const uint32_t low = u & 0xffffu;
     *hi = static_cast<uint16_t>((u >> 16) + (low >> 15));
     *lo = static_cast<uint16_t>(low);
   }
-  static H to_bf16_sr(F x, uint32_t key, int64_t i) { return bf16_stochastic(x, sr_bits(key, i)); }
+  AMP_INLINE static H to_bf16_sr(F x, uint32_t key, int64_t i) { return bf16_stochastic(x, sr_bits(key, i)); }
 };
 
 #if defined(AMP_PLUGIN_SIMD)
@@ -463,25 +474,25 @@ struct V8 {
   using F = __m256;
   using H = __m128i;
   static constexpr int64_t kWidth = 8;
-  static F set1(float x) { return _mm256_set1_ps(x); }
-  static F load(const float* p) { return _mm256_loadu_ps(p); }
-  static void store(float* p, F x) { _mm256_storeu_ps(p, x); }
-  static F add(F a, F b) { return _mm256_add_ps(a, b); }
-  static F sub(F a, F b) { return _mm256_sub_ps(a, b); }
-  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
-  static F div(F a, F b) { return _mm256_div_ps(a, b); }
-  static F sqrt(F a) { return _mm256_sqrt_ps(a); }
-  static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
-  static H load_h(const void* p) { return _mm_loadu_si128(static_cast<const __m128i*>(p)); }
-  static F load_f16(const _Float16* p) { return _mm256_cvtph_ps(load_h(p)); }
-  static F load_bf16(const uint16_t* p) {
+  AMP_INLINE static F set1(float x) { return _mm256_set1_ps(x); }
+  AMP_INLINE static F load(const float* p) { return _mm256_loadu_ps(p); }
+  AMP_INLINE static void store(float* p, F x) { _mm256_storeu_ps(p, x); }
+  AMP_INLINE static F add(F a, F b) { return _mm256_add_ps(a, b); }
+  AMP_INLINE static F sub(F a, F b) { return _mm256_sub_ps(a, b); }
+  AMP_INLINE static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  AMP_INLINE static F div(F a, F b) { return _mm256_div_ps(a, b); }
+  AMP_INLINE static F sqrt(F a) { return _mm256_sqrt_ps(a); }
+  AMP_INLINE static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  AMP_INLINE static H load_h(const void* p) { return _mm_loadu_si128(static_cast<const __m128i*>(p)); }
+  AMP_INLINE static F load_f16(const _Float16* p) { return _mm256_cvtph_ps(load_h(p)); }
+  AMP_INLINE static F load_bf16(const uint16_t* p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(load_h(p)), 16));
   }
-  static H narrow(__m256i x) {  // eight 32-bit lanes below 2**16 -> eight 16-bit lanes
+  AMP_INLINE static H narrow(__m256i x) {  // eight 32-bit lanes below 2**16 -> eight 16-bit lanes
     return _mm_packus_epi32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1));
   }
-  static H to_f16(F x) { return _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
-  static H to_bf16(F x) {  // float_to_bf16, eight at a time
+  AMP_INLINE static H to_f16(F x) { return _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  AMP_INLINE static H to_bf16(F x) {  // float_to_bf16, eight at a time
     const __m256i u = _mm256_castps_si256(x);
     const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
     __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
@@ -489,14 +500,14 @@ struct V8 {
     r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), _mm256_castps_si256(nan));
     return narrow(r);
   }
-  static void store_h(void* p, H x, bool stream) {
+  AMP_INLINE static void store_h(void* p, H x, bool stream) {
     if (stream) {
       _mm_stream_si128(static_cast<__m128i*>(p), x);
     } else {
       _mm_storeu_si128(static_cast<__m128i*>(p), x);
     }
   }
-  static void store_h2(void* p, H x, H y, bool stream) {
+  AMP_INLINE static void store_h2(void* p, H x, H y, bool stream) {
     const __m256i xy = _mm256_inserti128_si256(_mm256_castsi128_si256(x), y, 1);
     if (stream) {
       _mm256_stream_si256(static_cast<__m256i*>(p), xy);
@@ -504,11 +515,11 @@ struct V8 {
       _mm256_storeu_si256(static_cast<__m256i*>(p), xy);
     }
   }
-  static F load_rem(const uint16_t* hi, const uint16_t* lo) {
+  AMP_INLINE static F load_rem(const uint16_t* hi, const uint16_t* lo) {
     const __m256i h = _mm256_slli_epi32(_mm256_cvtepu16_epi32(load_h(hi)), 16);
     return _mm256_castsi256_ps(_mm256_add_epi32(h, _mm256_cvtepi16_epi32(load_h(lo))));
   }
-  static void store_rem(uint16_t* hi, uint16_t* lo, F x) {
+  AMP_INLINE static void store_rem(uint16_t* hi, uint16_t* lo, F x) {
     const __m256i u = _mm256_castps_si256(x);
     const __m256i mask = _mm256_set1_epi32(0xffff);
     const __m256i low = _mm256_and_si256(u, mask);
@@ -516,14 +527,14 @@ struct V8 {
     store_h(hi, narrow(h), false);
     store_h(lo, narrow(low), false);
   }
-  static __m256i mix(__m256i h) {  // fmix32, eight at a time
+  AMP_INLINE static __m256i mix(__m256i h) {  // fmix32, eight at a time
     h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
     h = _mm256_mullo_epi32(h, _mm256_set1_epi32(static_cast<int>(kMix1)));
     h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 13));
     h = _mm256_mullo_epi32(h, _mm256_set1_epi32(static_cast<int>(kMix2)));
     return _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
   }
-  static H to_bf16_sr(F x, uint32_t key, int64_t i) {  // bf16_stochastic with sr_bits, eight at a time
+  AMP_INLINE static H to_bf16_sr(F x, uint32_t key, int64_t i) {  // bf16_stochastic with sr_bits, eight at a time
     const __m256i index = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(i))),
                                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
     const __m256i hashed = _mm256_add_epi32(_mm256_mullo_epi32(index, _mm256_set1_epi32(static_cast<int>(kIndexMultiplier))),
@@ -542,22 +553,22 @@ struct V16 {
   using F = __m512;
   using H = __m256i;
   static constexpr int64_t kWidth = 16;
-  static F set1(float x) { return _mm512_set1_ps(x); }
-  static F load(const float* p) { return _mm512_loadu_ps(p); }
-  static void store(float* p, F x) { _mm512_storeu_ps(p, x); }
-  static F add(F a, F b) { return _mm512_add_ps(a, b); }
-  static F sub(F a, F b) { return _mm512_sub_ps(a, b); }
-  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
-  static F div(F a, F b) { return _mm512_div_ps(a, b); }
-  static F sqrt(F a) { return _mm512_sqrt_ps(a); }
-  static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
-  static H load_h(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
-  static F load_f16(const _Float16* p) { return _mm512_cvtph_ps(load_h(p)); }
-  static F load_bf16(const uint16_t* p) {
+  AMP_INLINE static F set1(float x) { return _mm512_set1_ps(x); }
+  AMP_INLINE static F load(const float* p) { return _mm512_loadu_ps(p); }
+  AMP_INLINE static void store(float* p, F x) { _mm512_storeu_ps(p, x); }
+  AMP_INLINE static F add(F a, F b) { return _mm512_add_ps(a, b); }
+  AMP_INLINE static F sub(F a, F b) { return _mm512_sub_ps(a, b); }
+  AMP_INLINE static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  AMP_INLINE static F div(F a, F b) { return _mm512_div_ps(a, b); }
+  AMP_INLINE static F sqrt(F a) { return _mm512_sqrt_ps(a); }
+  AMP_INLINE static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  AMP_INLINE static H load_h(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
+  AMP_INLINE static F load_f16(const _Float16* p) { return _mm512_cvtph_ps(load_h(p)); }
+  AMP_INLINE static F load_bf16(const uint16_t* p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(load_h(p)), 16));
   }
-  static H to_f16(F x) { return _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
-  static H to_bf16(F x) {  // float_to_bf16, sixteen at a time
+  AMP_INLINE static H to_f16(F x) { return _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  AMP_INLINE static H to_bf16(F x) {  // float_to_bf16, sixteen at a time
     const __m512i u = _mm512_castps_si512(x);
     const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
     __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
@@ -565,14 +576,14 @@ struct V16 {
     r = _mm512_mask_blend_epi32(nan, r, _mm512_set1_epi32(0x7fc0));
     return _mm512_cvtepi32_epi16(r);  // every lane is below 2**16: the truncation is exact
   }
-  static void store_h(void* p, H x, bool stream) {
+  AMP_INLINE static void store_h(void* p, H x, bool stream) {
     if (stream) {
       _mm256_stream_si256(static_cast<__m256i*>(p), x);
     } else {
       _mm256_storeu_si256(static_cast<__m256i*>(p), x);
     }
   }
-  static void store_h2(void* p, H x, H y, bool stream) {
+  AMP_INLINE static void store_h2(void* p, H x, H y, bool stream) {
     const __m512i xy = _mm512_inserti64x4(_mm512_castsi256_si512(x), y, 1);
     if (stream) {
       _mm512_stream_si512(static_cast<__m512i*>(p), xy);
@@ -580,11 +591,11 @@ struct V16 {
       _mm512_storeu_si512(p, xy);
     }
   }
-  static F load_rem(const uint16_t* hi, const uint16_t* lo) {
+  AMP_INLINE static F load_rem(const uint16_t* hi, const uint16_t* lo) {
     const __m512i h = _mm512_slli_epi32(_mm512_cvtepu16_epi32(load_h(hi)), 16);
     return _mm512_castsi512_ps(_mm512_add_epi32(h, _mm512_cvtepi16_epi32(load_h(lo))));
   }
-  static void store_rem(uint16_t* hi, uint16_t* lo, F x) {
+  AMP_INLINE static void store_rem(uint16_t* hi, uint16_t* lo, F x) {
     const __m512i u = _mm512_castps_si512(x);
     const __m512i mask = _mm512_set1_epi32(0xffff);
     const __m512i low = _mm512_and_si512(u, mask);
@@ -592,14 +603,14 @@ struct V16 {
     store_h(hi, _mm512_cvtepi32_epi16(h), false);
     store_h(lo, _mm512_cvtepi32_epi16(low), false);
   }
-  static __m512i mix(__m512i h) {  // fmix32, sixteen at a time
+  AMP_INLINE static __m512i mix(__m512i h) {  // fmix32, sixteen at a time
     h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 16));
     h = _mm512_mullo_epi32(h, _mm512_set1_epi32(static_cast<int>(kMix1)));
     h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 13));
     h = _mm512_mullo_epi32(h, _mm512_set1_epi32(static_cast<int>(kMix2)));
     return _mm512_xor_si512(h, _mm512_srli_epi32(h, 16));
   }
-  static H to_bf16_sr(F x, uint32_t key, int64_t i) {  // bf16_stochastic with sr_bits, sixteen at a time
+  AMP_INLINE static H to_bf16_sr(F x, uint32_t key, int64_t i) {  // bf16_stochastic with sr_bits, sixteen at a time
     const __m512i index = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(i))),
                                            _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0));
     const __m512i hashed = _mm512_add_epi32(_mm512_mullo_epi32(index, _mm512_set1_epi32(static_cast<int>(kIndexMultiplier))),
@@ -617,14 +628,14 @@ struct V16 {
 struct GradF32 {
   const float* g;
   template <class V>
-  typename V::F load(int64_t i) const { return V::load(g + i); }
+  AMP_INLINE typename V::F load(int64_t i) const { return V::load(g + i); }
 };
 template <typename Half>
 struct GradHalf {
   const Half* g;
   float inv_scale;
   template <class V>
-  typename V::F load(int64_t i) const {
+  AMP_INLINE typename V::F load(int64_t i) const {
     if constexpr (std::is_same_v<Half, _Float16>) {
       return V::mul(V::load_f16(g + i), V::set1(inv_scale));
     } else {
@@ -641,9 +652,9 @@ struct MasterF32 {
   float* p;
   Half* model;
   template <class V>
-  typename V::F load(int64_t i) const { return V::load(p + i); }
+  AMP_INLINE typename V::F load(int64_t i) const { return V::load(p + i); }
   template <class V>
-  static typename V::H to_half(typename V::F x) {
+  AMP_INLINE static typename V::H to_half(typename V::F x) {
     if constexpr (std::is_same_v<Half, _Float16>) {
       return V::to_f16(x);
     } else {
@@ -651,14 +662,14 @@ struct MasterF32 {
     }
   }
   template <class V>
-  void store(int64_t i, typename V::F x) const {
+  AMP_INLINE void store(int64_t i, typename V::F x) const {
     V::store(p + i, x);
     if constexpr (!std::is_void_v<Half>) {
       V::store_h(model + i, to_half<V>(x), kStream);
     }
   }
   template <class V>
-  void store2(int64_t i, typename V::F x, typename V::F y) const {
+  AMP_INLINE void store2(int64_t i, typename V::F x, typename V::F y) const {
     V::store(p + i, x);
     V::store(p + i + V::kWidth, y);
     if constexpr (!std::is_void_v<Half>) {
@@ -670,11 +681,11 @@ struct MasterRemainder {  // the BF16 weight (the master rounded) and the signed
   uint16_t* hi;
   uint16_t* lo;
   template <class V>
-  typename V::F load(int64_t i) const { return V::load_rem(hi + i, lo + i); }
+  AMP_INLINE typename V::F load(int64_t i) const { return V::load_rem(hi + i, lo + i); }
   template <class V>
-  void store(int64_t i, typename V::F x) const { V::store_rem(hi + i, lo + i, x); }
+  AMP_INLINE void store(int64_t i, typename V::F x) const { V::store_rem(hi + i, lo + i, x); }
   template <class V>
-  void store2(int64_t i, typename V::F x, typename V::F y) const {
+  AMP_INLINE void store2(int64_t i, typename V::F x, typename V::F y) const {
     V::store_rem(hi + i, lo + i, x);
     V::store_rem(hi + i + V::kWidth, lo + i + V::kWidth, y);
   }
@@ -683,11 +694,11 @@ struct MasterStochastic {  // no master: the BF16 weight, written back with stoc
   uint16_t* w;
   uint32_t key;
   template <class V>
-  typename V::F load(int64_t i) const { return V::load_bf16(w + i); }
+  AMP_INLINE typename V::F load(int64_t i) const { return V::load_bf16(w + i); }
   template <class V>
-  void store(int64_t i, typename V::F x) const { V::store_h(w + i, V::to_bf16_sr(x, key, i), false); }
+  AMP_INLINE void store(int64_t i, typename V::F x) const { V::store_h(w + i, V::to_bf16_sr(x, key, i), false); }
   template <class V>
-  void store2(int64_t i, typename V::F x, typename V::F y) const {
+  AMP_INLINE void store2(int64_t i, typename V::F x, typename V::F y) const {
     V::store_h2(w + i, V::to_bf16_sr(x, key, i), V::to_bf16_sr(y, key, i + V::kWidth), false);
   }
 };
@@ -698,11 +709,11 @@ struct MomentsF32 {
   float* m;
   float* v;
   template <class V>
-  typename V::F load_m(int64_t i) const { return V::load(m + i); }
+  AMP_INLINE typename V::F load_m(int64_t i) const { return V::load(m + i); }
   template <class V>
-  typename V::F load_v(int64_t i) const { return V::load(v + i); }
+  AMP_INLINE typename V::F load_v(int64_t i) const { return V::load(v + i); }
   template <class V>
-  void store(int64_t i, typename V::F mi, typename V::F vi) const {
+  AMP_INLINE void store(int64_t i, typename V::F mi, typename V::F vi) const {
     V::store(m + i, mi);
     V::store(v + i, vi);
   }
@@ -716,11 +727,11 @@ struct MomentsBF16 {
   uint32_t key_m;
   uint32_t key_v;
   template <class V>
-  typename V::F load_m(int64_t i) const { return V::load_bf16(m + i); }
+  AMP_INLINE typename V::F load_m(int64_t i) const { return V::load_bf16(m + i); }
   template <class V>
-  typename V::F load_v(int64_t i) const { return V::load_bf16(v + i); }
+  AMP_INLINE typename V::F load_v(int64_t i) const { return V::load_bf16(v + i); }
   template <class V>
-  void store(int64_t i, typename V::F mi, typename V::F vi) const {
+  AMP_INLINE void store(int64_t i, typename V::F mi, typename V::F vi) const {
     if constexpr (kStochastic) {
       V::store_h(m + i, V::to_bf16_sr(mi, key_m, i), false);
       V::store_h(v + i, V::to_bf16_sr(vi, key_v, i), false);
@@ -746,7 +757,7 @@ int64_t adam_vectors(int64_t i, int64_t limit, const Grad grad, const Master mas
   const F lerp = V::set1(c.lerp_coefficient), beta2 = V::set1(c.beta2), sq = V::set1(c.sq_coefficient);
   const F bc2 = V::set1(c.bias_correction2_sqrt), eps = V::set1(c.eps), step_size = V::set1(c.step_size);
   const bool from_avg = c.lerp_from_avg;
-  auto update = [&](int64_t j) {  // updates the moments at j, returns the new master
+  auto update = [&](int64_t j) AMP_LAMBDA_INLINE {  // updates the moments at j, returns the new master
     F g = V::mul(grad.template load<V>(j), sign);
     F p = master.template load<V>(j);
     if constexpr (kL2) {
