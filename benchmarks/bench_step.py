@@ -10,6 +10,10 @@ CPU time, which the other jobs on a shared machine disturb less):
              unscale_ (the inf check), step, update. On the CPU this runs amp_plugin's fused
              kernels: a read-only inf check over the FP16 grads, then one Adam pass that reads
              the FP16 grad times 1/scale, updates master and moments and writes the FP16 weight.
+             Built as MixedPrecisionPlugin builds it (``unscaled_model_grads=False``).
+- ours, unscaled grads shown in the model: the same with ``unscaled_model_grads=True`` (the
+             wrapper's default, for torch's AMP recipe): ``unscale_`` also writes the FP32 master
+             grads and the unscaled FP16 grads into the model, which the step then reads.
 - ours, torch multi-tensor (fused="torch"): the CUDA path on CPU tensors: multi-tensor copy
              and unscale into transient FP32 grads, torch's fused AdamW, multi-tensor copy back.
 - ours, stock torch ops (fused=False): the same copy and unscale, then AdamW's own step().
@@ -272,7 +276,7 @@ def main() -> None:
     floor_params = make_params(sizes, torch.float32, device)
     floor_opt = torch.optim.AdamW(floor_params, lr=1e-3, fused=True)
 
-    def master_weight_path(fused, adamw_fused=True, master="fp32", moments=None, rounding="stochastic"):
+    def master_weight_path(fused, adamw_fused=True, master="fp32", moments=None, rounding="stochastic", shown=False):
         params = make_params(sizes, torch.float16 if master == "fp32" else torch.bfloat16, device)
         for p in params:
             p.grad.mul_(2.0**10)  # grads as a scaled backward leaves them
@@ -280,7 +284,12 @@ def main() -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FrozenMomentWarning)  # "nearest" is timed for comparison
             opt = MasterWeightOptimizer(
-                inner, fused=fused, master=master, moments_dtype=moments, moments_rounding=rounding
+                inner,
+                fused=fused,
+                master=master,
+                moments_dtype=moments,
+                moments_rounding=rounding,
+                unscaled_model_grads=shown,  # False: as MixedPrecisionPlugin builds it
             )
         scaler = DynamicLossScaler(init_scale=2.0**10)
 
@@ -308,6 +317,7 @@ def main() -> None:
     paths = {
         "floor (fused AdamW, FP32)": floor,
         "ours (FP16 + FP32 masters)": master_weight_path(None),
+        "ours, unscaled grads shown in the model (torch's AMP recipe)": master_weight_path(None, shown=True),
         'ours, torch multi-tensor (fused="torch")': master_weight_path("torch"),
         "ours, stock torch ops (fused=False)": master_weight_path(False),
         "ours, AdamW(foreach=True) (its own step)": master_weight_path(None, adamw_fused=False),

@@ -63,9 +63,10 @@ def table_rows(text: str) -> list[list[str]]:
 def test_bench_step_prints_the_paths_the_traffic_floor_and_the_stages():
     out = run("bench_step.py", "--params", "0.2", "--chunks", "4", "--repeats", "2", "--threads", "1", "--stages")
     names = [row[0] for row in table_rows(out)]
-    assert names[:13] == [
+    assert names[:14] == [
         "floor (fused AdamW, FP32)",
         "ours (FP16 + FP32 masters)",
+        "ours, unscaled grads shown in the model (torch's AMP recipe)",
         'ours, torch multi-tensor (fused="torch")',
         "ours, stock torch ops (fused=False)",
         "ours, AdamW(foreach=True) (its own step)",
