@@ -233,7 +233,8 @@ class Fp8Layers:
         if recipe.fallback_steps:
             for m, ok in zip(active, finite):
                 counts = m.fp8_step_counts
-                above = (counts[:, 0] > recipe.fallback_saturation * counts[:, 1]).any()
+                # too many values saturated, or a cast that flushed every non-zero value to zero
+                above = (counts[:, 0] > recipe.fallback_saturation * counts[:, 1]).any() | (counts[:, 2] > 0).any()
                 advanced = torch.where(above, m.fp8_over_steps + 1, torch.zeros_like(m.fp8_over_steps))
                 m.fp8_over_steps.copy_(torch.where(ok, advanced, m.fp8_over_steps))
                 counts.zero_()
@@ -296,9 +297,9 @@ class Fp8Layers:
         layer.fp8_active = False
         self.fallbacks.append(Fallback(name, self.steps, steps_above))
         log.warning(
-            "FP8: layer %r falls back to BF16 at step %d: over %g of its values saturated for %d steps in a row "
-            "(fallback_saturation, fallback_steps). Its scales stop updating; keep it in BF16 from the start "
-            "with keep_bf16=[%r].",
+            "FP8: layer %r falls back to BF16 at step %d: over %g of an operand's values saturated, or all of "
+            "them flushed to zero, for %d steps in a row (fallback_saturation, fallback_steps). Its scales stop "
+            "updating; keep it in BF16 from the start with keep_bf16=[%r].",
             name,
             self.steps,
             self.recipe.fallback_saturation,

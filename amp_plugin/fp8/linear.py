@@ -59,8 +59,9 @@ class Fp8Module(nn.Module):
     - ``fp8_scale`` ``[3]``: the scale each operand is cast with (the last one used with
       current/row-wise scaling; for row-wise, that of the largest row).
     - ``fp8_stats`` ``[3, 4]`` (float64): amax, saturated, flushed-to-zero and element counts
-      since the last read; ``fp8_step_counts`` ``[3, 2]``: saturated and element counts of
-      this step (the fallback rule); ``fp8_over_steps``: steps in a row above the bound.
+      since the last read; ``fp8_step_counts`` ``[3, 3]``: this step's saturated and element
+      counts and its casts that flushed every non-zero value to zero (the fallback rule);
+      ``fp8_over_steps``: steps in a row that broke it.
 
     Attributes:
         recipe: the :class:`~amp_plugin.fp8.Fp8Recipe`.
@@ -95,7 +96,7 @@ class Fp8Module(nn.Module):
             "fp8_scale": torch.ones(3, device=dev, dtype=f32),
             "fp8_max": torch.tensor([f.max for f in self.formats], device=dev, dtype=f32),
             "fp8_stats": torch.zeros(3, 4, device=dev, dtype=f64),
-            "fp8_step_counts": torch.zeros(3, 2, device=dev, dtype=f64),
+            "fp8_step_counts": torch.zeros(3, 3, device=dev, dtype=f64),
             "fp8_over_steps": torch.zeros((), device=dev, dtype=f64),
         }
         for name, buf in buffers.items():
@@ -156,12 +157,15 @@ class Fp8Module(nn.Module):
     ) -> None:
         top = amax.amax()
         saturated = (scaled.abs() > fmt.saturation_threshold).sum().double()
-        flushed = ((x8.float() == 0) & (x != 0)).sum().double()
+        nonzero = x != 0
+        flushed = ((x8.float() == 0) & nonzero).sum().double()
+        nonzeros = nonzero.sum().double()
+        all_flushed = ((flushed == nonzeros) & (nonzeros > 0)).double()  # nothing of the operand got through
         numel = torch.tensor(float(x.numel()), dtype=torch.float64, device=x.device)
         stats = self.fp8_stats[operand]
         stats[AMAX] = torch.maximum(stats[AMAX], top.double())
         stats[SATURATED:].add_(torch.stack([saturated, flushed, numel]))
-        self.fp8_step_counts[operand].add_(torch.stack([saturated, numel]))
+        self.fp8_step_counts[operand].add_(torch.stack([saturated, numel, all_flushed]))
         # A NaN or inf stays here until update(), which drops the step (see Fp8Layers.update).
         self.fp8_amax_history[0, operand] = torch.maximum(self.fp8_amax_history[0, operand], top)
         if self.recipe.scaling != "delayed" or self.fp8_fresh:

@@ -19,9 +19,10 @@ floor; an amax that is zero or not finite keeps the previous scale (TE's rule, s
 NaN batch never makes an infinite scale), and a step with a non-finite amax never enters the
 history (:meth:`~amp_plugin.fp8.Fp8Layers.update`); ``margin`` is bounded by :func:`max_margin`;
 every scale is clamped to ``[2**-126, 2**126]``, where it and its reciprocal are normal FP32
-numbers; a layer in which the fraction of saturated values
-of an operand exceeds ``fallback_saturation`` for ``fallback_steps`` steps in a row computes in
-BF16 from then on (logged once; ``fallback_steps=0`` turns this off). No Lightning import.
+numbers; a layer in which the fraction of saturated values of an operand exceeds
+``fallback_saturation``, or a cast flushes all of an operand's non-zero values to zero, for
+``fallback_steps`` steps in a row computes in BF16 from then on (logged once; ``fallback_steps=0``
+turns this off). No Lightning import.
 """
 
 from __future__ import annotations
@@ -119,7 +120,8 @@ class Fp8Recipe:
         amax_compute_algo: ``"max"`` (default) or ``"most_recent"``.
         amax_floor: amaxes below it count as it (> 0).
         fallback_saturation: the fraction of saturated values (in [0, 1)) above which a step
-            counts against a layer.
+            counts against a layer (as does a step with a cast that flushed all of an operand's
+            non-zero values to zero).
         fallback_steps: that many such steps in a row and the layer computes in BF16 (0: never).
             The device-side counters are read every ``fallback_steps`` steps (one host sync for
             all layers), so a layer falls back at most that many steps late.

@@ -402,3 +402,41 @@ def test_fp8_state_stays_fp32_when_the_model_is_cast() -> None:
 def test_recipe_rejects_bad_values(kwargs: dict, error: type, match: str) -> None:
     with pytest.raises(error, match=match):
         Fp8Recipe(**kwargs)
+
+
+def test_a_layer_whose_operand_flushes_to_zero_falls_back(caplog: pytest.LogCaptureFixture) -> None:
+    # A delayed scale set by one huge batch: every later input, 1e9 times smaller, casts to FP8 zeros
+    # (E4M3's smallest subnormal is 2**-9), so the layer computes nothing from its input.
+    recipe = Fp8Recipe(amax_history_len=16, fallback_steps=2)
+    layer = _layer(recipe)
+    fp8 = convert_to_fp8(nn.Sequential(layer), recipe)
+    torch.manual_seed(0)
+    with caplog.at_level(logging.WARNING, logger="amp_plugin.fp8"):
+        layer(torch.randn(4, 16) * 1e4).sum().backward()
+        fp8.update()
+        tiny = torch.randn(4, 16) * 1e-5
+        for _ in range(3):
+            out = layer(tiny)
+            out.sum().backward()
+            fp8.update()
+            if layer.fp8_active:
+                assert torch.count_nonzero(out) == 0  # the input flushed to zero: nothing got through
+    assert [(f.layer, f.step) for f in fp8.fallbacks] == [("0", 4)]
+    assert not layer.fp8_active
+    assert len([r for r in caplog.records if "all of them flushed to zero" in r.getMessage()]) == 1
+    assert torch.equal(layer(tiny), torch.nn.functional.linear(tiny, layer.weight))  # as the layer it replaced
+
+
+def test_a_cast_that_keeps_some_values_does_not_count_against_the_layer() -> None:
+    recipe = Fp8Recipe(amax_history_len=16, fallback_steps=2)
+    layer = _layer(recipe)
+    fp8 = convert_to_fp8(nn.Sequential(layer), recipe)
+    torch.manual_seed(0)
+    layer(torch.randn(4, 16) * 1e4).sum().backward()
+    fp8.update()
+    for _ in range(4):
+        x = torch.randn(4, 16) * 1e-5
+        x[0, 0] = 1e3  # one value the scale still represents
+        layer(x).sum().backward()
+        fp8.update()
+    assert fp8.fallbacks == [] and layer.fp8_active
