@@ -60,6 +60,7 @@ __all__ = [
 
 ENV_SWITCH = "AMP_PLUGIN_FUSED"
 _SOURCES = [Path(__file__).with_name(name) for name in ("master_step.cpp", "emulate.cpp")]
+_HEADERS = [Path(__file__).with_name(name) for name in ("fused_simd.h", "adam_update.h")]  # master_step.cpp's
 # -fopenmp: at::parallel_for is inline, and without it runs on one thread.
 _BASE_FLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-fopenmp")
 _LDFLAGS = ("-fopenmp",)
@@ -121,23 +122,25 @@ def _flags() -> tuple[str, list[str]]:
     """This CPU's build: its cache entry's name and its compiler flags."""
     name = variant()
     flags = [*_BASE_FLAGS, *_VARIANT_FLAGS[name]]
-    return build_name([path.read_bytes() for path in _SOURCES], flags, name), flags
+    return build_name([path.read_bytes() for path in (*_SOURCES, *_HEADERS)], flags, name), flags
 
 
 def _staged_sources(build_directory: str) -> list[str]:
-    """Copy the sources into ``build_directory/src`` (once; the directory's name is their hash)
-    and return the copies' paths: the build then never depends on where the checkout is."""
+    """Copy the sources and the headers they include into ``build_directory/src`` (once; the
+    directory's name is their hash) and return the sources' copies: the build then never depends on
+    where the checkout is."""
     target = Path(build_directory) / "src"
     target.mkdir(parents=True, exist_ok=True)
     staged = []
-    for path in _SOURCES:
+    for path in (*_SOURCES, *_HEADERS):
         dest = target / path.name
         data = path.read_bytes()
         if not dest.exists() or dest.read_bytes() != data:
             tmp = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
             tmp.write_bytes(data)
             os.replace(tmp, dest)  # atomic: a concurrent build reads the old or the new copy, whole
-        staged.append(str(dest))
+        if path in _SOURCES:  # the headers are staged beside them, not compiled on their own
+            staged.append(str(dest))
     return staged
 
 

@@ -16,6 +16,8 @@
 // unscale_into_, unscale_copy: FP32 master gradients materialized from half gradients (copy,
 //   unscale and inf check in one pass), for when something reads them or the step needs them.
 //
+// The number formats and vector types are in fused_simd.h, torch's fused Adam update over the
+// master kinds' loads and stores in adam_update.h; this file holds the passes and the ops.
 // Built on first use by amp_plugin/fused/__init__.py with torch.utils.cpp_extension.load;
 // the ops appear as torch.ops.amp_plugin.*.
 
@@ -32,28 +34,8 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX2__) && defined(__F16C__)
-#define AMP_PLUGIN_SIMD 1
-#include <immintrin.h>
-#endif
-// The avx512 build: the conversion loops below take 16 elements at a time (the Adam loop is
-// vectorised by the compiler, 512 bits wide with -mprefer-vector-width=512). Every path
-// computes the same bits as the scalar code.
-#if defined(AMP_PLUGIN_SIMD) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
-    defined(__AVX512DQ__)
-#define AMP_PLUGIN_AVX512 1
-#endif
-
-// The vector types' operations, the loads and stores of the policies and the update are a few
-// instructions each: the inner loops must inline them (GCC's heuristics otherwise leave calls,
-// with the constants read through pointers, in the loop over a template instantiation this large).
-#if defined(__GNUC__)
-#define AMP_INLINE __attribute__((always_inline)) inline
-#define AMP_LAMBDA_INLINE __attribute__((always_inline))
-#else
-#define AMP_INLINE inline
-#define AMP_LAMBDA_INLINE
-#endif
+#include "adam_update.h"
+#include "fused_simd.h"
 
 namespace {
 
@@ -63,112 +45,56 @@ constexpr int64_t kBlock = 1024;           // elements converted per block, in L
 // would not stay there anyway, and a cached store first reads each line from memory.
 constexpr int64_t kStreamBytes = 8 << 20;
 
-using BF16Bits = uint16_t;
-
-AMP_INLINE float bf16_to_float(BF16Bits b) {
-  const uint32_t u = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-
-// Round to nearest even, as c10::BFloat16 does; NaN stays NaN.
-AMP_INLINE BF16Bits float_to_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  if ((u & 0x7fffffffu) > 0x7f800000u) {
-    return 0x7fc0;
-  }
-  return static_cast<BF16Bits>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
-// A BF16 number with stochastic rounding: rounds up (in magnitude) with probability
-// low16(f) / 2**16, given 16 uniform random bits r; NaN stays NaN.
-AMP_INLINE BF16Bits bf16_stochastic(float f, uint32_t r) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  if ((u & 0x7fffffffu) > 0x7f800000u) {
-    return 0x7fc0;
-  }
-  return static_cast<BF16Bits>((u + r) >> 16);
-}
-
-// The random bits of stochastic rounding: a counter-based hash (MurmurHash3's finaliser) of the
-// element's index and a per-tensor, per-step key, so the bits do not depend on threads or vector
-// width, and amp_plugin/master_weights/_stochastic.py computes the same with torch ops.
-constexpr uint32_t kIndexMultiplier = 0x9e3779b1u;
-constexpr uint32_t kMix1 = 0x85ebca6bu;
-constexpr uint32_t kMix2 = 0xc2b2ae35u;
-AMP_INLINE uint32_t fmix32(uint32_t h) {
-  h ^= h >> 16;
-  h *= kMix1;
-  h ^= h >> 13;
-  h *= kMix2;
-  h ^= h >> 16;
-  return h;
-}
-AMP_INLINE uint32_t sr_bits(uint32_t key, int64_t i) {
-  return fmix32(static_cast<uint32_t>(i) * kIndexMultiplier + key) >> 16;
-}
-
-AMP_INLINE uint32_t nonfinite(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  return (u & 0x7f800000u) == 0x7f800000u;
-}
-
-template <typename Half>
-AMP_INLINE float to_float(Half h) {
-  if constexpr (std::is_same_v<Half, _Float16>) {
-    return static_cast<float>(h);
-  } else {
-    return bf16_to_float(h);
-  }
-}
-
 // Block conversions between the half type and float; with stream=true the stores into the
 // big output (FP32 master grads, the model's half weights) are non-temporal.
+
+// FP16 -> float, V::kWidth at a time (GCC does not vectorise _Float16 casts itself); returns where it stopped.
+template <class V>
+int64_t f16_to_float_vectors(const _Float16* src, float* dst, int64_t i, int64_t n) {
+  for (; i + V::kWidth <= n; i += V::kWidth) {
+    V::store(dst + i, V::load_f16(src + i));
+  }
+  return i;
+}
+
 template <typename Half>
 void to_float_block(const Half* src, float* dst, int64_t n) {
   int64_t i = 0;
-#if defined(AMP_PLUGIN_AVX512)
   if constexpr (std::is_same_v<Half, _Float16>) {
-    for (; i + 16 <= n; i += 16) {
-      _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))));
-    }
-  }
+#if defined(AMP_PLUGIN_AVX512)
+    i = f16_to_float_vectors<V16>(src, dst, i, n);
 #endif
 #if defined(AMP_PLUGIN_SIMD)
-  if constexpr (std::is_same_v<Half, _Float16>) {  // GCC does not vectorise _Float16 casts itself
-    for (; i + 8 <= n; i += 8) {
-      _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
-    }
-  }
+    i = f16_to_float_vectors<V8>(src, dst, i, n);
 #endif
+  }
   for (; i < n; ++i) {
     dst[i] = to_float<Half>(src[i]);
   }
+}
+
+// Non-temporal stores of floats, V::kWidth at a time from the first aligned address; returns where it stopped.
+template <class V>
+int64_t stream_floats(const float* src, float* dst, int64_t n) {
+  int64_t i = 0;
+  for (; i < n && reinterpret_cast<uintptr_t>(dst + i) % (sizeof(float) * V::kWidth) != 0; ++i) {
+    dst[i] = src[i];
+  }
+  for (; i + V::kWidth <= n; i += V::kWidth) {
+    V::stream(dst + i, V::load(src + i));
+  }
+  return i;
 }
 
 void store_floats(const float* src, float* dst, int64_t n, bool stream) {
   int64_t i = 0;
 #if defined(AMP_PLUGIN_AVX512)
   if (stream) {
-    for (; i < n && reinterpret_cast<uintptr_t>(dst + i) % 64 != 0; ++i) {
-      dst[i] = src[i];
-    }
-    for (; i + 16 <= n; i += 16) {
-      _mm512_stream_ps(dst + i, _mm512_loadu_ps(src + i));
-    }
+    i = stream_floats<V16>(src, dst, n);
   }
 #elif defined(AMP_PLUGIN_SIMD)
   if (stream) {
-    for (; i < n && reinterpret_cast<uintptr_t>(dst + i) % 32 != 0; ++i) {
-      dst[i] = src[i];
-    }
-    for (; i + 8 <= n; i += 8) {
-      _mm256_stream_ps(dst + i, _mm256_loadu_ps(src + i));
-    }
+    i = stream_floats<V8>(src, dst, n);
   }
 #endif
   std::memcpy(dst + i, src + i, sizeof(float) * (n - i));
@@ -374,454 +300,10 @@ void nonfinite_check_(at::TensorList grads, const at::Tensor& found_inf) {
   }
 }
 
-// ---------------------------------------------------------------------------------------
-// Adam/AdamW on FP32 masters, torch.optim's fused CPU update bit for bit.
-//
-// One loop body, written once over a vector type V (8 floats with AVX2, 16 with AVX-512, 1
-// in plain C++) with its loads and stores of the gradient and the master supplied by small
-// policy classes: the gradient is read as FP32 or as the model's FP16/BF16 gradient times
-// the unscale factor (the product an unscale pass would have stored), and the master is an
-// FP32 tensor, optionally rounded into the model's FP16/BF16 weight in the same pass, or is
-// the BF16 weight and a 16-bit extension that together are its bits. Every element is
-// independent, so the vector width changes no result; only torch's scalar tail (below)
-// rounds differently.
-
-struct AdamConstants {
-  float lerp_coefficient;  // 1 - beta1, or -beta1 when the lerp runs from the other end
-  bool lerp_from_avg;      // |1 - beta1| < 0.5: exp_avg + w * (grad - exp_avg), else grad + (w - 1) * (...)
-  float beta2;
-  float sq_coefficient;  // 1 - beta2
-  float decay;           // AdamW: 1 - lr * weight_decay; 1 without decoupled decay (exact: p * 1 == p)
-  float weight_decay;    // Adam: L2 term added to the gradient
-  float bias_correction2_sqrt;
-  float eps;
-  float step_size;  // lr / bias_correction1
-  float sign;       // -1 with maximize
-};
-
-// The scalar update. kTail: the roundings of torch's scalar tail loop, which fuses the other
-// product of the exp_avg_sq update: exp_avg_sq * beta2 + ((1 - beta2) * grad) * grad.
-template <bool kL2, bool kTail>
-inline void adam_scalar(float& p, float g, float& m, float& v, const AdamConstants& c) {
-  g = g * c.sign;
-  if constexpr (kL2) {
-    g = std::fma(p, c.weight_decay, g);
-  } else {
-    p = p * c.decay;
-  }
-  // exp_avg.lerp_(grad, 1 - beta1) as one fused multiply-add from the nearer end
-  const float diff = g - m;
-  const float mi = std::fma(c.lerp_coefficient, diff, c.lerp_from_avg ? m : g);
-  const float vi = kTail ? std::fma(v, c.beta2, (c.sq_coefficient * g) * g)
-                         : std::fma(c.sq_coefficient * g, g, v * c.beta2);
-  const float denom = std::sqrt(vi) / c.bias_correction2_sqrt + c.eps;
-  p = p - (c.step_size * mi) / denom;
-  m = mi;
-  v = vi;
-}
-
-// Vector types: V1 (plain C++), V8 (AVX2 + FMA + F16C), V16 (AVX-512). Each has float
-// arithmetic, FP16/BF16 conversions that round like c10's (nearest even, NaN kept) into H
-// (its 16-bit lanes), stores of one or two H (two: one wider store, whole 32 or 64 bytes when
-// non-temporal), and the split-master loads and stores.
-struct V1 {
-  using F = float;
-  using H = uint16_t;
-  static constexpr int64_t kWidth = 1;
-  AMP_INLINE static F set1(float x) { return x; }
-  AMP_INLINE static F load(const float* p) { return *p; }
-  AMP_INLINE static void store(float* p, F x) { *p = x; }
-  AMP_INLINE static F add(F a, F b) { return a + b; }
-  AMP_INLINE static F sub(F a, F b) { return a - b; }
-  AMP_INLINE static F mul(F a, F b) { return a * b; }
-  AMP_INLINE static F div(F a, F b) { return a / b; }
-  AMP_INLINE static F sqrt(F a) { return std::sqrt(a); }
-  AMP_INLINE static F fma(F a, F b, F c) { return std::fma(a, b, c); }
-  AMP_INLINE static F load_f16(const _Float16* p) { return static_cast<float>(*p); }
-  AMP_INLINE static F load_bf16(const uint16_t* p) { return bf16_to_float(*p); }
-  AMP_INLINE static H to_f16(F x) {
-    const _Float16 h = static_cast<_Float16>(x);
-    H bits;
-    std::memcpy(&bits, &h, sizeof bits);
-    return bits;
-  }
-  AMP_INLINE static H to_bf16(F x) { return float_to_bf16(x); }
-  AMP_INLINE static void store_h(void* p, H x, bool) { *static_cast<H*>(p) = x; }
-  AMP_INLINE static void store_h2(void* p, H x, H y, bool) {
-    static_cast<H*>(p)[0] = x;
-    static_cast<H*>(p)[1] = y;
-  }
-  // The remainder scheme: the weight is the FP32 value rounded to nearest (half away from zero
-  // in magnitude), the signed remainder the difference of the bit patterns.
-  AMP_INLINE static F load_rem(const uint16_t* hi, const uint16_t* lo) {
-    const uint32_t u = (static_cast<uint32_t>(*hi) << 16) + static_cast<uint32_t>(static_cast<int16_t>(*lo));
-    float f;
-    std::memcpy(&f, &u, sizeof f);
-    return f;
-  }
-  AMP_INLINE static void store_rem(uint16_t* hi, uint16_t* lo, F x) {
-    uint32_t u;
-    std::memcpy(&u, &x, sizeof u);
-    const uint32_t low = u & 0xffffu;
-    *hi = static_cast<uint16_t>((u >> 16) + (low >> 15));
-    *lo = static_cast<uint16_t>(low);
-  }
-  AMP_INLINE static H to_bf16_sr(F x, uint32_t key, int64_t i) { return bf16_stochastic(x, sr_bits(key, i)); }
-};
-
-#if defined(AMP_PLUGIN_SIMD)
-struct V8 {
-  using F = __m256;
-  using H = __m128i;
-  static constexpr int64_t kWidth = 8;
-  AMP_INLINE static F set1(float x) { return _mm256_set1_ps(x); }
-  AMP_INLINE static F load(const float* p) { return _mm256_loadu_ps(p); }
-  AMP_INLINE static void store(float* p, F x) { _mm256_storeu_ps(p, x); }
-  AMP_INLINE static F add(F a, F b) { return _mm256_add_ps(a, b); }
-  AMP_INLINE static F sub(F a, F b) { return _mm256_sub_ps(a, b); }
-  AMP_INLINE static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
-  AMP_INLINE static F div(F a, F b) { return _mm256_div_ps(a, b); }
-  AMP_INLINE static F sqrt(F a) { return _mm256_sqrt_ps(a); }
-  AMP_INLINE static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
-  AMP_INLINE static H load_h(const void* p) { return _mm_loadu_si128(static_cast<const __m128i*>(p)); }
-  AMP_INLINE static F load_f16(const _Float16* p) { return _mm256_cvtph_ps(load_h(p)); }
-  AMP_INLINE static F load_bf16(const uint16_t* p) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(load_h(p)), 16));
-  }
-  AMP_INLINE static H narrow(__m256i x) {  // eight 32-bit lanes below 2**16 -> eight 16-bit lanes
-    return _mm_packus_epi32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1));
-  }
-  AMP_INLINE static H to_f16(F x) { return _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
-  AMP_INLINE static H to_bf16(F x) {  // float_to_bf16, eight at a time
-    const __m256i u = _mm256_castps_si256(x);
-    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
-    const __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
-    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), _mm256_castps_si256(nan));
-    return narrow(r);
-  }
-  AMP_INLINE static void store_h(void* p, H x, bool stream) {
-    if (stream) {
-      _mm_stream_si128(static_cast<__m128i*>(p), x);
-    } else {
-      _mm_storeu_si128(static_cast<__m128i*>(p), x);
-    }
-  }
-  AMP_INLINE static void store_h2(void* p, H x, H y, bool stream) {
-    const __m256i xy = _mm256_inserti128_si256(_mm256_castsi128_si256(x), y, 1);
-    if (stream) {
-      _mm256_stream_si256(static_cast<__m256i*>(p), xy);
-    } else {
-      _mm256_storeu_si256(static_cast<__m256i*>(p), xy);
-    }
-  }
-  AMP_INLINE static F load_rem(const uint16_t* hi, const uint16_t* lo) {
-    const __m256i h = _mm256_slli_epi32(_mm256_cvtepu16_epi32(load_h(hi)), 16);
-    return _mm256_castsi256_ps(_mm256_add_epi32(h, _mm256_cvtepi16_epi32(load_h(lo))));
-  }
-  AMP_INLINE static void store_rem(uint16_t* hi, uint16_t* lo, F x) {
-    const __m256i u = _mm256_castps_si256(x);
-    const __m256i mask = _mm256_set1_epi32(0xffff);
-    const __m256i low = _mm256_and_si256(u, mask);
-    const __m256i h = _mm256_and_si256(_mm256_add_epi32(_mm256_srli_epi32(u, 16), _mm256_srli_epi32(low, 15)), mask);
-    store_h(hi, narrow(h), false);
-    store_h(lo, narrow(low), false);
-  }
-  AMP_INLINE static __m256i mix(__m256i h) {  // fmix32, eight at a time
-    h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
-    h = _mm256_mullo_epi32(h, _mm256_set1_epi32(static_cast<int>(kMix1)));
-    h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 13));
-    h = _mm256_mullo_epi32(h, _mm256_set1_epi32(static_cast<int>(kMix2)));
-    return _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
-  }
-  AMP_INLINE static H to_bf16_sr(F x, uint32_t key, int64_t i) {  // bf16_stochastic with sr_bits, eight at a time
-    const __m256i index = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(i))),
-                                           _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-    const __m256i hashed = _mm256_add_epi32(_mm256_mullo_epi32(index, _mm256_set1_epi32(static_cast<int>(kIndexMultiplier))),
-                                            _mm256_set1_epi32(static_cast<int>(key)));
-    const __m256i r = _mm256_srli_epi32(mix(hashed), 16);
-    __m256i out = _mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(x), r), 16);
-    const __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
-    out = _mm256_blendv_epi8(out, _mm256_set1_epi32(0x7fc0), _mm256_castps_si256(nan));
-    return narrow(out);
-  }
-};
-#endif
-
-#if defined(AMP_PLUGIN_AVX512)
-struct V16 {
-  using F = __m512;
-  using H = __m256i;
-  static constexpr int64_t kWidth = 16;
-  AMP_INLINE static F set1(float x) { return _mm512_set1_ps(x); }
-  AMP_INLINE static F load(const float* p) { return _mm512_loadu_ps(p); }
-  AMP_INLINE static void store(float* p, F x) { _mm512_storeu_ps(p, x); }
-  AMP_INLINE static F add(F a, F b) { return _mm512_add_ps(a, b); }
-  AMP_INLINE static F sub(F a, F b) { return _mm512_sub_ps(a, b); }
-  AMP_INLINE static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
-  AMP_INLINE static F div(F a, F b) { return _mm512_div_ps(a, b); }
-  AMP_INLINE static F sqrt(F a) { return _mm512_sqrt_ps(a); }
-  AMP_INLINE static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
-  AMP_INLINE static H load_h(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
-  AMP_INLINE static F load_f16(const _Float16* p) { return _mm512_cvtph_ps(load_h(p)); }
-  AMP_INLINE static F load_bf16(const uint16_t* p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(load_h(p)), 16));
-  }
-  AMP_INLINE static H to_f16(F x) { return _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
-  AMP_INLINE static H to_bf16(F x) {  // float_to_bf16, sixteen at a time
-    const __m512i u = _mm512_castps_si512(x);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
-    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-    r = _mm512_mask_blend_epi32(nan, r, _mm512_set1_epi32(0x7fc0));
-    return _mm512_cvtepi32_epi16(r);  // every lane is below 2**16: the truncation is exact
-  }
-  AMP_INLINE static void store_h(void* p, H x, bool stream) {
-    if (stream) {
-      _mm256_stream_si256(static_cast<__m256i*>(p), x);
-    } else {
-      _mm256_storeu_si256(static_cast<__m256i*>(p), x);
-    }
-  }
-  AMP_INLINE static void store_h2(void* p, H x, H y, bool stream) {
-    const __m512i xy = _mm512_inserti64x4(_mm512_castsi256_si512(x), y, 1);
-    if (stream) {
-      _mm512_stream_si512(static_cast<__m512i*>(p), xy);
-    } else {
-      _mm512_storeu_si512(p, xy);
-    }
-  }
-  AMP_INLINE static F load_rem(const uint16_t* hi, const uint16_t* lo) {
-    const __m512i h = _mm512_slli_epi32(_mm512_cvtepu16_epi32(load_h(hi)), 16);
-    return _mm512_castsi512_ps(_mm512_add_epi32(h, _mm512_cvtepi16_epi32(load_h(lo))));
-  }
-  AMP_INLINE static void store_rem(uint16_t* hi, uint16_t* lo, F x) {
-    const __m512i u = _mm512_castps_si512(x);
-    const __m512i mask = _mm512_set1_epi32(0xffff);
-    const __m512i low = _mm512_and_si512(u, mask);
-    const __m512i h = _mm512_and_si512(_mm512_add_epi32(_mm512_srli_epi32(u, 16), _mm512_srli_epi32(low, 15)), mask);
-    store_h(hi, _mm512_cvtepi32_epi16(h), false);
-    store_h(lo, _mm512_cvtepi32_epi16(low), false);
-  }
-  AMP_INLINE static __m512i mix(__m512i h) {  // fmix32, sixteen at a time
-    h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 16));
-    h = _mm512_mullo_epi32(h, _mm512_set1_epi32(static_cast<int>(kMix1)));
-    h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 13));
-    h = _mm512_mullo_epi32(h, _mm512_set1_epi32(static_cast<int>(kMix2)));
-    return _mm512_xor_si512(h, _mm512_srli_epi32(h, 16));
-  }
-  AMP_INLINE static H to_bf16_sr(F x, uint32_t key, int64_t i) {  // bf16_stochastic with sr_bits, sixteen at a time
-    const __m512i index = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(i))),
-                                           _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0));
-    const __m512i hashed = _mm512_add_epi32(_mm512_mullo_epi32(index, _mm512_set1_epi32(static_cast<int>(kIndexMultiplier))),
-                                            _mm512_set1_epi32(static_cast<int>(key)));
-    const __m512i r = _mm512_srli_epi32(mix(hashed), 16);
-    __m512i out = _mm512_srli_epi32(_mm512_add_epi32(_mm512_castps_si512(x), r), 16);
-    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-    out = _mm512_mask_blend_epi32(nan, out, _mm512_set1_epi32(0x7fc0));
-    return _mm512_cvtepi32_epi16(out);
-  }
-};
-#endif
-
-// Gradient sources: FP32 as stored, or FP16/BF16 times the unscale factor.
-struct GradF32 {
-  const float* g;
-  template <class V>
-  AMP_INLINE typename V::F load(int64_t i) const { return V::load(g + i); }
-};
-template <typename Half>
-struct GradHalf {
-  const Half* g;
-  float inv_scale;
-  template <class V>
-  AMP_INLINE typename V::F load(int64_t i) const {
-    if constexpr (std::is_same_v<Half, _Float16>) {
-      return V::mul(V::load_f16(g + i), V::set1(inv_scale));
-    } else {
-      return V::mul(V::load_bf16(g + i), V::set1(inv_scale));
-    }
-  }
-};
-
-// Master stores: an FP32 tensor, optionally rounded into the model's weight (Half = void:
-// none; kStream: non-temporal stores, which need the model tensor 64-byte aligned); or the
-// BF16 weight (high half) and its extension (low half). store2 stores two vectors at i.
-template <typename Half, bool kStream = false>
-struct MasterF32 {
-  float* p;
-  Half* model;
-  template <class V>
-  AMP_INLINE typename V::F load(int64_t i) const { return V::load(p + i); }
-  template <class V>
-  AMP_INLINE static typename V::H to_half(typename V::F x) {
-    if constexpr (std::is_same_v<Half, _Float16>) {
-      return V::to_f16(x);
-    } else {
-      return V::to_bf16(x);
-    }
-  }
-  template <class V>
-  AMP_INLINE void store(int64_t i, typename V::F x) const {
-    V::store(p + i, x);
-    if constexpr (!std::is_void_v<Half>) {
-      V::store_h(model + i, to_half<V>(x), kStream);
-    }
-  }
-  template <class V>
-  AMP_INLINE void store2(int64_t i, typename V::F x, typename V::F y) const {
-    V::store(p + i, x);
-    V::store(p + i + V::kWidth, y);
-    if constexpr (!std::is_void_v<Half>) {
-      V::store_h2(model + i, to_half<V>(x), to_half<V>(y), kStream);
-    }
-  }
-};
-struct MasterRemainder {  // the BF16 weight (the master rounded) and the signed remainder
-  uint16_t* hi;
-  uint16_t* lo;
-  template <class V>
-  AMP_INLINE typename V::F load(int64_t i) const { return V::load_rem(hi + i, lo + i); }
-  template <class V>
-  AMP_INLINE void store(int64_t i, typename V::F x) const { V::store_rem(hi + i, lo + i, x); }
-  template <class V>
-  AMP_INLINE void store2(int64_t i, typename V::F x, typename V::F y) const {
-    V::store_rem(hi + i, lo + i, x);
-    V::store_rem(hi + i + V::kWidth, lo + i + V::kWidth, y);
-  }
-};
-struct MasterStochastic {  // no master: the BF16 weight, written back with stochastic rounding
-  uint16_t* w;
-  uint32_t key;
-  template <class V>
-  AMP_INLINE typename V::F load(int64_t i) const { return V::load_bf16(w + i); }
-  template <class V>
-  AMP_INLINE void store(int64_t i, typename V::F x) const { V::store_h(w + i, V::to_bf16_sr(x, key, i), false); }
-  template <class V>
-  AMP_INLINE void store2(int64_t i, typename V::F x, typename V::F y) const {
-    V::store_h2(w + i, V::to_bf16_sr(x, key, i), V::to_bf16_sr(y, key, i + V::kWidth), false);
-  }
-};
-
-// Moment stores: FP32, or BF16 (read into FP32, rounded once when stored: to nearest, or
-// stochastically).
-struct MomentsF32 {
-  float* m;
-  float* v;
-  template <class V>
-  AMP_INLINE typename V::F load_m(int64_t i) const { return V::load(m + i); }
-  template <class V>
-  AMP_INLINE typename V::F load_v(int64_t i) const { return V::load(v + i); }
-  template <class V>
-  AMP_INLINE void store(int64_t i, typename V::F mi, typename V::F vi) const {
-    V::store(m + i, mi);
-    V::store(v + i, vi);
-  }
-};
-// kStochastic: stochastic rounding with the moments' own keys (a moment rounded to nearest cannot
-// shrink by less than half its ulp: beta * v rounds back to v for any beta above 1 - 2**-9).
-template <bool kStochastic>
-struct MomentsBF16 {
-  uint16_t* m;
-  uint16_t* v;
-  uint32_t key_m;
-  uint32_t key_v;
-  template <class V>
-  AMP_INLINE typename V::F load_m(int64_t i) const { return V::load_bf16(m + i); }
-  template <class V>
-  AMP_INLINE typename V::F load_v(int64_t i) const { return V::load_bf16(v + i); }
-  template <class V>
-  AMP_INLINE void store(int64_t i, typename V::F mi, typename V::F vi) const {
-    if constexpr (kStochastic) {
-      V::store_h(m + i, V::to_bf16_sr(mi, key_m, i), false);
-      V::store_h(v + i, V::to_bf16_sr(vi, key_v, i), false);
-    } else {
-      V::store_h(m + i, V::to_bf16(mi), false);
-      V::store_h(v + i, V::to_bf16(vi), false);
-    }
-  }
-};
-
 // The keys of a tensor's exp_avg and exp_avg_sq roundings from its key (_stochastic.moment_keys).
 constexpr uint32_t kMomentSaltM = 0x6a09e667u;
 constexpr uint32_t kMomentSaltV = 0xbb67ae85u;
 
-// The vectorised update over [i, limit), two vectors at a time (the model's 16-bit weights of
-// both go out in one store), then one; returns where it stopped. The policies come by value:
-// their pointers then live in registers, where no store can alias them.
-template <class V, bool kL2, class Grad, class Master, class Moments>
-int64_t adam_vectors(int64_t i, int64_t limit, const Grad grad, const Master master, const Moments mom,
-                     const AdamConstants& c) {
-  using F = typename V::F;
-  const F sign = V::set1(c.sign), decay = V::set1(c.decay), weight_decay = V::set1(c.weight_decay);
-  const F lerp = V::set1(c.lerp_coefficient), beta2 = V::set1(c.beta2), sq = V::set1(c.sq_coefficient);
-  const F bc2 = V::set1(c.bias_correction2_sqrt), eps = V::set1(c.eps), step_size = V::set1(c.step_size);
-  const bool from_avg = c.lerp_from_avg;
-  auto update = [&](int64_t j) AMP_LAMBDA_INLINE {  // updates the moments at j, returns the new master
-    F g = V::mul(grad.template load<V>(j), sign);
-    F p = master.template load<V>(j);
-    if constexpr (kL2) {
-      g = V::fma(p, weight_decay, g);
-    } else {
-      p = V::mul(p, decay);
-    }
-    const F mo = mom.template load_m<V>(j);
-    const F mi = V::fma(lerp, V::sub(g, mo), from_avg ? mo : g);
-    const F vi = V::fma(V::mul(sq, g), g, V::mul(mom.template load_v<V>(j), beta2));
-    const F denom = V::add(V::div(V::sqrt(vi), bc2), eps);
-    mom.template store<V>(j, mi, vi);
-    return V::sub(p, V::div(V::mul(step_size, mi), denom));
-  };
-  for (; i + 2 * V::kWidth <= limit; i += 2 * V::kWidth) {
-    const F p0 = update(i);
-    const F p1 = update(i + V::kWidth);
-    master.template store2<V>(i, p0, p1);
-  }
-  for (; i + V::kWidth <= limit; i += V::kWidth) {
-    master.template store<V>(i, update(i));
-  }
-  return i;
-}
-
-template <bool kL2, bool kTail, class Grad, class Master, class Moments>
-void adam_scalars(int64_t i, int64_t limit, const Grad grad, const Master master, const Moments mom,
-                  const AdamConstants& c) {
-  for (; i < limit; ++i) {
-    float p = master.template load<V1>(i);
-    float m = mom.template load_m<V1>(i);
-    float v = mom.template load_v<V1>(i);
-    adam_scalar<kL2, kTail>(p, grad.template load<V1>(i), m, v, c);
-    mom.template store<V1>(i, m, v);
-    master.template store<V1>(i, p);
-  }
-}
-
-// torch's fused Adam (CPU) updates whole Vectorized<float> vectors of 8 and finishes each tensor
-// with a scalar loop over the last numel % 8 elements; its work is split into 16-float units, so
-// that tail sits at the end of the tensor whatever the thread count. (torch builds this kernel for
-// AVX2 and the default capability only: an AVX512 CPU runs the AVX2 kernel, 8 wide too.)
-constexpr int64_t kTorchVectorWidth = 8;
-// Parallel tasks start at multiples of this many elements: whole vectors, whole cache lines of
-// the FP32 arrays, and 16-byte-aligned stores into an aligned model tensor.
-constexpr int64_t kUnit = 64;
-
-// One span of a tensor: the widest vectors first, then narrower ones, then single elements
-// with the vector roundings, and torch's tail roundings on the tensor's last numel % 8.
-template <bool kL2, class Grad, class Master, class Moments>
-void adam_span(int64_t begin, int64_t end, int64_t numel, const Grad& grad, const Master& master, const Moments& mom,
-               const AdamConstants& c) {
-  const int64_t vector_end = numel - numel % kTorchVectorWidth;
-  const int64_t limit = std::min(end, vector_end);
-  int64_t i = begin;
-#if defined(AMP_PLUGIN_AVX512)
-  i = adam_vectors<V16, kL2>(i, limit, grad, master, mom, c);
-#endif
-#if defined(AMP_PLUGIN_SIMD)
-  i = adam_vectors<V8, kL2>(i, limit, grad, master, mom, c);
-#endif
-  adam_scalars<kL2, false>(i, limit, grad, master, mom, c);
-  adam_scalars<kL2, true>(std::max(begin, limit), end, grad, master, mom, c);
-}
 
 // One tensor's update: what it reads and writes, and its constants.
 struct AdamJob {

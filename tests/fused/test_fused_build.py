@@ -17,19 +17,26 @@ import torch
 from amp_plugin import fused
 
 SOURCES = [Path(fused.__file__).with_name(name) for name in ("master_step.cpp", "emulate.cpp")]
+HEADERS = [Path(fused.__file__).with_name(name) for name in ("fused_simd.h", "adam_update.h")]
 
 
 def checkout(tmp_path: Path, name: str) -> list[Path]:
-    """A copy of the kernel sources, as another checkout of the project would have them."""
+    """A copy of the kernel sources and headers, as another checkout of the project would have them
+    (returns the sources, then the headers)."""
     root = tmp_path / name
     root.mkdir()
-    for src in SOURCES:
+    for src in (*SOURCES, *HEADERS):
         shutil.copy(src, root / src.name)
-    return [root / src.name for src in SOURCES]
+    return [root / src.name for src in (*SOURCES, *HEADERS)]
 
 
-def name_of(sources: list[Path], monkeypatch, capability: str = "AVX2") -> str:
-    monkeypatch.setattr(fused, "_SOURCES", sources)
+def use(files: list[Path], monkeypatch) -> None:
+    monkeypatch.setattr(fused, "_SOURCES", files[: len(SOURCES)])
+    monkeypatch.setattr(fused, "_HEADERS", files[len(SOURCES) :])
+
+
+def name_of(files: list[Path], monkeypatch, capability: str = "AVX2") -> str:
+    use(files, monkeypatch)
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
     return fused._flags()[0]
 
@@ -43,30 +50,34 @@ def test_the_cache_entry_is_named_by_what_goes_into_the_build(tmp_path, monkeypa
     changed = name_of(b, monkeypatch)
     assert changed != same  # changed sources: their own entry, no rebuild of the other's
     assert name_of(a, monkeypatch) == same
+    a[-1].write_text(a[-1].read_text() + "\n// a header's change\n")
+    assert name_of(a, monkeypatch) not in (same, changed)  # the headers are part of the name too
     # the CPU variant, the flags, the torch version each give their own entry
     assert name_of(a, monkeypatch, "AVX512").startswith("amp_plugin_fused_avx512_")
     assert name_of(a, monkeypatch, "DEFAULT").startswith("amp_plugin_fused_generic_")
-    texts = [p.read_bytes() for p in a]
+    texts = [p.read_bytes() for p in b]
     assert fused.build_name(texts, ["-O3"], "avx2") != fused.build_name(texts, ["-O2"], "avx2")
     assert fused.build_name(texts, ["-O3"], "avx2") == fused.build_name(texts, ["-O3"], "avx2")
     monkeypatch.setattr(torch, "__version__", "0.0.0+other")
-    assert name_of(a, monkeypatch) != same
+    assert name_of(b, monkeypatch) != changed
     # parts are length-prefixed: moving bytes from one source to the other changes the name
     assert fused.build_name([b"ab", b"c"], [], "avx2") != fused.build_name([b"a", b"bc"], [], "avx2")
 
 
 def test_sources_are_staged_inside_the_entry(tmp_path, monkeypatch):
     a = checkout(tmp_path, "a")
-    monkeypatch.setattr(fused, "_SOURCES", a)
+    use(a, monkeypatch)
     entry = tmp_path / "entry"
-    staged = fused._staged_sources(str(entry))
+    staged = fused._staged_sources(str(entry))  # the sources to compile; their headers beside them
     assert [Path(p).parent for p in staged] == [entry / "src"] * 2
-    assert [Path(p).read_bytes() for p in staged] == [p.read_bytes() for p in a]
-    mtimes = [os.stat(p).st_mtime_ns for p in staged]
+    assert [Path(p).read_bytes() for p in staged] == [p.read_bytes() for p in a[:2]]
+    copies = sorted((entry / "src").iterdir())
+    assert [p.name for p in copies] == sorted(p.name for p in a)
+    mtimes = [os.stat(p).st_mtime_ns for p in copies]
     b = checkout(tmp_path, "b")  # another checkout with the same sources: the copies stay untouched
-    monkeypatch.setattr(fused, "_SOURCES", b)
+    use(b, monkeypatch)
     assert fused._staged_sources(str(entry)) == staged
-    assert [os.stat(p).st_mtime_ns for p in staged] == mtimes
+    assert [os.stat(p).st_mtime_ns for p in copies] == mtimes
 
 
 @pytest.mark.parametrize(
@@ -89,7 +100,8 @@ def test_this_cpu_loads_its_variant():
         from torch.utils.cpp_extension import _get_build_directory
 
         entry = Path(_get_build_directory(name, False))
-        assert sorted(p.name for p in (entry / "src").iterdir()) == ["emulate.cpp", "master_step.cpp"]
+        staged = sorted(p.name for p in (entry / "src").iterdir())
+        assert staged == ["adam_update.h", "emulate.cpp", "fused_simd.h", "master_step.cpp"]
 
 
 @pytest.mark.slow

@@ -1,0 +1,261 @@
+// torch.optim's fused Adam/AdamW update (CPU) over amp_plugin's master kinds, bit for bit.
+//
+// One loop body over a vector type (fused_simd.h), with the loads and stores of the gradient,
+// the master and the moments supplied by small policy classes, so that one update serves every
+// combination: the gradient FP32 or the model's FP16/BF16 gradient times the unscale factor; the
+// master an FP32 tensor (optionally rounded into the model's weight in the same pass), the BF16
+// weight with a 16-bit remainder, or the BF16 weight alone, rounded stochastically; the moments
+// FP32 or BF16 (rounded to nearest or stochastically).
+
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+#include "fused_simd.h"
+
+namespace {
+
+// ---------------------------------------------------------------------------------------
+// Adam/AdamW on FP32 masters, torch.optim's fused CPU update bit for bit.
+//
+// One loop body, written once over a vector type V (8 floats with AVX2, 16 with AVX-512, 1
+// in plain C++) with its loads and stores of the gradient and the master supplied by small
+// policy classes: the gradient is read as FP32 or as the model's FP16/BF16 gradient times
+// the unscale factor (the product an unscale pass would have stored), and the master is an
+// FP32 tensor, optionally rounded into the model's FP16/BF16 weight in the same pass, or is
+// the BF16 weight and a 16-bit extension that together are its bits. Every element is
+// independent, so the vector width changes no result; only torch's scalar tail (below)
+// rounds differently.
+
+struct AdamConstants {
+  float lerp_coefficient;  // 1 - beta1, or -beta1 when the lerp runs from the other end
+  bool lerp_from_avg;      // |1 - beta1| < 0.5: exp_avg + w * (grad - exp_avg), else grad + (w - 1) * (...)
+  float beta2;
+  float sq_coefficient;  // 1 - beta2
+  float decay;           // AdamW: 1 - lr * weight_decay; 1 without decoupled decay (exact: p * 1 == p)
+  float weight_decay;    // Adam: L2 term added to the gradient
+  float bias_correction2_sqrt;
+  float eps;
+  float step_size;  // lr / bias_correction1
+  float sign;       // -1 with maximize
+};
+
+// The scalar update. kTail: the roundings of torch's scalar tail loop, which fuses the other
+// product of the exp_avg_sq update: exp_avg_sq * beta2 + ((1 - beta2) * grad) * grad.
+template <bool kL2, bool kTail>
+inline void adam_scalar(float& p, float g, float& m, float& v, const AdamConstants& c) {
+  g = g * c.sign;
+  if constexpr (kL2) {
+    g = std::fma(p, c.weight_decay, g);
+  } else {
+    p = p * c.decay;
+  }
+  // exp_avg.lerp_(grad, 1 - beta1) as one fused multiply-add from the nearer end
+  const float diff = g - m;
+  const float mi = std::fma(c.lerp_coefficient, diff, c.lerp_from_avg ? m : g);
+  const float vi = kTail ? std::fma(v, c.beta2, (c.sq_coefficient * g) * g)
+                         : std::fma(c.sq_coefficient * g, g, v * c.beta2);
+  const float denom = std::sqrt(vi) / c.bias_correction2_sqrt + c.eps;
+  p = p - (c.step_size * mi) / denom;
+  m = mi;
+  v = vi;
+}
+
+// Gradient sources: FP32 as stored, or FP16/BF16 times the unscale factor.
+struct GradF32 {
+  const float* g;
+  template <class V>
+  AMP_INLINE typename V::F load(int64_t i) const { return V::load(g + i); }
+};
+template <typename Half>
+struct GradHalf {
+  const Half* g;
+  float inv_scale;
+  template <class V>
+  AMP_INLINE typename V::F load(int64_t i) const {
+    if constexpr (std::is_same_v<Half, _Float16>) {
+      return V::mul(V::load_f16(g + i), V::set1(inv_scale));
+    } else {
+      return V::mul(V::load_bf16(g + i), V::set1(inv_scale));
+    }
+  }
+};
+
+// Master stores: an FP32 tensor, optionally rounded into the model's weight (Half = void:
+// none; kStream: non-temporal stores, which need the model tensor 64-byte aligned); or the
+// BF16 weight (high half) and its extension (low half). store2 stores two vectors at i.
+template <typename Half, bool kStream = false>
+struct MasterF32 {
+  float* p;
+  Half* model;
+  template <class V>
+  AMP_INLINE typename V::F load(int64_t i) const { return V::load(p + i); }
+  template <class V>
+  AMP_INLINE static typename V::H to_half(typename V::F x) {
+    if constexpr (std::is_same_v<Half, _Float16>) {
+      return V::to_f16(x);
+    } else {
+      return V::to_bf16(x);
+    }
+  }
+  template <class V>
+  AMP_INLINE void store(int64_t i, typename V::F x) const {
+    V::store(p + i, x);
+    if constexpr (!std::is_void_v<Half>) {
+      V::store_h(model + i, to_half<V>(x), kStream);
+    }
+  }
+  template <class V>
+  AMP_INLINE void store2(int64_t i, typename V::F x, typename V::F y) const {
+    V::store(p + i, x);
+    V::store(p + i + V::kWidth, y);
+    if constexpr (!std::is_void_v<Half>) {
+      V::store_h2(model + i, to_half<V>(x), to_half<V>(y), kStream);
+    }
+  }
+};
+struct MasterRemainder {  // the BF16 weight (the master rounded) and the signed remainder
+  uint16_t* hi;
+  uint16_t* lo;
+  template <class V>
+  AMP_INLINE typename V::F load(int64_t i) const { return V::load_rem(hi + i, lo + i); }
+  template <class V>
+  AMP_INLINE void store(int64_t i, typename V::F x) const { V::store_rem(hi + i, lo + i, x); }
+  template <class V>
+  AMP_INLINE void store2(int64_t i, typename V::F x, typename V::F y) const {
+    V::store_rem(hi + i, lo + i, x);
+    V::store_rem(hi + i + V::kWidth, lo + i + V::kWidth, y);
+  }
+};
+struct MasterStochastic {  // no master: the BF16 weight, written back with stochastic rounding
+  uint16_t* w;
+  uint32_t key;
+  template <class V>
+  AMP_INLINE typename V::F load(int64_t i) const { return V::load_bf16(w + i); }
+  template <class V>
+  AMP_INLINE void store(int64_t i, typename V::F x) const { V::store_h(w + i, V::to_bf16_sr(x, key, i), false); }
+  template <class V>
+  AMP_INLINE void store2(int64_t i, typename V::F x, typename V::F y) const {
+    V::store_h2(w + i, V::to_bf16_sr(x, key, i), V::to_bf16_sr(y, key, i + V::kWidth), false);
+  }
+};
+
+// Moment stores: FP32, or BF16 (read into FP32, rounded once when stored: to nearest, or
+// stochastically).
+struct MomentsF32 {
+  float* m;
+  float* v;
+  template <class V>
+  AMP_INLINE typename V::F load_m(int64_t i) const { return V::load(m + i); }
+  template <class V>
+  AMP_INLINE typename V::F load_v(int64_t i) const { return V::load(v + i); }
+  template <class V>
+  AMP_INLINE void store(int64_t i, typename V::F mi, typename V::F vi) const {
+    V::store(m + i, mi);
+    V::store(v + i, vi);
+  }
+};
+// kStochastic: stochastic rounding with the moments' own keys (a moment rounded to nearest cannot
+// shrink by less than half its ulp: beta * v rounds back to v for any beta above 1 - 2**-9).
+template <bool kStochastic>
+struct MomentsBF16 {
+  uint16_t* m;
+  uint16_t* v;
+  uint32_t key_m;
+  uint32_t key_v;
+  template <class V>
+  AMP_INLINE typename V::F load_m(int64_t i) const { return V::load_bf16(m + i); }
+  template <class V>
+  AMP_INLINE typename V::F load_v(int64_t i) const { return V::load_bf16(v + i); }
+  template <class V>
+  AMP_INLINE void store(int64_t i, typename V::F mi, typename V::F vi) const {
+    if constexpr (kStochastic) {
+      V::store_h(m + i, V::to_bf16_sr(mi, key_m, i), false);
+      V::store_h(v + i, V::to_bf16_sr(vi, key_v, i), false);
+    } else {
+      V::store_h(m + i, V::to_bf16(mi), false);
+      V::store_h(v + i, V::to_bf16(vi), false);
+    }
+  }
+};
+
+// The vectorised update over [i, limit), two vectors at a time (the model's 16-bit weights of
+// both go out in one store), then one; returns where it stopped. The policies come by value:
+// their pointers then live in registers, where no store can alias them.
+template <class V, bool kL2, class Grad, class Master, class Moments>
+int64_t adam_vectors(int64_t i, int64_t limit, const Grad grad, const Master master, const Moments mom,
+                     const AdamConstants& c) {
+  using F = typename V::F;
+  const F sign = V::set1(c.sign), decay = V::set1(c.decay), weight_decay = V::set1(c.weight_decay);
+  const F lerp = V::set1(c.lerp_coefficient), beta2 = V::set1(c.beta2), sq = V::set1(c.sq_coefficient);
+  const F bc2 = V::set1(c.bias_correction2_sqrt), eps = V::set1(c.eps), step_size = V::set1(c.step_size);
+  const bool from_avg = c.lerp_from_avg;
+  auto update = [&](int64_t j) AMP_LAMBDA_INLINE {  // updates the moments at j, returns the new master
+    F g = V::mul(grad.template load<V>(j), sign);
+    F p = master.template load<V>(j);
+    if constexpr (kL2) {
+      g = V::fma(p, weight_decay, g);
+    } else {
+      p = V::mul(p, decay);
+    }
+    const F mo = mom.template load_m<V>(j);
+    const F mi = V::fma(lerp, V::sub(g, mo), from_avg ? mo : g);
+    const F vi = V::fma(V::mul(sq, g), g, V::mul(mom.template load_v<V>(j), beta2));
+    const F denom = V::add(V::div(V::sqrt(vi), bc2), eps);
+    mom.template store<V>(j, mi, vi);
+    return V::sub(p, V::div(V::mul(step_size, mi), denom));
+  };
+  for (; i + 2 * V::kWidth <= limit; i += 2 * V::kWidth) {
+    const F p0 = update(i);
+    const F p1 = update(i + V::kWidth);
+    master.template store2<V>(i, p0, p1);
+  }
+  for (; i + V::kWidth <= limit; i += V::kWidth) {
+    master.template store<V>(i, update(i));
+  }
+  return i;
+}
+
+template <bool kL2, bool kTail, class Grad, class Master, class Moments>
+void adam_scalars(int64_t i, int64_t limit, const Grad grad, const Master master, const Moments mom,
+                  const AdamConstants& c) {
+  for (; i < limit; ++i) {
+    float p = master.template load<V1>(i);
+    float m = mom.template load_m<V1>(i);
+    float v = mom.template load_v<V1>(i);
+    adam_scalar<kL2, kTail>(p, grad.template load<V1>(i), m, v, c);
+    mom.template store<V1>(i, m, v);
+    master.template store<V1>(i, p);
+  }
+}
+
+// torch's fused Adam (CPU) updates whole Vectorized<float> vectors of 8 and finishes each tensor
+// with a scalar loop over the last numel % 8 elements; its work is split into 16-float units, so
+// that tail sits at the end of the tensor whatever the thread count. (torch builds this kernel for
+// AVX2 and the default capability only: an AVX512 CPU runs the AVX2 kernel, 8 wide too.)
+constexpr int64_t kTorchVectorWidth = 8;
+// Parallel tasks start at multiples of this many elements: whole vectors, whole cache lines of
+// the FP32 arrays, and 16-byte-aligned stores into an aligned model tensor.
+constexpr int64_t kUnit = 64;
+
+// One span of a tensor: the widest vectors first, then narrower ones, then single elements
+// with the vector roundings, and torch's tail roundings on the tensor's last numel % 8.
+template <bool kL2, class Grad, class Master, class Moments>
+void adam_span(int64_t begin, int64_t end, int64_t numel, const Grad& grad, const Master& master, const Moments& mom,
+               const AdamConstants& c) {
+  const int64_t vector_end = numel - numel % kTorchVectorWidth;
+  const int64_t limit = std::min(end, vector_end);
+  int64_t i = begin;
+#if defined(AMP_PLUGIN_AVX512)
+  i = adam_vectors<V16, kL2>(i, limit, grad, master, mom, c);
+#endif
+#if defined(AMP_PLUGIN_SIMD)
+  i = adam_vectors<V8, kL2>(i, limit, grad, master, mom, c);
+#endif
+  adam_scalars<kL2, false>(i, limit, grad, master, mom, c);
+  adam_scalars<kL2, true>(std::max(begin, limit), end, grad, master, mom, c);
+}
+
+}  // namespace

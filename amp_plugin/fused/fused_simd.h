@@ -1,0 +1,308 @@
+// The number formats and vector types of amp_plugin's fused CPU kernels (master_step.cpp).
+//
+// BF16 bit conversions (round to nearest even, as c10 does; stochastic rounding from a
+// counter-based hash of the element's index and a key), and three vector types with the same
+// operations, V1 (plain C++), V8 (AVX2 + FMA + F16C) and V16 (AVX-512), which compute the same
+// bits: a loop written once over a vector type gives the same results at every width.
+
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#if defined(__AVX2__) && defined(__F16C__)
+#define AMP_PLUGIN_SIMD 1
+#include <immintrin.h>
+#endif
+// The avx512 build: V16 below, 16 elements at a time. Every width computes the same bits as
+// the scalar code.
+#if defined(AMP_PLUGIN_SIMD) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX512DQ__)
+#define AMP_PLUGIN_AVX512 1
+#endif
+
+// The vector types' operations, the loads and stores of the policies and the update are a few
+// instructions each: the inner loops must inline them (GCC's heuristics otherwise leave calls,
+// with the constants read through pointers, in the loop over a template instantiation this large).
+#if defined(__GNUC__)
+#define AMP_INLINE __attribute__((always_inline)) inline
+#define AMP_LAMBDA_INLINE __attribute__((always_inline))
+#else
+#define AMP_INLINE inline
+#define AMP_LAMBDA_INLINE
+#endif
+
+namespace {
+
+using BF16Bits = uint16_t;
+
+AMP_INLINE float bf16_to_float(BF16Bits b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+// Round to nearest even, as c10::BFloat16 does; NaN stays NaN.
+AMP_INLINE BF16Bits float_to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  if ((u & 0x7fffffffu) > 0x7f800000u) {
+    return 0x7fc0;
+  }
+  return static_cast<BF16Bits>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+// A BF16 number with stochastic rounding: rounds up (in magnitude) with probability
+// low16(f) / 2**16, given 16 uniform random bits r; NaN stays NaN.
+AMP_INLINE BF16Bits bf16_stochastic(float f, uint32_t r) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  if ((u & 0x7fffffffu) > 0x7f800000u) {
+    return 0x7fc0;
+  }
+  return static_cast<BF16Bits>((u + r) >> 16);
+}
+
+// The random bits of stochastic rounding: a counter-based hash (MurmurHash3's finaliser) of the
+// element's index and a per-tensor, per-step key, so the bits do not depend on threads or vector
+// width, and amp_plugin/master_weights/_stochastic.py computes the same with torch ops.
+constexpr uint32_t kIndexMultiplier = 0x9e3779b1u;
+constexpr uint32_t kMix1 = 0x85ebca6bu;
+constexpr uint32_t kMix2 = 0xc2b2ae35u;
+AMP_INLINE uint32_t fmix32(uint32_t h) {
+  h ^= h >> 16;
+  h *= kMix1;
+  h ^= h >> 13;
+  h *= kMix2;
+  h ^= h >> 16;
+  return h;
+}
+AMP_INLINE uint32_t sr_bits(uint32_t key, int64_t i) {
+  return fmix32(static_cast<uint32_t>(i) * kIndexMultiplier + key) >> 16;
+}
+
+AMP_INLINE uint32_t nonfinite(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return (u & 0x7f800000u) == 0x7f800000u;
+}
+
+template <typename Half>
+AMP_INLINE float to_float(Half h) {
+  if constexpr (std::is_same_v<Half, _Float16>) {
+    return static_cast<float>(h);
+  } else {
+    return bf16_to_float(h);
+  }
+}
+
+// Vector types: V1 (plain C++), V8 (AVX2 + FMA + F16C), V16 (AVX-512). Each has float
+// arithmetic, FP16/BF16 conversions that round like c10's (nearest even, NaN kept) into H
+// (its 16-bit lanes), stores of one or two H (two: one wider store, whole 32 or 64 bytes when
+// non-temporal), and the split-master loads and stores.
+struct V1 {
+  using F = float;
+  using H = uint16_t;
+  static constexpr int64_t kWidth = 1;
+  AMP_INLINE static F set1(float x) { return x; }
+  AMP_INLINE static F load(const float* p) { return *p; }
+  AMP_INLINE static void store(float* p, F x) { *p = x; }
+  AMP_INLINE static F add(F a, F b) { return a + b; }
+  AMP_INLINE static F sub(F a, F b) { return a - b; }
+  AMP_INLINE static F mul(F a, F b) { return a * b; }
+  AMP_INLINE static F div(F a, F b) { return a / b; }
+  AMP_INLINE static F sqrt(F a) { return std::sqrt(a); }
+  AMP_INLINE static F fma(F a, F b, F c) { return std::fma(a, b, c); }
+  AMP_INLINE static F load_f16(const _Float16* p) { return static_cast<float>(*p); }
+  AMP_INLINE static F load_bf16(const uint16_t* p) { return bf16_to_float(*p); }
+  AMP_INLINE static H to_f16(F x) {
+    const _Float16 h = static_cast<_Float16>(x);
+    H bits;
+    std::memcpy(&bits, &h, sizeof bits);
+    return bits;
+  }
+  AMP_INLINE static H to_bf16(F x) { return float_to_bf16(x); }
+  AMP_INLINE static void store_h(void* p, H x, bool) { *static_cast<H*>(p) = x; }
+  AMP_INLINE static void store_h2(void* p, H x, H y, bool) {
+    static_cast<H*>(p)[0] = x;
+    static_cast<H*>(p)[1] = y;
+  }
+  // The remainder scheme: the weight is the FP32 value rounded to nearest (half away from zero
+  // in magnitude), the signed remainder the difference of the bit patterns.
+  AMP_INLINE static F load_rem(const uint16_t* hi, const uint16_t* lo) {
+    const uint32_t u = (static_cast<uint32_t>(*hi) << 16) + static_cast<uint32_t>(static_cast<int16_t>(*lo));
+    float f;
+    std::memcpy(&f, &u, sizeof f);
+    return f;
+  }
+  AMP_INLINE static void store_rem(uint16_t* hi, uint16_t* lo, F x) {
+    uint32_t u;
+    std::memcpy(&u, &x, sizeof u);
+    const uint32_t low = u & 0xffffu;
+    *hi = static_cast<uint16_t>((u >> 16) + (low >> 15));
+    *lo = static_cast<uint16_t>(low);
+  }
+  AMP_INLINE static H to_bf16_sr(F x, uint32_t key, int64_t i) { return bf16_stochastic(x, sr_bits(key, i)); }
+};
+
+#if defined(AMP_PLUGIN_SIMD)
+struct V8 {
+  using F = __m256;
+  using H = __m128i;
+  static constexpr int64_t kWidth = 8;
+  AMP_INLINE static F set1(float x) { return _mm256_set1_ps(x); }
+  AMP_INLINE static F load(const float* p) { return _mm256_loadu_ps(p); }
+  AMP_INLINE static void store(float* p, F x) { _mm256_storeu_ps(p, x); }
+  AMP_INLINE static void stream(float* p, F x) { _mm256_stream_ps(p, x); }  // p 32-byte aligned
+  AMP_INLINE static F add(F a, F b) { return _mm256_add_ps(a, b); }
+  AMP_INLINE static F sub(F a, F b) { return _mm256_sub_ps(a, b); }
+  AMP_INLINE static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  AMP_INLINE static F div(F a, F b) { return _mm256_div_ps(a, b); }
+  AMP_INLINE static F sqrt(F a) { return _mm256_sqrt_ps(a); }
+  AMP_INLINE static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  AMP_INLINE static H load_h(const void* p) { return _mm_loadu_si128(static_cast<const __m128i*>(p)); }
+  AMP_INLINE static F load_f16(const _Float16* p) { return _mm256_cvtph_ps(load_h(p)); }
+  AMP_INLINE static F load_bf16(const uint16_t* p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(load_h(p)), 16));
+  }
+  AMP_INLINE static H narrow(__m256i x) {  // eight 32-bit lanes below 2**16 -> eight 16-bit lanes
+    return _mm_packus_epi32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1));
+  }
+  AMP_INLINE static H to_f16(F x) { return _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  AMP_INLINE static H to_bf16(F x) {  // float_to_bf16, eight at a time
+    const __m256i u = _mm256_castps_si256(x);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
+    const __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
+    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), _mm256_castps_si256(nan));
+    return narrow(r);
+  }
+  AMP_INLINE static void store_h(void* p, H x, bool stream) {
+    if (stream) {
+      _mm_stream_si128(static_cast<__m128i*>(p), x);
+    } else {
+      _mm_storeu_si128(static_cast<__m128i*>(p), x);
+    }
+  }
+  AMP_INLINE static void store_h2(void* p, H x, H y, bool stream) {
+    const __m256i xy = _mm256_inserti128_si256(_mm256_castsi128_si256(x), y, 1);
+    if (stream) {
+      _mm256_stream_si256(static_cast<__m256i*>(p), xy);
+    } else {
+      _mm256_storeu_si256(static_cast<__m256i*>(p), xy);
+    }
+  }
+  AMP_INLINE static F load_rem(const uint16_t* hi, const uint16_t* lo) {
+    const __m256i h = _mm256_slli_epi32(_mm256_cvtepu16_epi32(load_h(hi)), 16);
+    return _mm256_castsi256_ps(_mm256_add_epi32(h, _mm256_cvtepi16_epi32(load_h(lo))));
+  }
+  AMP_INLINE static void store_rem(uint16_t* hi, uint16_t* lo, F x) {
+    const __m256i u = _mm256_castps_si256(x);
+    const __m256i mask = _mm256_set1_epi32(0xffff);
+    const __m256i low = _mm256_and_si256(u, mask);
+    const __m256i h = _mm256_and_si256(_mm256_add_epi32(_mm256_srli_epi32(u, 16), _mm256_srli_epi32(low, 15)), mask);
+    store_h(hi, narrow(h), false);
+    store_h(lo, narrow(low), false);
+  }
+  AMP_INLINE static __m256i mix(__m256i h) {  // fmix32, eight at a time
+    h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
+    h = _mm256_mullo_epi32(h, _mm256_set1_epi32(static_cast<int>(kMix1)));
+    h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 13));
+    h = _mm256_mullo_epi32(h, _mm256_set1_epi32(static_cast<int>(kMix2)));
+    return _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
+  }
+  AMP_INLINE static H to_bf16_sr(F x, uint32_t key, int64_t i) {  // bf16_stochastic with sr_bits, eight at a time
+    const __m256i index = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(i))),
+                                           _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    const __m256i hashed = _mm256_add_epi32(_mm256_mullo_epi32(index, _mm256_set1_epi32(static_cast<int>(kIndexMultiplier))),
+                                            _mm256_set1_epi32(static_cast<int>(key)));
+    const __m256i r = _mm256_srli_epi32(mix(hashed), 16);
+    __m256i out = _mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(x), r), 16);
+    const __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
+    out = _mm256_blendv_epi8(out, _mm256_set1_epi32(0x7fc0), _mm256_castps_si256(nan));
+    return narrow(out);
+  }
+};
+#endif
+
+#if defined(AMP_PLUGIN_AVX512)
+struct V16 {
+  using F = __m512;
+  using H = __m256i;
+  static constexpr int64_t kWidth = 16;
+  AMP_INLINE static F set1(float x) { return _mm512_set1_ps(x); }
+  AMP_INLINE static F load(const float* p) { return _mm512_loadu_ps(p); }
+  AMP_INLINE static void store(float* p, F x) { _mm512_storeu_ps(p, x); }
+  AMP_INLINE static void stream(float* p, F x) { _mm512_stream_ps(p, x); }  // p 64-byte aligned
+  AMP_INLINE static F add(F a, F b) { return _mm512_add_ps(a, b); }
+  AMP_INLINE static F sub(F a, F b) { return _mm512_sub_ps(a, b); }
+  AMP_INLINE static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  AMP_INLINE static F div(F a, F b) { return _mm512_div_ps(a, b); }
+  AMP_INLINE static F sqrt(F a) { return _mm512_sqrt_ps(a); }
+  AMP_INLINE static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  AMP_INLINE static H load_h(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
+  AMP_INLINE static F load_f16(const _Float16* p) { return _mm512_cvtph_ps(load_h(p)); }
+  AMP_INLINE static F load_bf16(const uint16_t* p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(load_h(p)), 16));
+  }
+  AMP_INLINE static H to_f16(F x) { return _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  AMP_INLINE static H to_bf16(F x) {  // float_to_bf16, sixteen at a time
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    r = _mm512_mask_blend_epi32(nan, r, _mm512_set1_epi32(0x7fc0));
+    return _mm512_cvtepi32_epi16(r);  // every lane is below 2**16: the truncation is exact
+  }
+  AMP_INLINE static void store_h(void* p, H x, bool stream) {
+    if (stream) {
+      _mm256_stream_si256(static_cast<__m256i*>(p), x);
+    } else {
+      _mm256_storeu_si256(static_cast<__m256i*>(p), x);
+    }
+  }
+  AMP_INLINE static void store_h2(void* p, H x, H y, bool stream) {
+    const __m512i xy = _mm512_inserti64x4(_mm512_castsi256_si512(x), y, 1);
+    if (stream) {
+      _mm512_stream_si512(static_cast<__m512i*>(p), xy);
+    } else {
+      _mm512_storeu_si512(p, xy);
+    }
+  }
+  AMP_INLINE static F load_rem(const uint16_t* hi, const uint16_t* lo) {
+    const __m512i h = _mm512_slli_epi32(_mm512_cvtepu16_epi32(load_h(hi)), 16);
+    return _mm512_castsi512_ps(_mm512_add_epi32(h, _mm512_cvtepi16_epi32(load_h(lo))));
+  }
+  AMP_INLINE static void store_rem(uint16_t* hi, uint16_t* lo, F x) {
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i mask = _mm512_set1_epi32(0xffff);
+    const __m512i low = _mm512_and_si512(u, mask);
+    const __m512i h = _mm512_and_si512(_mm512_add_epi32(_mm512_srli_epi32(u, 16), _mm512_srli_epi32(low, 15)), mask);
+    store_h(hi, _mm512_cvtepi32_epi16(h), false);
+    store_h(lo, _mm512_cvtepi32_epi16(low), false);
+  }
+  AMP_INLINE static __m512i mix(__m512i h) {  // fmix32, sixteen at a time
+    h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 16));
+    h = _mm512_mullo_epi32(h, _mm512_set1_epi32(static_cast<int>(kMix1)));
+    h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 13));
+    h = _mm512_mullo_epi32(h, _mm512_set1_epi32(static_cast<int>(kMix2)));
+    return _mm512_xor_si512(h, _mm512_srli_epi32(h, 16));
+  }
+  AMP_INLINE static H to_bf16_sr(F x, uint32_t key, int64_t i) {  // bf16_stochastic with sr_bits, sixteen at a time
+    const __m512i index = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(i))),
+                                           _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0));
+    const __m512i hashed = _mm512_add_epi32(_mm512_mullo_epi32(index, _mm512_set1_epi32(static_cast<int>(kIndexMultiplier))),
+                                            _mm512_set1_epi32(static_cast<int>(key)));
+    const __m512i r = _mm512_srli_epi32(mix(hashed), 16);
+    __m512i out = _mm512_srli_epi32(_mm512_add_epi32(_mm512_castps_si512(x), r), 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    out = _mm512_mask_blend_epi32(nan, out, _mm512_set1_epi32(0x7fc0));
+    return _mm512_cvtepi32_epi16(out);
+  }
+};
+#endif
+
+}  // namespace
