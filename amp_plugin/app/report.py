@@ -175,6 +175,8 @@ def summarize(run: Run, wall: float, metrics: Mapping[str, Any]) -> dict[str, An
         "metrics": log_dir / "metrics.csv" if (log_dir / "metrics.csv").exists() else None,
         "log_dir": log_dir,
         "scale_events": log_dir / "scale_events.csv" if (log_dir / "scale_events.csv").exists() else None,
+        "grad_health": log_dir / "grad_health.csv" if (log_dir / "grad_health.csv").exists() else None,
+        "fp8_stats": log_dir / "fp8_stats.csv" if (log_dir / "fp8_stats.csv").exists() else None,
         "checkpoints": checkpoint_dir if checkpoint_dir.is_dir() else None,
         "last_checkpoint": last if last.exists() else None,
         "history": output_dir / HISTORY_FILE,
@@ -365,6 +367,8 @@ def format_summary(summary: Mapping[str, Any]) -> str:
     for label, key in (
         ("metrics", "metrics"),
         ("scale log", "scale_events"),
+        ("gradients", "grad_health"),
+        ("fp8 stats", "fp8_stats"),
         ("checkpoint", "last_checkpoint"),
         ("plot", "plot"),
         ("summary", "summary"),

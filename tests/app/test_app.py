@@ -68,6 +68,10 @@ def test_every_preset_trains_and_writes_its_outputs(tmp_path, preset, capsys, co
         assert csv_header(paths["scale_events"]) == ["step", "old_scale", "new_scale", "reason", "nonfinite_params"]
         assert [bool(row["amp/loss_scale"]) for row in training_rows(paths["metrics"])] == [True] * 3
     assert paths["plot"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # every file the run wrote is in the summary: FP8Monitor's statistics with fp8
+    assert ("fp8_stats" in paths) == (preset == "fp8")
+    if preset == "fp8":
+        assert csv_header(paths["fp8_stats"])[:3] == ["step", "layer", "operand"]
     history = read_history(paths["history"])
     assert [row["step"] for row in history] == [1, 2, 3]
     assert not (tmp_path / "FAILED").exists()
@@ -77,6 +81,7 @@ def test_every_preset_trains_and_writes_its_outputs(tmp_path, preset, capsys, co
     assert summary["loss_scale"] == result["loss_scale"] and summary["skipped_steps"] == result["skipped_steps"]
     printed = capsys.readouterr().out
     assert "amp_plugin run summary" in printed and str(tmp_path) in printed
+    assert ("fp8 stats  logs/fp8_stats.csv" in printed) == (preset == "fp8")
     # the bytes of training state per parameter the preset buys (digits: ~2% of parameters are FP32 norms)
     total = {"bf16_lean": 10, "bf16_sr": 8, "bf16_split": 14, "fp16": 16, "bf16": 16}.get(preset)
     state = summary["state_bytes_per_param"]
