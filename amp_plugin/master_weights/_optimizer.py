@@ -69,23 +69,26 @@ class MasterWeightOptimizer(Optimizer):
 
             - ``"fp32"`` (default): an FP32 tensor per half parameter (4 bytes per parameter);
               the model's weight is the master rounded to nearest.
-            - ``"bf16_split"``: for a BF16 model and ``Adam``/``AdamW``: the model's BF16 weight
+            - ``"bf16_split"``: for a BF16 model: the model's BF16 weight
               is the master rounded to nearest and a signed 16-bit remainder makes it exact (2
               bytes per parameter: AdamW's training state is 14 bytes per parameter instead of
               16). The masters (:meth:`fp32_masters`) are FP32 AdamW's given the same gradients,
               bit for bit (see :mod:`amp_plugin.master_weights._split` for the one tie rule).
-            - ``"stochastic"``: for a BF16 model and ``Adam``/``AdamW``: no master; the weight is
+            - ``"stochastic"``: for a BF16 model: no master; the weight is
               updated in FP32 and written back with stochastic rounding (seeded by ``sr_seed``).
 
-            The kinds without an FP32 tensor always run torch's fused Adam update (amp_plugin's
-            kernel on the CPU, torch's multi-tensor kernels elsewhere). Their param groups hold
+            With ``Adam``/``AdamW(fused=True)`` the kinds without an FP32 tensor run torch's fused
+            Adam update (amp_plugin's kernel on the CPU, torch's multi-tensor kernels elsewhere);
+            any other optimizer runs its own ``step()`` on the FP32 values rebuilt for it, and the
+            kind stores the result (the optimizer on FP32 copies, bit for bit). Their param groups hold
             placeholder masters (FP32, NaN-valued) that key the optimizer state and carry the FP32
             master gradients. FP16 parameters are refused (``ValueError``). See
             ``docs/master_weights.md`` for the bytes per parameter and checkpoint conversion.
-        moments_dtype: ``None``/``torch.float32`` (default) or ``torch.bfloat16``: Adam's
-            ``exp_avg``/``exp_avg_sq`` of the half-precision parameters stored in BF16,
-            computed in FP32 inside the step and rounded once when stored (any ``master``
-            kind; Adam/AdamW; FP32 parameters keep FP32 moments).
+        moments_dtype: ``None``/``torch.float32`` (default) or ``torch.bfloat16``: the per-element
+            optimizer state of the half-precision parameters (Adam's ``exp_avg``/``exp_avg_sq``,
+            SGD's ``momentum_buffer``, ...) stored in BF16, computed in FP32 inside the step and
+            rounded once when stored (any ``master`` kind, any optimizer; FP32 parameters keep
+            FP32 state).
         moments_rounding: how BF16 moments are rounded when stored. ``"stochastic"``
             (default): seeded stochastic rounding (``sr_seed``), so a moment decays as the FP32
             one does on average, for any beta. ``"nearest"``: round to nearest, which cannot
