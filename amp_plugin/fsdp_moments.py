@@ -39,7 +39,7 @@ from amp_plugin.master_weights import (
     check_moments_rounding,
     lift_state,
     lower_state,
-    moment_keys,
+    moments_key,
     offset_key,
     round_stochastic,
     shared_seed,
@@ -196,9 +196,9 @@ class Bf16MomentsAdam(DelegatingOptimizer, Optimizer):
                     v.copy_(exp_avg_sqs[j])
                     continue
                 offset = _flat_offset(p)
-                key_m, key_v = moment_keys(keys[at])
-                round_stochastic(exp_avgs[j], m, offset_key(key_m, offset))
-                round_stochastic(exp_avg_sqs[j], v, offset_key(key_v, offset))
+                key = offset_key(moments_key(keys[at]), offset)
+                round_stochastic(exp_avgs[j], m, key)
+                round_stochastic(exp_avg_sqs[j], v, key, low=True)
         # what an LR scheduler built on the wrapped optimizer checks (torch's private flag, not in the stubs)
         self.optimizer._opt_called = True  # type: ignore[attr-defined]
         return loss

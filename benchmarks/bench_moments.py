@@ -35,7 +35,7 @@ import warnings
 import torch
 
 from amp_plugin import MasterWeightOptimizer
-from amp_plugin.master_weights import FrozenMomentWarning, SRGenerator, moment_keys, round_stochastic
+from amp_plugin.master_weights import FrozenMomentWarning, SRGenerator, moments_key, round_stochastic
 
 BF16 = torch.bfloat16
 
@@ -63,10 +63,9 @@ class Store:
             self.m, self.v = m.to(BF16).float(), v.to(BF16).float()
         elif self.name == "bf16 stochastic":
             (key,) = self.sr.keys([0])
-            key_m, key_v = moment_keys(key)
             out_m, out_v = torch.empty(m.shape, dtype=BF16), torch.empty(v.shape, dtype=BF16)
-            round_stochastic(m, out_m, key_m)
-            round_stochastic(v, out_v, key_v)
+            round_stochastic(m, out_m, moments_key(key))
+            round_stochastic(v, out_v, moments_key(key), low=True)  # one hash per element for both
             self.m, self.v = out_m.float(), out_v.float()
         elif self.name == "fp16 scaled":
             self.m, self.v = _fp16_scaled(m), _fp16_scaled(v)

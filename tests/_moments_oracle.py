@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import torch
 
-from amp_plugin.master_weights import SRGenerator, moment_keys, round_stochastic
+from amp_plugin.master_weights import SRGenerator, moments_key, round_stochastic
 
 BF16 = torch.bfloat16
 
 
 class MomentStore:
     """Rounds FP32 moments into BF16 per step: to nearest (``seed=None``), or stochastically with
-    the keys a wrapper seeded with ``seed`` draws (one key per step and BF16-moment tensor)."""
+    the keys a wrapper seeded with ``seed`` draws (one key per step and BF16-moment tensor; one hash
+    per element for both moments: ``exp_avg`` takes its high 16 bits, ``exp_avg_sq`` its low 16)."""
 
     def __init__(self, seed: int | None = None) -> None:
         self.generator = None if seed is None else SRGenerator(seed)
@@ -28,8 +29,8 @@ class MomentStore:
             m.copy_(m.to(BF16))
             v.copy_(v.to(BF16))
             return
-        key_m, key_v = moment_keys(self.keys[index])
-        for value, key in ((m, key_m), (v, key_v)):
+        key = moments_key(self.keys[index])
+        for value, low in ((m, False), (v, True)):
             out = torch.empty(value.shape, dtype=BF16)
-            round_stochastic(value, out, key)
+            round_stochastic(value, out, key, low=low)
             value.copy_(out)

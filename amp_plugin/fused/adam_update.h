@@ -157,14 +157,13 @@ struct MomentsF32 {
     V::store(v + i, vi);
   }
 };
-// kStochastic: stochastic rounding with the moments' own keys (a moment rounded to nearest cannot
+// kStochastic: stochastic rounding keyed by the moments' own key (a moment rounded to nearest cannot
 // shrink by less than half its ulp: beta * v rounds back to v for any beta above 1 - 2**-9).
 template <bool kStochastic>
 struct MomentsBF16 {
   uint16_t* m;
   uint16_t* v;
-  uint32_t key_m;
-  uint32_t key_v;
+  uint32_t key;
   template <class V>
   AMP_INLINE typename V::F load_m(int64_t i) const { return V::load_bf16(m + i); }
   template <class V>
@@ -172,8 +171,7 @@ struct MomentsBF16 {
   template <class V>
   AMP_INLINE void store(int64_t i, typename V::F mi, typename V::F vi) const {
     if constexpr (kStochastic) {
-      V::store_h(m + i, V::to_bf16_sr(mi, key_m, i), false);
-      V::store_h(v + i, V::to_bf16_sr(vi, key_v, i), false);
+      V::store_sr_pair(m + i, v + i, mi, vi, key, i);  // one hash: exp_avg its high bits, exp_avg_sq its low
     } else {
       V::store_h(m + i, V::to_bf16(mi), false);
       V::store_h(v + i, V::to_bf16(vi), false);

@@ -68,7 +68,9 @@ AMP_INLINE BF16Bits bf16_stochastic(float f, uint32_t r) {
 
 // The random bits of stochastic rounding: a counter-based hash (MurmurHash3's finaliser) of the
 // element's index and a per-tensor, per-step key, so the bits do not depend on threads or vector
-// width, and amp_plugin/master_weights/_stochastic.py computes the same with torch ops.
+// width, and amp_plugin/master_weights/_stochastic.py computes the same with torch ops. A rounding
+// takes the hash's high 16 bits; Adam's two moments share one hash per element, exp_avg taking
+// the high 16 bits and exp_avg_sq the low 16.
 constexpr uint32_t kIndexMultiplier = 0x9e3779b1u;
 constexpr uint32_t kMix1 = 0x85ebca6bu;
 constexpr uint32_t kMix2 = 0xc2b2ae35u;
@@ -80,9 +82,7 @@ AMP_INLINE uint32_t fmix32(uint32_t h) {
   h ^= h >> 16;
   return h;
 }
-AMP_INLINE uint32_t sr_bits(uint32_t key, int64_t i) {
-  return fmix32(static_cast<uint32_t>(i) * kIndexMultiplier + key) >> 16;
-}
+AMP_INLINE uint32_t sr_hash(uint32_t key, int64_t i) { return fmix32(static_cast<uint32_t>(i) * kIndexMultiplier + key); }
 
 AMP_INLINE uint32_t nonfinite(float f) {
   uint32_t u;
@@ -145,7 +145,12 @@ struct V1 {
     *hi = static_cast<uint16_t>((u >> 16) + (low >> 15));
     *lo = static_cast<uint16_t>(low);
   }
-  AMP_INLINE static H to_bf16_sr(F x, uint32_t key, int64_t i) { return bf16_stochastic(x, sr_bits(key, i)); }
+  AMP_INLINE static H to_bf16_sr(F x, uint32_t key, int64_t i) { return bf16_stochastic(x, sr_hash(key, i) >> 16); }
+  AMP_INLINE static void store_sr_pair(uint16_t* m, uint16_t* v, F mi, F vi, uint32_t key, int64_t i) {
+    const uint32_t h = sr_hash(key, i);
+    *m = bf16_stochastic(mi, h >> 16);
+    *v = bf16_stochastic(vi, h & 0xffffu);
+  }
 };
 
 #if defined(AMP_PLUGIN_SIMD)
@@ -214,16 +219,24 @@ struct V8 {
     h = _mm256_mullo_epi32(h, _mm256_set1_epi32(static_cast<int>(kMix2)));
     return _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
   }
-  AMP_INLINE static H to_bf16_sr(F x, uint32_t key, int64_t i) {  // bf16_stochastic with sr_bits, eight at a time
-    const __m256i index = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(i))),
-                                           _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-    const __m256i hashed = _mm256_add_epi32(_mm256_mullo_epi32(index, _mm256_set1_epi32(static_cast<int>(kIndexMultiplier))),
-                                            _mm256_set1_epi32(static_cast<int>(key)));
-    const __m256i r = _mm256_srli_epi32(mix(hashed), 16);
+  // sr_hash of elements i .. i + 7: the index times the multiplier, as a scalar plus each lane's offset
+  AMP_INLINE static __m256i hash(uint32_t key, int64_t i) {
+    const int m = static_cast<int>(kIndexMultiplier);
+    const __m256i lanes = _mm256_setr_epi32(0, m, 2 * m, 3 * m, 4 * m, 5 * m, 6 * m, 7 * m);  // wraps, as uint32
+    return mix(_mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(i) * kIndexMultiplier + key)),
+                                lanes));
+  }
+  AMP_INLINE static H round_sr(F x, __m256i r) {  // bf16_stochastic with the random bits r (< 2**16)
     __m256i out = _mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(x), r), 16);
     const __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
     out = _mm256_blendv_epi8(out, _mm256_set1_epi32(0x7fc0), _mm256_castps_si256(nan));
     return narrow(out);
+  }
+  AMP_INLINE static H to_bf16_sr(F x, uint32_t key, int64_t i) { return round_sr(x, _mm256_srli_epi32(hash(key, i), 16)); }
+  AMP_INLINE static void store_sr_pair(uint16_t* m, uint16_t* v, F mi, F vi, uint32_t key, int64_t i) {
+    const __m256i h = hash(key, i);
+    store_h(m, round_sr(mi, _mm256_srli_epi32(h, 16)), false);
+    store_h(v, round_sr(vi, _mm256_and_si256(h, _mm256_set1_epi32(0xffff))), false);
   }
 };
 #endif
@@ -291,16 +304,25 @@ struct V16 {
     h = _mm512_mullo_epi32(h, _mm512_set1_epi32(static_cast<int>(kMix2)));
     return _mm512_xor_si512(h, _mm512_srli_epi32(h, 16));
   }
-  AMP_INLINE static H to_bf16_sr(F x, uint32_t key, int64_t i) {  // bf16_stochastic with sr_bits, sixteen at a time
-    const __m512i index = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(i))),
-                                           _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0));
-    const __m512i hashed = _mm512_add_epi32(_mm512_mullo_epi32(index, _mm512_set1_epi32(static_cast<int>(kIndexMultiplier))),
-                                            _mm512_set1_epi32(static_cast<int>(key)));
-    const __m512i r = _mm512_srli_epi32(mix(hashed), 16);
+  // sr_hash of elements i .. i + 15: the index times the multiplier, as a scalar plus each lane's offset
+  AMP_INLINE static __m512i hash(uint32_t key, int64_t i) {
+    const int m = static_cast<int>(kIndexMultiplier);
+    const __m512i lanes = _mm512_set_epi32(15 * m, 14 * m, 13 * m, 12 * m, 11 * m, 10 * m, 9 * m, 8 * m, 7 * m, 6 * m,
+                                           5 * m, 4 * m, 3 * m, 2 * m, m, 0);  // wraps, as uint32
+    return mix(_mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(i) * kIndexMultiplier + key)),
+                                lanes));
+  }
+  AMP_INLINE static H round_sr(F x, __m512i r) {  // bf16_stochastic with the random bits r (< 2**16)
     __m512i out = _mm512_srli_epi32(_mm512_add_epi32(_mm512_castps_si512(x), r), 16);
     const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
     out = _mm512_mask_blend_epi32(nan, out, _mm512_set1_epi32(0x7fc0));
     return _mm512_cvtepi32_epi16(out);
+  }
+  AMP_INLINE static H to_bf16_sr(F x, uint32_t key, int64_t i) { return round_sr(x, _mm512_srli_epi32(hash(key, i), 16)); }
+  AMP_INLINE static void store_sr_pair(uint16_t* m, uint16_t* v, F mi, F vi, uint32_t key, int64_t i) {
+    const __m512i h = hash(key, i);
+    store_h(m, round_sr(mi, _mm512_srli_epi32(h, 16)), false);
+    store_h(v, round_sr(vi, _mm512_and_si512(h, _mm512_set1_epi32(0xffff))), false);
   }
 };
 #endif

@@ -12,7 +12,7 @@
 //   makes the FP32 value exact (master="bf16_split"), or there is no master and the updated
 //   FP32 value is written back with stochastic rounding (master="stochastic").
 // Adam's moments may be FP32 or BF16 (computed in FP32, rounded once when stored: stochastically
-//   with moment_keys, one key per tensor, else to nearest).
+//   with moment_keys, one key per tensor, one hash per element for both moments, else to nearest).
 // unscale_into_, unscale_copy: FP32 master gradients materialized from half gradients (copy,
 //   unscale and inf check in one pass), for when something reads them or the step needs them.
 //
@@ -300,9 +300,8 @@ void nonfinite_check_(at::TensorList grads, const at::Tensor& found_inf) {
   }
 }
 
-// The keys of a tensor's exp_avg and exp_avg_sq roundings from its key (_stochastic.moment_keys).
-constexpr uint32_t kMomentSaltM = 0x6a09e667u;
-constexpr uint32_t kMomentSaltV = 0xbb67ae85u;
+// The key of a tensor's moment roundings from its key (_stochastic.moments_key).
+constexpr uint32_t kMomentsSalt = 0x6a09e667u;
 
 
 // One tensor's update: what it reads and writes, and its constants.
@@ -367,10 +366,9 @@ void adam_job(const AdamJob& job, int64_t begin, int64_t end) {
   auto* m = static_cast<uint16_t*>(job.m);
   auto* v = static_cast<uint16_t*>(job.v);
   if (job.bf16_moments && job.sr_moments) {
-    const uint32_t key_m = fmix32(job.moment_key ^ kMomentSaltM), key_v = fmix32(job.moment_key ^ kMomentSaltV);
-    adam_job_master<kL2>(job, begin, end, MomentsBF16<true>{m, v, key_m, key_v});
+    adam_job_master<kL2>(job, begin, end, MomentsBF16<true>{m, v, fmix32(job.moment_key ^ kMomentsSalt)});
   } else if (job.bf16_moments) {
-    adam_job_master<kL2>(job, begin, end, MomentsBF16<false>{m, v, 0, 0});
+    adam_job_master<kL2>(job, begin, end, MomentsBF16<false>{m, v, 0});
   } else {
     adam_job_master<kL2>(job, begin, end, MomentsF32{static_cast<float*>(job.m), static_cast<float*>(job.v)});
   }

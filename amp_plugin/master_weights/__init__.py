@@ -40,11 +40,12 @@ from amp_plugin.master_weights._shown import ShownGrads, show_unscaled
 from amp_plugin.master_weights._stochastic import (
     FREEZE_THRESHOLD,
     SRGenerator,
-    moment_keys,
+    moments_key,
     offset_key,
     round_stochastic,
     shared_seed,
     state_key,
+    state_low_bits,
 )
 
 __all__ = [
@@ -60,10 +61,11 @@ __all__ = [
     "is_wrapped",
     "lift_state",
     "lower_state",
-    "moment_keys",
+    "moments_key",
     "offset_key",
     "round_stochastic",
     "shared_seed",
     "show_unscaled",
     "state_key",
+    "state_low_bits",
 ]

@@ -43,17 +43,24 @@ def _shr(h: torch.Tensor, n: int) -> torch.Tensor:
     return (h >> n) & ((1 << (32 - n)) - 1)
 
 
-def _rounded_stochastically(value: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
-    """The BF16 bits (int16) of ``value`` rounded with the 16 random bits ``_stochastic._random_bits`` draws."""
-    bits = value.view(torch.int32)
-    h = torch.arange(bits.numel(), dtype=torch.int32, device=bits.device) * _M + key
+def _hash(numel: int, key: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Each element's 32-bit hash (int32 bits), as ``_stochastic._hash``."""
+    h = torch.arange(numel, dtype=torch.int32, device=device) * _M + key
     h = h ^ _shr(h, 16)
     h = h * _X1
     h = h ^ _shr(h, 13)
     h = h * _X2
-    h = h ^ _shr(h, 16)
-    rounded = (bits + _shr(h, 16)) >> 16
+    return h ^ _shr(h, 16)
+
+
+def _rounded_stochastically(value: torch.Tensor, random: torch.Tensor) -> torch.Tensor:
+    """The BF16 bits (int16) of ``value`` rounded with the 16 ``random`` bits of each element."""
+    rounded = (value.view(torch.int32) + random) >> 16
     return torch.where(torch.isnan(value), 0x7FC0, rounded).to(torch.int16)
+
+
+def _high(h: torch.Tensor) -> torch.Tensor:
+    return _shr(h, 16)
 
 
 def _join(weight: T, remainder: T) -> T:
@@ -86,9 +93,10 @@ def _split_weight(value: torch.Tensor, weight: torch.Tensor, remainder: torch.Te
 def _round_moments(
     m32: torch.Tensor, v32: torch.Tensor, m16: torch.Tensor, v16: torch.Tensor, keys: torch.Tensor, sr: bool
 ) -> None:
-    if sr:
-        m16.view(torch.int16).copy_(_rounded_stochastically(m32, keys[1]))
-        v16.view(torch.int16).copy_(_rounded_stochastically(v32, keys[2]))
+    if sr:  # one hash for both: exp_avg takes its high 16 bits, exp_avg_sq its low 16
+        h = _hash(m32.numel(), keys[1], m32.device)
+        m16.view(torch.int16).copy_(_rounded_stochastically(m32, _high(h)))
+        v16.view(torch.int16).copy_(_rounded_stochastically(v32, h & 0xFFFF))
     else:
         m16.copy_(m32)
         v16.copy_(v32)
@@ -106,11 +114,11 @@ def _split_moments(value: T, weight: T, remainder: T, keys: T, m32: T, v32: T, m
 
 
 def _rounded(value: T, weight: T, remainder: None, keys: T) -> None:
-    weight.view(torch.int16).copy_(_rounded_stochastically(value, keys[0]))
+    weight.view(torch.int16).copy_(_rounded_stochastically(value, _high(_hash(value.numel(), keys[0], value.device))))
 
 
 def _rounded_moments(value: T, weight: T, remainder: None, keys: T, m32: T, v32: T, m16: T, v16: T, sr: bool) -> None:
-    weight.view(torch.int16).copy_(_rounded_stochastically(value, keys[0]))
+    weight.view(torch.int16).copy_(_rounded_stochastically(value, _high(_hash(value.numel(), keys[0], value.device))))
     _round_moments(m32, v32, m16, v16, keys, sr)
 
 
@@ -182,7 +190,7 @@ def store(
     """Write a stepped FP32 ``value`` into ``weight`` (BF16: split with ``remainder``, or rounded
     stochastically with ``keys[0]``; ``None``: an FP32 master the caller copies) and the FP32
     ``moments`` ``(m32, v32, m16, v16)`` into their BF16 tensors (stochastically with ``keys[1]``,
-    ``keys[2]``, else to nearest), in one fused pass. All tensors contiguous, of one shape."""
+    one hash for both, else to nearest), in one fused pass. All tensors contiguous, of one shape."""
     name = "moments" if weight is None else "split" if remainder is not None else "rounded"
     args = [
         _flat(value),
@@ -197,9 +205,9 @@ def store(
     _fn(name if weight is None else f"{name}_moments")(*args, *(_flat(t) for t in moments), stochastic_moments)
 
 
-def keys_tensor(keys: list[tuple[int, int, int]], device: torch.device) -> torch.Tensor:
-    """The (weight, exp_avg, exp_avg_sq) rounding keys of each tensor, as one int32 tensor on
-    ``device`` (one copy to the device per step): row ``i`` is what :func:`store` takes."""
+def keys_tensor(keys: list[tuple[int, int]], device: torch.device) -> torch.Tensor:
+    """The (weight, moments) rounding keys of each tensor, as one int32 tensor on ``device`` (one
+    copy to the device per step): row ``i`` is what :func:`store` takes."""
     return torch.tensor([[as_int32(k & 0xFFFFFFFF) for k in row] for row in keys], dtype=torch.int32, device=device)
 
 
@@ -243,11 +251,11 @@ def _probe(device: torch.device) -> None:
     weight = torch.empty(16, dtype=torch.bfloat16, device=device)
     remainder = torch.empty(16, dtype=torch.int16, device=device)
     m16, v16 = torch.empty_like(weight), torch.empty_like(weight)
-    keys = keys_tensor([(1, 2, 3)], device)[0]
+    keys = keys_tensor([(1, 2)], device)[0]
     for rem in (remainder, None):
         store(value, weight, rem, (value, value.abs(), m16, v16), keys, True)
     expected = torch.empty_like(weight)
-    round_stochastic(value.abs(), expected, 3)
+    round_stochastic(value.abs(), expected, 2, low=True)
     if not torch.equal(v16.view(torch.int16), expected.view(torch.int16)):
         raise RuntimeError("the compiled store rounds otherwise than the torch ops")
     _split.split_into(value, weight, remainder)

@@ -5,7 +5,8 @@ Per-element state is every floating tensor shaped like its parameter (Adam's mom
 momentum buffer, RMSprop's ``square_avg``, Adagrad's ``sum``, ...); scalars (``step``,
 NAdam's ``mu_product``) stay as the optimizer keeps them. :func:`lift_state` upcasts it before
 the step, :func:`lower_state` stores it again after, rounded to nearest or stochastically with a
-key per tensor and state name (:func:`~amp_plugin.master_weights._stochastic.state_key`). DTensor
+key per tensor and state name (:func:`~amp_plugin.master_weights._stochastic.state_key`; Adam's two
+moments share one hash, ``exp_avg_sq`` taking its low bits). DTensor
 state (FSDP2's shards) is rounded on its local shard, with the bits of each element's index in
 the whole tensor (``offset``).
 """
@@ -17,7 +18,7 @@ from typing import Any
 import torch
 
 from amp_plugin._dtensor import is_dtensor
-from amp_plugin.master_weights._stochastic import offset_key, round_stochastic, state_key
+from amp_plugin.master_weights._stochastic import offset_key, round_stochastic, state_key, state_low_bits
 
 __all__ = ["is_per_element", "lift_state", "lower_state"]
 
@@ -64,5 +65,6 @@ def lower_state(
         elif key is None:
             _local(out).copy_(_local(value))
         if key is not None:
-            round_stochastic(_local(value).float(), _local(out), offset_key(state_key(key, name), offset))
+            local_key = offset_key(state_key(key, name), offset)
+            round_stochastic(_local(value).float(), _local(out), local_key, low=state_low_bits(name))
         state[name] = out

@@ -18,7 +18,7 @@ The kinds without an FP32 master tensor (``master="bf16_split"``, ``"stochastic"
 same kernel on FP32 values rebuilt for the step (the weight joined with its remainder, or the
 weight upcast), then store the results their way (split, or rounded stochastically); BF16
 moments are upcast for the kernel and rounded back into their BF16 tensors (stochastically with
-the moment keys of :func:`~amp_plugin.master_weights._stochastic.moment_keys`, the CPU kernel's
+the moments' key of :func:`~amp_plugin.master_weights._stochastic.moments_key`, the CPU kernel's
 bits, or to nearest). These FP32 copies live for one group's step.
 
 The FP32 gradients are dropped when the step ends. Python only gathers references (the
@@ -42,7 +42,7 @@ from torch.optim import Optimizer
 from amp_plugin.adam_rule import as_float, init_state
 from amp_plugin.master_weights import _compiled
 from amp_plugin.master_weights._parameter import Record
-from amp_plugin.master_weights._stochastic import moment_keys, round_stochastic
+from amp_plugin.master_weights._stochastic import moments_key, round_stochastic
 
 __all__ = ["torch_adam_step"]
 
@@ -162,9 +162,9 @@ def torch_adam_step(
             continue
         for j in low:
             if sr_moments:
-                key_m, key_v = moment_keys(cast("list", keys)[cast("int", indices[j])])
-                round_stochastic(exp_avgs[j], states[j]["exp_avg"], key_m)
-                round_stochastic(exp_avg_sqs[j], states[j]["exp_avg_sq"], key_v)
+                key = moments_key(cast("list", keys)[cast("int", indices[j])])
+                round_stochastic(exp_avgs[j], states[j]["exp_avg"], key)
+                round_stochastic(exp_avg_sqs[j], states[j]["exp_avg_sq"], key, low=True)
             else:
                 states[j]["exp_avg"].copy_(exp_avgs[j])
                 states[j]["exp_avg_sq"].copy_(exp_avg_sqs[j])
@@ -194,7 +194,7 @@ def _compiled_stores(
     if not stored:
         return
     all_keys = cast("list[int]", keys)
-    rows = [(all_keys[i], *moment_keys(all_keys[i])) for i in (cast("int", indices[j]) for j in stored)]
+    rows = [(all_keys[i], moments_key(all_keys[i])) for i in (cast("int", indices[j]) for j in stored)]
     by_device: dict[torch.device, torch.Tensor] = {}
     for row, j in enumerate(stored):
         i = cast("int", indices[j])

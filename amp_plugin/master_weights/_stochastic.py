@@ -14,8 +14,11 @@ BF16 Adam moments are stored the same way (``moments_rounding="stochastic"``, th
 moment rounded to nearest cannot move by less than half its ulp, so ``beta * v`` rounds back to
 ``v`` for every beta above ``1 - 2**-9`` (torch's default beta2 0.999 included) and
 ``exp_avg_sq`` could only grow. Rounded stochastically it decays as the FP32 moment does, on
-average. The moments of a tensor use two keys of their own (:func:`moment_keys`), derived from
-the tensor's key, so their bits are independent of the weight's.
+average. The moments of a tensor have a key of their own (:func:`moments_key`), derived from the
+tensor's key, so their bits are independent of the weight's; they share one hash per element:
+``exp_avg`` takes its high 16 bits (as every rounding does), ``exp_avg_sq`` its low 16 bits
+(``low=True``), so the fused step hashes each element once for both. Other per-element state
+(``momentum_buffer``, ``square_avg``, ...) has a key per name (:func:`state_key`).
 
 Every rank of a process group must draw the same bits (the same rounding of the same all-reduced
 values keeps replicas equal): :func:`shared_seed` takes rank 0's seed. A shard of a larger tensor
@@ -32,18 +35,19 @@ import torch
 __all__ = [
     "FREEZE_THRESHOLD",
     "SRGenerator",
-    "moment_keys",
+    "moments_key",
     "offset_key",
     "round_stochastic",
     "shared_seed",
     "state_key",
+    "state_low_bits",
 ]
 
 _MASK32 = 0xFFFFFFFF
 INDEX_MULTIPLIER = 0x9E3779B1
 MIX1 = 0x85EBCA6B
 MIX2 = 0xC2B2AE35
-_MOMENT_SALTS = (0x6A09E667, 0xBB67AE85)  # exp_avg, exp_avg_sq (the kernel's kMomentSalt*)
+_MOMENTS_SALT = 0x6A09E667  # the kernel's kMomentsSalt
 
 FREEZE_THRESHOLD = 1 - 2.0**-9
 """A BF16 moment rounded to nearest cannot shrink when its beta is above this (0.998046875)."""
@@ -57,20 +61,25 @@ def _fmix32(h: int) -> int:
     return h ^ (h >> 16)
 
 
-def moment_keys(key: int) -> tuple[int, int]:
-    """The keys of a tensor's ``exp_avg`` and ``exp_avg_sq`` roundings, from the tensor's key."""
-    return _fmix32(key ^ _MOMENT_SALTS[0]), _fmix32(key ^ _MOMENT_SALTS[1])
+def moments_key(key: int) -> int:
+    """The key of the stochastic roundings of Adam's ``exp_avg`` (high 16 bits of the hash) and
+    ``exp_avg_sq`` (low 16 bits) of the tensor with ``key``."""
+    return _fmix32(key ^ _MOMENTS_SALT)
 
 
 def state_key(key: int, name: str) -> int:
     """The rounding key of the per-element state ``name`` of the tensor with ``key``: Adam's
-    moments get :func:`moment_keys`, any other state (``momentum_buffer``, ``square_avg``, ...)
-    a key salted with the CRC-32 of its name."""
-    if name == "exp_avg":
-        return moment_keys(key)[0]
-    if name == "exp_avg_sq":
-        return moment_keys(key)[1]
+    moments get :func:`moments_key` (``exp_avg_sq`` with :func:`state_low_bits`), any other state
+    (``momentum_buffer``, ``square_avg``, ...) a key salted with the CRC-32 of its name."""
+    if name in ("exp_avg", "exp_avg_sq"):
+        return moments_key(key)
     return _fmix32(key ^ zlib.crc32(name.encode()))
+
+
+def state_low_bits(name: str) -> bool:
+    """Whether the state ``name`` is rounded with the low 16 bits of its hash (``exp_avg_sq``,
+    which shares ``exp_avg``'s key and hash)."""
+    return name == "exp_avg_sq"
 
 
 def offset_key(key: int, offset: int) -> int:
@@ -133,8 +142,8 @@ def _shr(h: torch.Tensor, n: int) -> torch.Tensor:
     return (h >> n) & ((1 << (32 - n)) - 1)
 
 
-def _random_bits(key: int, numel: int, device: torch.device) -> torch.Tensor:
-    """The 16 random bits of each element (int32 in [0, 2**16)), as the kernel's ``sr_bits``.
+def _hash(key: int, numel: int, device: torch.device) -> torch.Tensor:
+    """The 32-bit hash of each element (int32 bits), as the kernel's ``sr_hash``.
 
     In int32 arithmetic, whose products and sums wrap modulo 2**32 on every torch backend, as the
     kernel's uint32 ones do: the same bits, in a fraction of the time int64 arithmetic takes."""
@@ -143,16 +152,18 @@ def _random_bits(key: int, numel: int, device: torch.device) -> torch.Tensor:
     h = h * as_int32(MIX1)
     h = h ^ _shr(h, 13)
     h = h * as_int32(MIX2)
-    h = h ^ _shr(h, 16)
-    return _shr(h, 16)
+    return h ^ _shr(h, 16)
 
 
 @torch.no_grad()
-def round_stochastic(value: torch.Tensor, out: torch.Tensor, key: int) -> None:
-    """Write FP32 ``value`` into BF16 ``out`` with stochastic rounding keyed by ``key`` (NaN -> NaN)."""
+def round_stochastic(value: torch.Tensor, out: torch.Tensor, key: int, low: bool = False) -> None:
+    """Write FP32 ``value`` into BF16 ``out`` with stochastic rounding keyed by ``key`` (NaN -> NaN):
+    the random bits are the high 16 bits of each element's hash, or the low 16 with ``low``."""
     bits = value.detach().contiguous().view(torch.int32).reshape(-1)
+    h = _hash(key, bits.numel(), bits.device)
+    random = h & 0xFFFF if low else _shr(h, 16)
     # bits + r < 2**32 as unsigned for every non-NaN float (r < 2**16): no wrap; the high half is the result
-    rounded = (bits + _random_bits(key, bits.numel(), bits.device)) >> 16
+    rounded = (bits + random) >> 16
     nan = torch.isnan(value.reshape(-1))
     rounded = torch.where(nan, torch.full_like(rounded, 0x7FC0), rounded)
     out.view(torch.int16).copy_(rounded.to(torch.int16).view(out.shape))  # int32 -> int16 keeps the low 16 bits

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from amp_plugin import DynamicLossScaler, MasterWeightOptimizer
-from amp_plugin.master_weights import SRGenerator, round_stochastic, state_key
+from amp_plugin.master_weights import SRGenerator, round_stochastic, state_key, state_low_bits
 
 BF16 = torch.bfloat16
 
@@ -92,7 +92,7 @@ def round_state(opt_ref, params, generator, rounding):
             if torch.is_tensor(value) and value.dim() > 0 and value.shape == p.shape and value.is_floating_point():
                 out = torch.empty(value.shape, dtype=BF16)
                 if rounding == "stochastic":
-                    round_stochastic(value, out, state_key(keys[i], name))
+                    round_stochastic(value, out, state_key(keys[i], name), low=state_low_bits(name))
                 else:
                     out.copy_(value)
                 value.copy_(out)
