@@ -32,6 +32,21 @@ def _stream_handlers() -> list[logging.StreamHandler]:
     return found
 
 
+def _point(handler: logging.StreamHandler, stream: IO[str], away_from: IO[str] | None = None) -> None:
+    """Point a console handler at ``stream``. Unlike ``setStream``, without flushing its old stream
+    (a file this module closed since), and where a library bound the handler's ``flush`` to the
+    stream it was made with (``transformers`` binds ``sys.stderr.flush``, which is the log while a
+    block runs) and that stream is ``away_from``, that binding follows ``stream``."""
+    handler.acquire()
+    try:
+        handler.stream = stream
+        bound = handler.__dict__.get("flush")
+        if away_from is not None and getattr(bound, "__self__", None) is away_from:
+            handler.flush = stream.flush  # type: ignore[method-assign]
+    finally:
+        handler.release()
+
+
 @contextmanager
 def output_to(log: IO[str]) -> Iterator[None]:
     """Send everything written to standard output and standard error to ``log`` (an open text
@@ -48,17 +63,17 @@ def output_to(log: IO[str]) -> Iterator[None]:
         os.dup2(log.fileno(), fd)
     handlers = [(h, h.stream) for h in _stream_handlers()]
     for handler, _ in handlers:
-        handler.setStream(log)
+        _point(handler, log)
     try:
         with redirect_stdout(log), redirect_stderr(log):
             yield
     finally:
         log.flush()
         for handler, stream in handlers:
-            handler.setStream(stream)
+            _point(handler, stream, away_from=log)
         for handler in _stream_handlers():  # made inside the block (an import): it took the log for stderr
             if handler.stream is log:
-                handler.setStream(stderr)
+                _point(handler, stderr, away_from=log)
         for fd, copy in saved:
             os.dup2(copy, fd)
             os.close(copy)
