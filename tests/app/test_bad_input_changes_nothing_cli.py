@@ -194,8 +194,14 @@ class HoldDirectory(pl.Callback):
             "print('held', flush=True); time.sleep(120)"
         )
         clean = {k: v for k, v in os.environ.items() if not k.startswith("AMP_PLUGIN_RUN_DIR")}
+        # stderr not inherited: the sweep's captured stderr would stay open (and the test wait) until it exits
         proc = subprocess.Popen(
-            [sys.executable, "-c", code, str(self.directory)], cwd=ROOT, env=clean, stdout=subprocess.PIPE, text=True
+            [sys.executable, "-c", code, str(self.directory)],
+            cwd=ROOT,
+            env=clean,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
         )
         assert proc.stdout is not None and proc.stdout.readline().strip() == "held"
         self.pid_file.write_text(str(proc.pid))
