@@ -31,26 +31,11 @@ from typing import Any, cast
 import torch
 
 from amp_plugin.fused import counted_as_build
-from amp_plugin.master_weights._stochastic import INDEX_MULTIPLIER, MIX1, MIX2, as_int32
+from amp_plugin.master_weights._stochastic import as_int32, element_hash, shr32
 
 __all__ = ["available", "join", "keys_tensor", "prepare", "store"]
 
-_M, _X1, _X2 = as_int32(INDEX_MULTIPLIER), as_int32(MIX1), as_int32(MIX2)
 T = torch.Tensor
-
-
-def _shr(h: torch.Tensor, n: int) -> torch.Tensor:
-    return (h >> n) & ((1 << (32 - n)) - 1)
-
-
-def _hash(numel: int, key: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Each element's 32-bit hash (int32 bits), as ``_stochastic._hash``."""
-    h = torch.arange(numel, dtype=torch.int32, device=device) * _M + key
-    h = h ^ _shr(h, 16)
-    h = h * _X1
-    h = h ^ _shr(h, 13)
-    h = h * _X2
-    return h ^ _shr(h, 16)
 
 
 def _rounded_stochastically(value: torch.Tensor, random: torch.Tensor) -> torch.Tensor:
@@ -60,7 +45,13 @@ def _rounded_stochastically(value: torch.Tensor, random: torch.Tensor) -> torch.
 
 
 def _high(h: torch.Tensor) -> torch.Tensor:
-    return _shr(h, 16)
+    return shr32(h, 16)
+
+
+def _round_weight(value: T, weight: T, key: T) -> None:
+    """``master="stochastic"``: the weight rounded with the high 16 bits of each element's hash."""
+    random = _high(element_hash(value.numel(), key, value.device))
+    weight.view(torch.int16).copy_(_rounded_stochastically(value, random))
 
 
 def _join(weight: T, remainder: T) -> T:
@@ -86,7 +77,7 @@ def _split_weight(value: torch.Tensor, weight: torch.Tensor, remainder: torch.Te
     """bf16_split: the weight rounded to nearest (ties away from zero), and the exact remainder."""
     bits = value.view(torch.int32)
     low = bits & 0xFFFF
-    weight.view(torch.int16).copy_((_shr(bits, 16) + _shr(low, 15)).to(torch.int16))
+    weight.view(torch.int16).copy_((shr32(bits, 16) + shr32(low, 15)).to(torch.int16))
     remainder.copy_(low.to(torch.int16))
 
 
@@ -94,7 +85,7 @@ def _round_moments(
     m32: torch.Tensor, v32: torch.Tensor, m16: torch.Tensor, v16: torch.Tensor, keys: torch.Tensor, sr: bool
 ) -> None:
     if sr:  # one hash for both: exp_avg takes its high 16 bits, exp_avg_sq its low 16
-        h = _hash(m32.numel(), keys[1], m32.device)
+        h = element_hash(m32.numel(), keys[1], m32.device)
         m16.view(torch.int16).copy_(_rounded_stochastically(m32, _high(h)))
         v16.view(torch.int16).copy_(_rounded_stochastically(v32, h & 0xFFFF))
     else:
@@ -114,11 +105,11 @@ def _split_moments(value: T, weight: T, remainder: T, keys: T, m32: T, v32: T, m
 
 
 def _rounded(value: T, weight: T, remainder: None, keys: T) -> None:
-    weight.view(torch.int16).copy_(_rounded_stochastically(value, _high(_hash(value.numel(), keys[0], value.device))))
+    _round_weight(value, weight, keys[0])
 
 
 def _rounded_moments(value: T, weight: T, remainder: None, keys: T, m32: T, v32: T, m16: T, v16: T, sr: bool) -> None:
-    weight.view(torch.int16).copy_(_rounded_stochastically(value, _high(_hash(value.numel(), keys[0], value.device))))
+    _round_weight(value, weight, keys[0])
     _round_moments(m32, v32, m16, v16, keys, sr)
 
 

@@ -42,6 +42,7 @@ __all__ = [
     "state_key",
     "state_low_bits",
 ]
+# element_hash, shr32 and as_int32 are the compiled step's (_compiled.py), not the package's API
 
 _MASK32 = 0xFFFFFFFF
 INDEX_MULTIPLIER = 0x9E3779B1
@@ -137,22 +138,24 @@ def as_int32(c: int) -> int:
     return c - (1 << 32) if c >= (1 << 31) else c
 
 
-def _shr(h: torch.Tensor, n: int) -> torch.Tensor:
+def shr32(h: torch.Tensor, n: int) -> torch.Tensor:
     """A logical right shift of int32 ``h`` (torch's ``>>`` on int32 is arithmetic)."""
     return (h >> n) & ((1 << (32 - n)) - 1)
 
 
-def _hash(key: int, numel: int, device: torch.device) -> torch.Tensor:
-    """The 32-bit hash of each element (int32 bits), as the kernel's ``sr_hash``.
+def element_hash(numel: int, key: int | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The 32-bit hash of each element (int32 bits), as the kernel's ``sr_hash``; ``key`` an int, or
+    an int32 tensor (the compiled step passes it so, to compile once for every key).
 
     In int32 arithmetic, whose products and sums wrap modulo 2**32 on every torch backend, as the
     kernel's uint32 ones do: the same bits, in a fraction of the time int64 arithmetic takes."""
-    h = torch.arange(numel, dtype=torch.int32, device=device) * as_int32(INDEX_MULTIPLIER) + as_int32(key & _MASK32)
-    h = h ^ _shr(h, 16)
+    k = as_int32(key & _MASK32) if isinstance(key, int) else key
+    h = torch.arange(numel, dtype=torch.int32, device=device) * as_int32(INDEX_MULTIPLIER) + k
+    h = h ^ shr32(h, 16)
     h = h * as_int32(MIX1)
-    h = h ^ _shr(h, 13)
+    h = h ^ shr32(h, 13)
     h = h * as_int32(MIX2)
-    return h ^ _shr(h, 16)
+    return h ^ shr32(h, 16)
 
 
 @torch.no_grad()
@@ -160,8 +163,8 @@ def round_stochastic(value: torch.Tensor, out: torch.Tensor, key: int, low: bool
     """Write FP32 ``value`` into BF16 ``out`` with stochastic rounding keyed by ``key`` (NaN -> NaN):
     the random bits are the high 16 bits of each element's hash, or the low 16 with ``low``."""
     bits = value.detach().contiguous().view(torch.int32).reshape(-1)
-    h = _hash(key, bits.numel(), bits.device)
-    random = h & 0xFFFF if low else _shr(h, 16)
+    h = element_hash(bits.numel(), key, bits.device)
+    random = h & 0xFFFF if low else shr32(h, 16)
     # bits + r < 2**32 as unsigned for every non-NaN float (r < 2**16): no wrap; the high half is the result
     rounded = (bits + random) >> 16
     nan = torch.isnan(value.reshape(-1))
