@@ -10,10 +10,8 @@ CPU time, which the other jobs on a shared machine disturb less):
              unscale_ (the inf check), step, update. On the CPU this runs amp_plugin's fused
              kernels: a read-only inf check over the FP16 grads, then one Adam pass that reads
              the FP16 grad times 1/scale, updates master and moments and writes the FP16 weight.
-             Built as MixedPrecisionPlugin builds it (``unscaled_model_grads=False``).
-- ours, unscaled grads shown in the model: the same with ``unscaled_model_grads=True`` (the
-             wrapper's default, for torch's AMP recipe): ``unscale_`` also writes the FP32 master
-             grads and the unscaled FP16 grads into the model, which the step then reads.
+             Built as the plugin builds it (``unscaled_model_grads=False``); with ``True`` (torch's
+             AMP recipe) ``unscale_`` also writes FP32 master grads and shows them in the model.
 - ours, torch multi-tensor (fused="torch"): the CUDA path on CPU tensors: multi-tensor copy
              and unscale into transient FP32 grads, torch's fused AdamW, multi-tensor copy back.
 - ours, stock torch ops (fused=False): the same copy and unscale, then AdamW's own step().
@@ -28,7 +26,7 @@ CPU time, which the other jobs on a shared machine disturb less):
 - lightning: Lightning `16-mixed`'s path: torch.amp.GradScaler + default AdamW (foreach) on
              N FP32 params: unscale_, step, update.
 
-Paths that make FP32 gradients each step (all but "ours") allocate them anew: on the CPU,
+Paths that make FP32 gradients each step allocate them anew: on the CPU,
 glibc returns big freed blocks to the kernel, so each step faults their pages in again (as it
 does for AdamW(foreach=True)'s own temporaries); ``MALLOC_MMAP_THRESHOLD_`` and
 ``MALLOC_TRIM_THRESHOLD_`` set high keep them in the process instead.
