@@ -26,10 +26,9 @@ CPU time, which the other jobs on a shared machine disturb less):
 - lightning: Lightning `16-mixed`'s path: torch.amp.GradScaler + default AdamW (foreach) on
              N FP32 params: unscale_, step, update.
 
-Paths that make FP32 gradients each step allocate them anew: on the CPU,
-glibc returns big freed blocks to the kernel, so each step faults their pages in again (as it
-does for AdamW(foreach=True)'s own temporaries); ``MALLOC_MMAP_THRESHOLD_`` and
-``MALLOC_TRIM_THRESHOLD_`` set high keep them in the process instead.
+Paths that make FP32 gradients each step allocate them anew: on the CPU, glibc returns big freed
+blocks to the kernel, so each step faults their pages in again (as for AdamW(foreach=True)'s own
+temporaries); ``MALLOC_MMAP_THRESHOLD_`` and ``MALLOC_TRIM_THRESHOLD_`` set high keep them instead.
 
 ``--mix``: the parameters as a transformer holds them (per block: attention and MLP
 matrices, their biases, two norms), not ``--chunks`` equal tensors.
