@@ -99,18 +99,7 @@ def torch_adam_step(
         exp_avg_sqs = [s["exp_avg_sq"] for s in states]
         low = [j for j, m in enumerate(exp_avgs) if m.dtype is not torch.float32]
         if compiled:
-            for j, i in enumerate(indices):
-                if i is None or not (lean or exp_avgs[j].dtype is not torch.float32):
-                    continue
-                weight = remainder = None
-                if lean:
-                    weight, remainder = cast("list", models)[i], cast("list", records)[i].remainder
-                moments = (exp_avgs[j], exp_avg_sqs[j]) if exp_avgs[j].dtype is not torch.float32 else None
-                value, m32, v32 = _compiled.prepare(weight, remainder, moments)
-                if value is not None:
-                    values[j] = value
-                if m32 is not None:
-                    exp_avgs[j], exp_avg_sqs[j] = m32, cast("torch.Tensor", v32)
+            _compiled_prepares(values, indices, exp_avgs, exp_avg_sqs, params, lean, models, records)
         for j in low if not compiled else ():  # BF16 moments: computed in FP32, rounded once when stored
             exp_avgs[j] = exp_avgs[j].float()
             exp_avg_sqs[j] = exp_avg_sqs[j].float()
@@ -174,6 +163,48 @@ def torch_adam_step(
                     kind.store(cast("list", models)[i], cast("list", records)[i], value, cast("list", keys)[i])
 
 
+def _compiled_targets(
+    params: list[torch.Tensor], indices: list[int | None], exp_avgs: list[torch.Tensor], lean: bool
+) -> dict[torch.device, list[int]]:
+    """The positions whose bits :mod:`_compiled` handles (a lean kind's weights, or BF16 moments), by device."""
+    by_device: dict[torch.device, list[int]] = {}
+    for j, i in enumerate(indices):
+        if i is not None and (lean or exp_avgs[j].dtype is not torch.float32):
+            by_device.setdefault(params[j].device, []).append(j)
+    return by_device
+
+
+def _compiled_prepares(
+    values: list[Any],
+    indices: list[int | None],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    params: list[torch.Tensor],
+    lean: bool,
+    models: list[torch.Tensor] | None,
+    records: list[Record] | None,
+) -> None:
+    """The FP32 values and moments of the step, through :func:`_compiled.prepare`: in place of the
+    entries of ``values``, ``exp_avgs`` and ``exp_avg_sqs`` at the positions it handles."""
+    for js in _compiled_targets(params, indices, exp_avgs, lean).values():
+        ii = [cast("int", indices[j]) for j in js]
+        weights = remainders = None
+        if lean:
+            weights = [cast("list", models)[i] for i in ii]
+            remainders = [cast("list", records)[i].remainder for i in ii]
+            if remainders[0] is None:
+                remainders = None
+        moments = None
+        if exp_avgs[js[0]].dtype is not torch.float32:
+            moments = ([exp_avgs[j] for j in js], [exp_avg_sqs[j] for j in js])
+        new_values, m32s, v32s = _compiled.prepare(weights, remainders, moments)
+        for n, j in enumerate(js):
+            if new_values is not None:
+                values[j] = new_values[n]
+            if m32s is not None:
+                exp_avgs[j], exp_avg_sqs[j] = m32s[n], cast("list", v32s)[n]
+
+
 def _compiled_stores(
     params: list[torch.Tensor],
     values: list[torch.Tensor],
@@ -188,23 +219,25 @@ def _compiled_stores(
     keys: list[int] | None,
     sr_moments: bool,
 ) -> None:
-    """What the torch ops above store, through :func:`_compiled.store`: one pass per tensor."""
+    """What the torch ops above store, through :func:`_compiled.store`: one pass per tensor, a batch of
+    tensors per call."""
     low_set = set(low)
-    stored = [j for j, i in enumerate(indices) if i is not None and (lean or j in low_set)]
-    if not stored:
-        return
     all_keys = cast("list[int]", keys)
-    rows = [(all_keys[i], moments_key(all_keys[i])) for i in (cast("int", indices[j]) for j in stored)]
-    by_device: dict[torch.device, torch.Tensor] = {}
-    for row, j in enumerate(stored):
-        i = cast("int", indices[j])
-        device = params[j].device
-        if device not in by_device:
-            by_device[device] = _compiled.keys_tensor(rows, device)
-        weight = remainder = None
+    for device, js in _compiled_targets(params, indices, [s["exp_avg"] for s in states], lean).items():
+        ii = [cast("int", indices[j]) for j in js]
+        weights = remainders = None
         if lean:
-            weight, remainder = cast("list", models)[i], cast("list", records)[i].remainder
+            weights = [cast("list", models)[i] for i in ii]
+            remainders = [cast("list", records)[i].remainder for i in ii]
+            if remainders[0] is None:
+                remainders = None
         moments = None
-        if j in low_set:
-            moments = (exp_avgs[j], exp_avg_sqs[j], states[j]["exp_avg"], states[j]["exp_avg_sq"])
-        _compiled.store(values[j], weight, remainder, moments, by_device[device][row], sr_moments)
+        if js[0] in low_set:
+            moments = (
+                [exp_avgs[j] for j in js],
+                [exp_avg_sqs[j] for j in js],
+                [states[j]["exp_avg"] for j in js],
+                [states[j]["exp_avg_sq"] for j in js],
+            )
+        keys_t = _compiled.keys_tensor([(all_keys[i], moments_key(all_keys[i])) for i in ii], device)
+        _compiled.store([values[j] for j in js], weights, remainders, moments, keys_t, sr_moments)

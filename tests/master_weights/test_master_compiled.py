@@ -10,12 +10,14 @@ import pytest
 import torch
 
 from amp_plugin import DynamicLossScaler, MasterWeightOptimizer
-from amp_plugin.master_weights import FrozenMomentWarning, _compiled
+from amp_plugin.master_weights import FrozenMomentWarning, _compiled, _split
 from amp_plugin.master_weights._kernels import StepCall, choose
 from amp_plugin.master_weights._step import step_kernels
 
 BF16 = torch.bfloat16
-SIZES = (1, 7, 1000, 70001)  # one element (Dynamo specializes it), a vector tail, past 2**16 for the hash
+# one element (Dynamo specializes it), a vector tail, past 2**16 for the hash; seven tensors: batches of 4, 2 and 1
+SIZES = (1, 7, 1000, 70001, 3, 33, 129)
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
 
 
 def bits(t):
@@ -24,9 +26,9 @@ def bits(t):
     return t.view(torch.int32) if t.dtype is torch.float32 else t
 
 
-def train(fused, master, moments, rounding, steps=4):
+def train(fused, master, moments, rounding, steps=4, device="cpu"):
     torch.manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(n).to(BF16)) for n in SIZES]
+    params = [torch.nn.Parameter(torch.randn(n).to(device, BF16)) for n in SIZES]
     seeded = master == "stochastic" or (moments is BF16 and rounding == "stochastic")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FrozenMomentWarning)
@@ -42,14 +44,14 @@ def train(fused, master, moments, rounding, steps=4):
     gen = torch.Generator().manual_seed(1)
     for _ in range(steps):
         for p in params:
-            p.grad = (torch.randn(p.shape, generator=gen) * 2.0**10).to(BF16)
+            p.grad = (torch.randn(p.shape, generator=gen) * 2.0**10).to(device, BF16)
         scaler.unscale_(opt)
         scaler.step(opt)
         scaler.update()
     state = opt.state_dict()
-    tensors = [bits(p.detach()) for p in params]
-    tensors += [bits(r.remainder) for r in opt._records if r.remainder is not None]
-    tensors += [bits(s[k]) for s in state["state"].values() for k in ("exp_avg", "exp_avg_sq")]
+    tensors = [bits(p.detach().cpu()) for p in params]
+    tensors += [bits(r.remainder.cpu()) for r in opt._records if r.remainder is not None]
+    tensors += [bits(s[k].cpu()) for s in state["state"].values() for k in ("exp_avg", "exp_avg_sq")]
     return tensors, opt
 
 
@@ -69,6 +71,47 @@ def test_the_compiled_stores_give_the_bits_of_every_other_path(master, moments, 
         assert len(expected) == len(compiled)
         for a, b in zip(compiled, expected):
             assert torch.equal(a, b), (other, a.shape)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("master", ["bf16_split", "stochastic"])
+def test_on_each_device_the_compiled_step_gives_the_torch_ops_bits(device, master):
+    """Off the CPU the compiled step is what ``fused=None`` runs: the torch-ops path on the same device is
+    its reference (the CPU's kernel has other Adam bits than CUDA's); ``bf16_split`` also against FP32 masters."""
+    compiled, _ = train("compiled", master, BF16, "stochastic", device=device)
+    expected, _ = train("torch", master, BF16, "stochastic", device=device)
+    for a, b in zip(compiled, expected, strict=True):
+        assert torch.equal(a, b), a.shape
+    if master == "bf16_split":  # the masters and FP32 moments of torch's fused AdamW on FP32 masters
+        split, split_opt = train("compiled", master, None, "stochastic", device=device)
+        fp32, fp32_opt = train("torch", "fp32", None, "stochastic", device=device)
+        for a, b in zip(split_opt.fp32_masters(), fp32_opt.fp32_masters(), strict=True):
+            assert torch.equal(bits(a.cpu()), bits(b.cpu())), a.shape
+        n = len(SIZES)
+        assert all(torch.equal(a, b) for a, b in zip(split[2 * n :], fp32[n:], strict=True))
+
+
+def test_a_batch_that_fails_to_compile_runs_the_same_functions_uncompiled(monkeypatch):
+    expected, _ = train("torch", "bf16_split", BF16, "stochastic", steps=2)
+    assert _compiled.available(torch.device("cpu"), True)
+
+    def broken(name):
+        raise RuntimeError("out of registers")
+
+    monkeypatch.setattr(_compiled, "_fn", broken)
+    monkeypatch.setitem(_compiled._state, "eager", False)
+    with pytest.warns(RuntimeWarning, match="failed on a batch of the lean step .*out of registers.*uncompiled"):
+        got, _ = train("compiled", "bf16_split", BF16, "stochastic", steps=2)
+    assert _compiled._state["eager"]
+    for a, b in zip(got, expected, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_batches_cut_a_group_largest_first():
+    assert [(s.start, s.stop) for s in _compiled.batches(22)] == [(0, 16), (16, 20), (20, 21), (21, 22)]
+    assert [s.stop - s.start for s in _compiled.batches(78)] == [16] * 4 + [4] * 3 + [1] * 2
+    assert list(_compiled.batches(0)) == []
 
 
 def test_on_the_cpu_only_fused_compiled_selects_it():
@@ -111,3 +154,20 @@ def test_fused_compiled_is_refused_where_torch_is():
         MasterWeightOptimizer(torch.optim.SGD(params, lr=0.1), fused="compiled")
     with pytest.raises(TypeError, match="fused='yes' is not allowed.*'compiled'"):
         MasterWeightOptimizer(torch.optim.AdamW(params), fused="yes")
+
+
+@pytest.mark.slow
+def test_a_batch_compiles_once_whatever_sizes_happen_to_be_equal():
+    """Each size its own symbol: a model's batches differ in which sizes are equal, and must not recompile."""
+    from torch._dynamo.utils import counters
+
+    assert _compiled.available(torch.device("cpu"), True)
+    before = counters["stats"]["unique_graphs"]
+    for sizes in ([5, 5, 5, 5], [5, 6, 7, 8], [9, 9, 8, 8], [4, 3, 4, 3], [2, 2, 2, 3]):
+        weights = [torch.randn(n).to(BF16) for n in sizes]
+        remainders = [torch.randint(-(2**15), 2**15, (n,), dtype=torch.int16) for n in sizes]
+        (values,) = _compiled.prepare(weights, remainders, None)[:1]
+        for w, r, v in zip(weights, remainders, values, strict=True):
+            assert torch.equal(v, _split.join(w, r))
+    # the join over batches of 4 compiled once (or before, by another test); with duck shapes, once per pattern
+    assert counters["stats"]["unique_graphs"] - before <= 1
