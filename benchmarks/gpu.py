@@ -199,6 +199,24 @@ def summarize(runs: list[dict[str, Any]], error: str | None, rounds: int, budget
     }
 
 
+def recipes_of_checkout(root: Path) -> None:
+    """Make ``amp_plugin.recipes`` importable from a checkout that is not installed (an install maps
+    ``recipes/`` to it; a GPU machine runs the checkout as it is)."""
+    import importlib.util
+
+    try:
+        import amp_plugin.recipes  # noqa: F401
+    except ModuleNotFoundError:
+        init = root / "recipes" / "__init__.py"
+        spec = importlib.util.spec_from_file_location(
+            "amp_plugin.recipes", init, submodule_search_locations=[str(init.parent)]
+        )
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["amp_plugin.recipes"] = module
+        spec.loader.exec_module(module)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch-size", type=int, default=64)
@@ -242,6 +260,7 @@ def main() -> int:
     for logger in ("pytorch_lightning", "lightning.pytorch", "lightning_fabric", "lightning.fabric"):
         logging.getLogger(logger).setLevel(logging.WARNING)  # no per-Trainer banners between rows
 
+    recipes_of_checkout(Path(__file__).resolve().parents[1])
     from amp_plugin.recipes.char_gpt import CharGPTRecipe
 
     configs = trainer_configs()

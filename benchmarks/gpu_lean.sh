@@ -1,20 +1,25 @@
 #!/usr/bin/env bash
-# The lean presets' GPU check, one command on a CUDA machine (about 7 minutes on an H200):
+# The lean presets' GPU check, one command on a CUDA machine:
 #
-#     bash benchmarks/gpu_lean.sh [OUT_DIR]      # logs: OUT_DIR/{tests,step,step_mix,step_mix_combo,gpu}.txt
+#     bash benchmarks/gpu_lean.sh [OUT_DIR [PART ...]]     # logs: OUT_DIR/PART.txt
 #
-# 1. tests: the compiled lean step's bits against the torch-ops path on the GPU (and the other
-#    CUDA-only tests);
-# 2. step: bench_step.py --device cuda, 64M parameters in 16 equal tensors (memory-bound), then a
-#    transformer's mix of 60 tensors (more launches per byte), the second time also with Inductor's
-#    combo kernels (TORCHINDUCTOR_COMBO_KERNELS=1: a batch of tensors in one launch);
-# 3. gpu: gpu.py, tokens/s and peak memory of ours bf16, bf16_lean and bf16_sr against Lightning's
-#    bf16-mixed on char_gpt (19M parameters).
+# Parts (default: tests gpu step, about 7 minutes on an H200; each has its own time limit):
+#   tests     the compiled lean step's bits against the torch-ops path on the GPU, bf16_split's
+#             masters against FP32 masters there, and the other CUDA-only tests (2 min)
+#   gpu       gpu.py: tokens/s and peak memory of ours bf16, bf16_lean and bf16_sr against
+#             Lightning's bf16-mixed on char_gpt (19M parameters, 78 tensors) (4 min)
+#   step      bench_step.py --device cuda: every step path against fused FP32 AdamW, 16M
+#             parameters in 16 tensors (2 min)
+#   mix       the same over a transformer's mix of 60 tensors, 64M parameters (2.5 min)
+#   combo     mix with Inductor's combo kernels (TORCHINDUCTOR_COMBO_KERNELS=1: a batch of
+#             tensors in one launch) (2.5 min)
 #
-# Each part has its own time limit; a failing part is reported and the others still run; the
-# script exits 1 if any part failed. Needs torch with CUDA, pytest and Lightning; no install.
+# A failing part is reported and the others still run; the script exits 1 if any failed.
+# Needs torch with CUDA, pytest and Lightning; runs the checkout as it is (no install).
 set -u
 out=${1:-gpu_lean_out}
+shift $(($# > 0 ? 1 : 0))
+parts=${*:-tests gpu step}
 mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 status=0
@@ -31,11 +36,18 @@ part() {
 }
 nvidia-smi -L
 python3 -c "import torch, lightning; print('torch', torch.__version__, 'CUDA', torch.version.cuda, 'Lightning', lightning.__version__)"
-part tests 120 python3 -m pytest -q -p no:cacheprovider -k cuda \
-    tests/master_weights/test_master_compiled.py tests/lightning/test_loss_scale_monitor.py
-part step 100 python3 benchmarks/bench_step.py --device cuda --params 64 --chunks 16 --repeats 15
-part step_mix 70 python3 benchmarks/bench_step.py --device cuda --params 64 --mix --repeats 15
-part step_mix_combo 70 env TORCHINDUCTOR_COMBO_KERNELS=1 python3 benchmarks/bench_step.py --device cuda --params 64 --mix --repeats 15
-part gpu 200 python3 benchmarks/gpu.py --warmup 15 --steps 100 --rounds 3 --budget-s 130 \
-    --configs "ours bf16" "ours bf16_lean" "ours bf16_sr" "Lightning bf16-mixed"
+for name in $parts; do
+    case $name in
+    tests) # AMP_PLUGIN_FUSED=0: no build of the CPU kernels, which these tests do not run
+        part tests 120 env AMP_PLUGIN_FUSED=0 python3 -m pytest -q -p no:cacheprovider -k cuda \
+            tests/master_weights/test_master_compiled.py tests/lightning/test_loss_scale_monitor.py ;;
+    gpu) part gpu 240 python3 benchmarks/gpu.py --warmup 15 --steps 100 --rounds 3 --budget-s 170 \
+        --configs "ours bf16" "ours bf16_lean" "ours bf16_sr" "Lightning bf16-mixed" ;;
+    step) part step 120 python3 benchmarks/bench_step.py --device cuda --params 16 --chunks 16 --repeats 15 ;;
+    mix) part mix 150 python3 benchmarks/bench_step.py --device cuda --params 64 --mix --repeats 15 ;;
+    combo) part combo 150 env TORCHINDUCTOR_COMBO_KERNELS=1 \
+        python3 benchmarks/bench_step.py --device cuda --params 64 --mix --repeats 15 ;;
+    *) echo "unknown part $name: choose from tests gpu step mix combo" >&2; exit 2 ;;
+    esac
+done
 exit $status

@@ -289,8 +289,13 @@ def store(
 
 def keys_tensor(keys: list[tuple[int, int]], device: torch.device) -> torch.Tensor:
     """The (weight, moments) rounding keys of each tensor, as one int32 tensor on ``device`` (one
-    copy to the device per step): row ``i`` holds tensor ``i``'s, for :func:`store`."""
-    return torch.tensor([[as_int32(k & 0xFFFFFFFF) for k in row] for row in keys], dtype=torch.int32, device=device)
+    copy to the device per step): row ``i`` holds tensor ``i``'s, for :func:`store`. To a CUDA
+    device from pinned memory, asynchronously: a copy from pageable memory would wait for the
+    work queued before it (the Adam step) and hold the host back."""
+    rows = torch.tensor([[as_int32(k & 0xFFFFFFFF) for k in row] for row in keys], dtype=torch.int32)
+    if device.type == "cuda":
+        return rows.pin_memory().to(device, non_blocking=True)
+    return rows.to(device)
 
 
 def available(device: torch.device, strict: bool) -> bool:

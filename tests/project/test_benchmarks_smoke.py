@@ -192,6 +192,17 @@ def test_gpu_script_declines_politely_without_a_gpu():
     assert "needs a CUDA device" in out and "nothing to measure" in out
 
 
+def test_gpu_script_finds_the_recipes_in_a_checkout_that_is_not_installed():
+    """A GPU machine runs the checkout as it is: ``recipes/`` is ``amp_plugin.recipes`` only once installed."""
+    code = (
+        "import sys; sys.modules['amp_plugin.recipes'] = None; "  # as where no install maps recipes/
+        f"sys.path.insert(0, {str(BENCH)!r}); import gpu; gpu.recipes_of_checkout(gpu.Path({str(ROOT)!r})); "
+        "from amp_plugin.recipes.char_gpt import CharGPTRecipe; print(CharGPTRecipe.__module__)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "amp_plugin.recipes.char_gpt"
+
+
 @pytest.mark.slow
 def test_gpu_script_runs_its_code_path_on_cpu():
     out = run(
