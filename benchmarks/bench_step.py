@@ -358,8 +358,7 @@ def main() -> None:
     # Ours, ideally: an inf check reading the half grad (2), then one pass that reads the half
     # grad (2), master, m, v (4 each) and writes master, m, v (4 each) and the half weight (2).
     ideal_ours_bytes = (2 + 2 + 4 * 3 + 4 * 3 + 2) * numel
-    # bf16_lean: the inf check (2), then grad (2), weight and remainder (2 + 2), BF16 moments
-    # (2 + 2) read, and weight, remainder and moments written (2 each).
+    # bf16_lean: the inf check (2), then grad, weight, remainder, BF16 moments read and written (2 each).
     ideal_lean_bytes = (2 + 2 + 2 * 4 + 2 * 4) * numel
     bw = copy_bandwidth(numel, device)
 
@@ -375,7 +374,7 @@ def main() -> None:
     )
     print("| path | ms/step | vs floor | CPU ms/step | CPU vs floor |")
     print("|---|---:|---:|---:|---:|")
-    ms = ".1f" if device == "cpu" else ".3f"  # a GPU step takes a fraction of a millisecond
+    ms = ".1f" if device == "cpu" else ".3f"  # a GPU step: a fraction of a millisecond
     for name, t in medians.items():
         c = cpu_medians[name]
         print(f"| {name} | {t * 1e3:{ms}} | {t / base:.2f}x | {c * 1e3:{ms}} | {c / cpu_base:.2f}x |")

@@ -7,8 +7,10 @@ BF16 weight and its int16 remainder into the FP32 value before the step and spli
 rounded (stochastically: a hash per element) into their tensors. With torch ops that is some
 forty elementwise passes per parameter tensor; a GPU pays as many launches.
 
-Here they are two passes, compiled once with dynamic shapes (Inductor emits one Triton kernel
-per tensor and pass on CUDA, C++ on the CPU): :func:`prepare` (weight + remainder -> FP32, BF16
+Here they are two passes, compiled once with dynamic shapes (on the CPU Inductor fuses a batch's
+tensors into one C++ loop nest; on CUDA it emits one Triton kernel per tensor and pass, each
+launched from Python, about 40 us of host time apiece on an H200's host, which bounds the step
+there): :func:`prepare` (weight + remainder -> FP32, BF16
 moments -> FP32) and :func:`store` (the stepped FP32 value into the weight, its remainder, and
 the BF16 moments). Each call of a compiled function takes a batch of tensors (16, 4 or 1 of
 them: a group of 78 tensors is 9 calls, and each function compiles for at most 3 lengths), so
