@@ -13,6 +13,8 @@
 #   mix       the same over a transformer's mix of 60 tensors, 64M parameters (2.5 min)
 #   combo     mix with Inductor's combo kernels (TORCHINDUCTOR_COMBO_KERNELS=1: a batch of
 #             tensors in one launch) (2.5 min)
+#   profile   one round of bf16_lean and bf16_sr in gpu.py with torch.profiler tables (host and
+#             device time by operator): where a lean training step's time goes (2 min)
 #
 # A failing part is reported and the others still run; the script exits 1 if any failed.
 # Needs torch with CUDA, pytest and Lightning; runs the checkout as it is (no install).
@@ -47,7 +49,9 @@ for name in $parts; do
     mix) part mix 150 python3 benchmarks/bench_step.py --device cuda --params 64 --mix --repeats 15 ;;
     combo) part combo 150 env TORCHINDUCTOR_COMBO_KERNELS=1 \
         python3 benchmarks/bench_step.py --device cuda --params 64 --mix --repeats 15 ;;
-    *) echo "unknown part $name: choose from tests gpu step mix combo" >&2; exit 2 ;;
+    profile) part profile 150 python3 benchmarks/gpu.py --warmup 15 --steps 100 --rounds 1 --budget-s 60 \
+        --configs "ours bf16_lean" "ours bf16_sr" --profile "ours bf16_lean" "ours bf16_sr" ;;
+    *) echo "unknown part $name: choose from tests gpu step mix combo profile" >&2; exit 2 ;;
     esac
 done
 exit $status
