@@ -186,22 +186,38 @@ def _fn(name: str) -> Any:
     return _compiled[name]
 
 
-def batches(n: int) -> Iterator[slice]:
-    """``range(n)`` cut into batches of :data:`BATCH_SIZES` elements, largest first."""
-    start = 0
+def batches(n: int, start: int = 0) -> Iterator[slice]:
+    """``range(start, n)`` cut into batches of :data:`BATCH_SIZES` elements, largest first."""
     for size in BATCH_SIZES:
         while n - start >= size:
             yield slice(start, start + size)
             start += size
 
 
+def size_class(t: torch.Tensor) -> int:
+    """0, 1, or 2 for two elements or more: Dynamo compiles a size of 0 or 1 as a constant, so a
+    batch holds tensors of one class (callers order their tensors by it: one batch pattern each)."""
+    return min(t.numel(), 2)
+
+
+def _runs(tensors: Sequence[torch.Tensor]) -> Iterator[slice]:
+    """Batches over ``tensors``, never mixing size classes (:func:`size_class`)."""
+    start = 0
+    while start < len(tensors):
+        cls = size_class(tensors[start])
+        end = start + 1
+        while end < len(tensors) and size_class(tensors[end]) == cls:
+            end += 1
+        yield from batches(end, start)
+        start = end
+
+
 def _run(name: str, lists: Sequence[L | None], *rest: Any) -> list[Any]:
     """``_FUNCTIONS[name]`` over ``lists`` (``None``: absent) batch by batch, compiled; a batch that
     fails to compile runs uncompiled (the same torch ops), said once. ``rest[0]``, if any, is the
     keys tensor, cut with the lists; the results of the batches are concatenated."""
-    n = len(next(x for x in lists if x is not None))
     out: list[Any] = []
-    for part in batches(n):
+    for part in _runs(next(x for x in lists if x is not None)):
         args: list[Any] = [None if x is None else x[part] for x in lists]
         if rest:
             args += [rest[0][part], *rest[1:]]

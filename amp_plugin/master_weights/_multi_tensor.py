@@ -166,11 +166,14 @@ def torch_adam_step(
 def _compiled_targets(
     params: list[torch.Tensor], indices: list[int | None], exp_avgs: list[torch.Tensor], lean: bool
 ) -> dict[torch.device, list[int]]:
-    """The positions whose bits :mod:`_compiled` handles (a lean kind's weights, or BF16 moments), by device."""
+    """The positions whose bits :mod:`_compiled` handles (a lean kind's weights, or BF16 moments), by
+    device, tensors of two elements or more first (:func:`_compiled.size_class`: fewer batch patterns)."""
     by_device: dict[torch.device, list[int]] = {}
     for j, i in enumerate(indices):
         if i is not None and (lean or exp_avgs[j].dtype is not torch.float32):
             by_device.setdefault(params[j].device, []).append(j)
+    for js in by_device.values():
+        js.sort(key=lambda j: -_compiled.size_class(params[j]))
     return by_device
 
 

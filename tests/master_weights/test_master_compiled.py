@@ -112,6 +112,30 @@ def test_batches_cut_a_group_largest_first():
     assert [(s.start, s.stop) for s in _compiled.batches(22)] == [(0, 16), (16, 20), (20, 21), (21, 22)]
     assert [s.stop - s.start for s in _compiled.batches(78)] == [16] * 4 + [4] * 3 + [1] * 2
     assert list(_compiled.batches(0)) == []
+    # a batch never mixes sizes Dynamo compiles as constants (0, 1) with the others
+    tensors = [torch.empty(n) for n in (5, 6, 1, 1, 0, 9, 2, 3, 4)]
+    runs = [(s.start, s.stop) for s in _compiled._runs(tensors)]
+    assert runs == [(0, 1), (1, 2), (2, 3), (3, 4), (4, 5), (5, 9)]
+
+
+@pytest.mark.slow
+def test_scalar_parameters_anywhere_in_a_group_compile_a_bounded_number_of_graphs():
+    """Size-1 tensors are compiled as constants: ordered last, they form batches of their own, so where they
+    sit in the group does not multiply the graphs."""
+    from torch._dynamo.utils import counters
+
+    def step(sizes):
+        params = [torch.nn.Parameter(torch.randn(n).to(BF16)) for n in sizes]
+        opt = MasterWeightOptimizer(torch.optim.AdamW(params, fused=True), master="bf16_split", fused="compiled")
+        for p in params:
+            p.grad = torch.randn(p.shape).to(BF16)
+        opt.step()
+
+    step([1, 3, 5, 7, 9])
+    before = counters["stats"]["unique_graphs"]
+    for sizes in ([3, 1, 5, 7, 9], [3, 5, 7, 1, 9], [1, 3, 1, 5, 7, 1, 9], [3, 5, 7, 9, 1, 1, 1]):
+        step(sizes)
+    assert counters["stats"]["unique_graphs"] == before  # batches of 4 tensors of 2 elements or more, and of one
 
 
 def test_on_the_cpu_only_fused_compiled_selects_it():
