@@ -165,7 +165,7 @@ _FUNCTIONS: dict[str, Callable[..., Any]] = {
 }
 _compiled: dict[str, Any] = {}
 _state: dict[str, Any] = {"ok": None, "error": None, "eager": False}
-_seen: set[tuple[str, int]] = set()
+_seen: set[tuple[Any, ...]] = set()
 
 
 @contextlib.contextmanager
@@ -228,12 +228,14 @@ def _run(name: str, lists: Sequence[L | None], *rest: Any) -> list[Any]:
 def _call(name: str, length: int, args: list[Any]) -> Any:
     if not _state.get("eager"):
         try:
+            first = args[0][0]  # what a graph is compiled for: the batch's length, size class, device, flags
+            graph = (name, length, size_class(first), first.device.type, *(a for a in args if isinstance(a, bool)))
             with _no_duck_shapes():
-                if (name, length) in _seen:
+                if graph in _seen:
                     return _fn(name)(*args)
-                with counted_as_build():  # the first call of a length compiles
+                with counted_as_build():  # the first call of a kind compiles
                     result = _fn(name)(*args)
-            _seen.add((name, length))
+            _seen.add(graph)
             return result
         except Exception as err:  # the same functions run uncompiled: the same bits
             if not _state["ok"]:  # the probe: the step takes the torch-ops path

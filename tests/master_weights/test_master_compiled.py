@@ -195,3 +195,24 @@ def test_a_batch_compiles_once_whatever_sizes_happen_to_be_equal():
             assert torch.equal(v, _split.join(w, r))
     # the join over batches of 4 compiled once (or before, by another test); with duck shapes, once per pattern
     assert counters["stats"]["unique_graphs"] - before <= 1
+
+
+@pytest.mark.slow
+def test_each_new_graph_counts_as_build_time_not_step_time():
+    """A batch of a length, size class or moment rounding not compiled before compiles: that time is the
+    build's (left out of steps/s), whichever of them is new."""
+    from amp_plugin import fused
+
+    assert _compiled.available(torch.device("cpu"), True)
+    values = [torch.randn(5 + k) for k in range(16)]  # a batch of 16: no other test here compiles one
+    weights = [v.to(BF16) for v in values]
+    remainders = [torch.zeros(v.shape, dtype=torch.int16) for v in values]
+    m16s, v16s = [v.to(BF16) for v in values], [v.abs().to(BF16) for v in values]
+    keys = _compiled.keys_tensor([(k, k + 1) for k in range(16)], torch.device("cpu"))
+    for sr in (True, False):  # the same batch; the second rounding compiles a graph of its own
+        before = fused.build_seconds()
+        _compiled.store(values, weights, remainders, (values, [v.abs() for v in values], m16s, v16s), keys, sr)
+        assert fused.build_seconds() - before > 0.1, sr
+    before = fused.build_seconds()
+    _compiled.store(values, weights, remainders, (values, [v.abs() for v in values], m16s, v16s), keys, True)
+    assert fused.build_seconds() == before  # compiled before: step time
