@@ -34,6 +34,7 @@ into FP32 is needed anyway, so the unscale happens there.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
@@ -98,8 +99,9 @@ def torch_adam_step(
         exp_avgs = [s["exp_avg"] for s in states]
         exp_avg_sqs = [s["exp_avg_sq"] for s in states]
         low = [j for j, m in enumerate(exp_avgs) if m.dtype is not torch.float32]
-        if compiled:
-            _compiled_prepares(values, indices, exp_avgs, exp_avg_sqs, params, lean, models, records)
+        targets = _compiled_targets(params, indices, exp_avgs, lean, models, records) if compiled else []
+        for target in targets:
+            target.prepare(values, exp_avgs, exp_avg_sqs)
         for j in low if not compiled else ():  # BF16 moments: computed in FP32, rounded once when stored
             exp_avgs[j] = exp_avgs[j].float()
             exp_avg_sqs[j] = exp_avg_sqs[j].float()
@@ -145,9 +147,8 @@ def torch_adam_step(
                 found_inf=None,
             )
         if compiled:
-            _compiled_stores(
-                params, values, indices, states, exp_avgs, exp_avg_sqs, low, lean, models, records, keys, sr_moments
-            )
+            for target in targets:
+                target.store(values, states, exp_avgs, exp_avg_sqs, cast("list", keys), sr_moments)
             continue
         for j in low:
             if sr_moments:
@@ -163,84 +164,77 @@ def torch_adam_step(
                     kind.store(cast("list", models)[i], cast("list", records)[i], value, cast("list", keys)[i])
 
 
-def _compiled_targets(
-    params: list[torch.Tensor], indices: list[int | None], exp_avgs: list[torch.Tensor], lean: bool
-) -> dict[torch.device, list[int]]:
-    """The positions whose bits :mod:`_compiled` handles (a lean kind's weights, or BF16 moments), by
-    device, tensors of two elements or more first (:func:`_compiled.size_class`: fewer batch patterns)."""
-    by_device: dict[torch.device, list[int]] = {}
-    for j, i in enumerate(indices):
-        if i is not None and (lean or exp_avgs[j].dtype is not torch.float32):
-            by_device.setdefault(params[j].device, []).append(j)
-    for js in by_device.values():
-        js.sort(key=lambda j: -_compiled.size_class(params[j]))
-    return by_device
+@dataclass
+class _Targets:
+    """The positions of one group's tensors on one ``device`` whose bits :mod:`_compiled` handles (a
+    lean kind's weights, or BF16 moments), tensors of two elements or more first
+    (:func:`_compiled.size_class`: fewer batch patterns), with what the passes read of them."""
 
+    device: torch.device
+    js: list[int]  # positions in the group's lists
+    indices: list[int]  # their indices in the wrapper's model parameters (and keys)
+    weights: list[torch.Tensor] | None  # the lean kinds' BF16 weights; None: FP32 masters
+    remainders: list[torch.Tensor] | None  # bf16_split's
+    bf16_moments: bool
 
-def _compiled_prepares(
-    values: list[Any],
-    indices: list[int | None],
-    exp_avgs: list[torch.Tensor],
-    exp_avg_sqs: list[torch.Tensor],
-    params: list[torch.Tensor],
-    lean: bool,
-    models: list[torch.Tensor] | None,
-    records: list[Record] | None,
-) -> None:
-    """The FP32 values and moments of the step, through :func:`_compiled.prepare`: in place of the
-    entries of ``values``, ``exp_avgs`` and ``exp_avg_sqs`` at the positions it handles."""
-    for js in _compiled_targets(params, indices, exp_avgs, lean).values():
-        ii = [cast("int", indices[j]) for j in js]
-        weights = remainders = None
-        if lean:
-            weights = [cast("list", models)[i] for i in ii]
-            remainders = [cast("list", records)[i].remainder for i in ii]
-            if remainders[0] is None:
-                remainders = None
-        moments = None
-        if exp_avgs[js[0]].dtype is not torch.float32:
-            moments = ([exp_avgs[j] for j in js], [exp_avg_sqs[j] for j in js])
-        new_values, m32s, v32s = _compiled.prepare(weights, remainders, moments)
-        for n, j in enumerate(js):
+    def prepare(self, values: list[Any], exp_avgs: list[torch.Tensor], exp_avg_sqs: list[torch.Tensor]) -> None:
+        """The FP32 values and moments of the step, through :func:`_compiled.prepare`: in place of the
+        entries of ``values``, ``exp_avgs`` and ``exp_avg_sqs`` at :attr:`js`."""
+        moments = ([exp_avgs[j] for j in self.js], [exp_avg_sqs[j] for j in self.js]) if self.bf16_moments else None
+        new_values, m32s, v32s = _compiled.prepare(self.weights, self.remainders, moments)
+        for n, j in enumerate(self.js):
             if new_values is not None:
                 values[j] = new_values[n]
             if m32s is not None:
                 exp_avgs[j], exp_avg_sqs[j] = m32s[n], cast("list", v32s)[n]
 
-
-def _compiled_stores(
-    params: list[torch.Tensor],
-    values: list[torch.Tensor],
-    indices: list[int | None],
-    states: list[dict[str, Any]],
-    exp_avgs: list[torch.Tensor],
-    exp_avg_sqs: list[torch.Tensor],
-    low: list[int],
-    lean: bool,
-    models: list[torch.Tensor] | None,
-    records: list[Record] | None,
-    keys: list[int] | None,
-    sr_moments: bool,
-) -> None:
-    """What the torch ops above store, through :func:`_compiled.store`: one pass per tensor, a batch of
-    tensors per call."""
-    low_set = set(low)
-    all_keys = cast("list[int]", keys)
-    for device, js in _compiled_targets(params, indices, [s["exp_avg"] for s in states], lean).items():
-        ii = [cast("int", indices[j]) for j in js]
-        weights = remainders = None
-        if lean:
-            weights = [cast("list", models)[i] for i in ii]
-            remainders = [cast("list", records)[i].remainder for i in ii]
-            if remainders[0] is None:
-                remainders = None
+    def store(
+        self,
+        values: list[torch.Tensor],
+        states: list[dict[str, Any]],
+        exp_avgs: list[torch.Tensor],
+        exp_avg_sqs: list[torch.Tensor],
+        keys: list[int],
+        sr_moments: bool,
+    ) -> None:
+        """What the torch ops store, through :func:`_compiled.store`: one pass per tensor, a batch of
+        tensors per call."""
+        js = self.js
         moments = None
-        if js[0] in low_set:
+        if self.bf16_moments:
             moments = (
                 [exp_avgs[j] for j in js],
                 [exp_avg_sqs[j] for j in js],
                 [states[j]["exp_avg"] for j in js],
                 [states[j]["exp_avg_sq"] for j in js],
             )
-        keys_t = _compiled.keys_tensor([(all_keys[i], moments_key(all_keys[i])) for i in ii], device)
-        _compiled.store([values[j] for j in js], weights, remainders, moments, keys_t, sr_moments)
+        rows = [(keys[i], moments_key(keys[i])) for i in self.indices]
+        keys_t = _compiled.keys_tensor(rows, self.device)
+        _compiled.store([values[j] for j in js], self.weights, self.remainders, moments, keys_t, sr_moments)
+
+
+def _compiled_targets(
+    params: list[torch.Tensor],
+    indices: list[int | None],
+    exp_avgs: list[torch.Tensor],
+    lean: bool,
+    models: list[torch.Tensor] | None,
+    records: list[Record] | None,
+) -> list[_Targets]:
+    """The :class:`_Targets` of a group, one per device (``exp_avgs``: its state tensors, before the step)."""
+    by_device: dict[torch.device, list[int]] = {}
+    for j, i in enumerate(indices):
+        if i is not None and (lean or exp_avgs[j].dtype is not torch.float32):
+            by_device.setdefault(params[j].device, []).append(j)
+    targets = []
+    for device, js in by_device.items():
+        js.sort(key=lambda j: -_compiled.size_class(params[j]))
+        ii = [cast("int", indices[j]) for j in js]
+        weights = remainders = None
+        if lean:
+            weights = [cast("list", models)[i] for i in ii]
+            remainders = [cast("list", records)[i].remainder for i in ii]
+            if remainders[0] is None:
+                remainders = None
+        targets.append(_Targets(device, js, ii, weights, remainders, exp_avgs[js[0]].dtype is not torch.float32))
+    return targets
