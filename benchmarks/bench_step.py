@@ -21,8 +21,9 @@ CPU time, which the other jobs on a shared machine disturb less):
              kinds (``master="bf16_split"``: BF16 weight + 16-bit remainder; ``bf16_lean`` adds BF16
              moments; ``bf16_sr``: no master, stochastic rounding, BF16 moments), amp_plugin's
              kernel (and ``bf16_lean`` on torch's multi-tensor path; both on it with their bit handling
-             compiled by torch.compile, ``fused="compiled"``, what runs off the CPU: compiled during
-             the warm-up, not timed).
+             compiled by torch.compile, ``fused="compiled"``: compiled during the warm-up, not timed;
+             off the CPU also with it in two Triton kernels per group, ``fused="triton"``, what
+             ``fused=None`` runs there).
 - lightning: Lightning `16-mixed`'s path: torch.amp.GradScaler + default AdamW (foreach) on
              N FP32 params: unscale_, step, update.
 
@@ -339,6 +340,13 @@ def main() -> None:
         ),
         "Lightning 16-mixed path": lightning,
     }
+    if device != "cpu":  # on the CPU Triton's interpreter runs them: numerics only, far too slow to time
+        paths['ours bf16_lean, Triton (fused="triton")'] = master_weight_path(
+            "triton", master="bf16_split", moments=torch.bfloat16
+        )
+        paths['ours bf16_sr, Triton (fused="triton")'] = master_weight_path(
+            "triton", master="stochastic", moments=torch.bfloat16
+        )
     for fn in paths.values():  # warm up: allocate state
         fn()
     times: dict[str, list[float]] = {name: [] for name in paths}

@@ -4,8 +4,9 @@
 #     bash benchmarks/gpu_lean.sh [OUT_DIR [PART ...]]     # logs: OUT_DIR/PART.txt
 #
 # Parts (default: tests gpu step, about 7 minutes on an H200; each has its own time limit):
-#   tests     the compiled lean step's bits against the torch-ops path on the GPU, bf16_split's
-#             masters against FP32 masters there, and the other CUDA-only tests (2 min)
+#   tests     the Triton and compiled lean steps' bits against the torch-ops path on the GPU,
+#             bf16_split's masters against FP32 masters there, and the other CUDA-only tests (2 min)
+#   triton    the Triton step's CUDA tests alone (1 min)
 #   gpu       gpu.py: tokens/s and peak memory of ours bf16, bf16_lean and bf16_sr against
 #             Lightning's bf16-mixed on char_gpt (19M parameters, 78 tensors) (4 min)
 #   step      bench_step.py --device cuda: every step path against fused FP32 AdamW, 16M
@@ -42,7 +43,10 @@ for name in $parts; do
     case $name in
     tests) # AMP_PLUGIN_FUSED=0: no build of the CPU kernels, which these tests do not run
         part tests 120 env AMP_PLUGIN_FUSED=0 python3 -m pytest -q -p no:cacheprovider -k cuda \
-            tests/master_weights/test_master_compiled.py tests/lightning/test_loss_scale_monitor.py ;;
+            tests/master_weights/test_master_triton.py tests/master_weights/test_master_compiled.py \
+            tests/lightning/test_loss_scale_monitor.py ;;
+    triton) part triton 90 env AMP_PLUGIN_FUSED=0 python3 -m pytest -q -p no:cacheprovider -k cuda \
+        tests/master_weights/test_master_triton.py ;;
     gpu) part gpu 240 python3 benchmarks/gpu.py --warmup 15 --steps 100 --rounds 3 --budget-s 170 \
         --configs "ours bf16" "ours bf16_lean" "ours bf16_sr" "Lightning bf16-mixed" ;;
     step) part step 120 python3 benchmarks/bench_step.py --device cuda --params 16 --chunks 16 --repeats 15 ;;
@@ -51,7 +55,7 @@ for name in $parts; do
         python3 benchmarks/bench_step.py --device cuda --params 64 --mix --repeats 15 ;;
     profile) part profile 150 python3 benchmarks/gpu.py --warmup 15 --steps 100 --rounds 1 --budget-s 60 \
         --configs "ours bf16_lean" "ours bf16_sr" --profile "ours bf16_lean" "ours bf16_sr" ;;
-    *) echo "unknown part $name: choose from tests gpu step mix combo profile" >&2; exit 2 ;;
+    *) echo "unknown part $name: choose from tests triton gpu step mix combo profile" >&2; exit 2 ;;
     esac
 done
 exit $status

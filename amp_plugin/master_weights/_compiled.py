@@ -1,4 +1,4 @@
-"""The bit handling of the lean step, fused by ``torch.compile`` (``fused="compiled"``; automatic off the CPU).
+"""The bit handling of the lean step, fused by ``torch.compile`` (``fused="compiled"``; off the CPU without Triton).
 
 Torch's multi-tensor path (``_multi_tensor.py``) runs the Adam update of a whole group in one
 fused kernel, but the lean kinds wrap it in bit manipulations: ``master="bf16_split"`` joins the

@@ -10,8 +10,10 @@ optimizer's own ``step()`` ("stock") when no kernel fits.
 
 Registered here, for every kind and both moment dtypes: amp_plugin's one-pass CPU Adam/AdamW
 (``amp_plugin.fused``); torch's multi-tensor Adam/AdamW with the lean kinds' joins and stores
-compiled by ``torch.compile`` (``_compiled.py``; any device, on the CPU only when named); and
-torch's multi-tensor Adam/AdamW with those joins and stores in torch ops (any device).
+as two Triton kernels per group (``_triton.py``; any device Triton compiles for, on the CPU
+only when named, in Triton's interpreter); the same with them compiled by ``torch.compile``
+(``_compiled.py``; any device, on the CPU only when named); and torch's multi-tensor
+Adam/AdamW with those joins and stores in torch ops (any device).
 """
 
 from __future__ import annotations
@@ -24,8 +26,9 @@ import torch
 from torch.optim import Optimizer
 
 from amp_plugin.fused import adam as _adam
-from amp_plugin.master_weights import _compiled, _multi_tensor
+from amp_plugin.master_weights import _compiled, _multi_tensor, _triton
 from amp_plugin.master_weights._parameter import Record
+from amp_plugin.master_weights._passes import Passes
 
 __all__ = ["KERNELS", "StepCall", "StepKernel", "choose", "register_kernel"]
 
@@ -53,7 +56,8 @@ class StepKernel:
     """A step kernel's registration.
 
     Attributes:
-        name: what ``fused=`` calls it: ``"amp_plugin"`` (``fused=True``), ``"compiled"`` or ``"torch"``.
+        name: what ``fused=`` calls it: ``"amp_plugin"`` (``fused=True``), ``"triton"``, ``"compiled"``
+            or ``"torch"``.
         optimizers: the optimizer classes whose update rule it computes (exact type).
         kinds: the ``master=`` kinds it can store into.
         device_type: where the parameters must be (``None``: any device).
@@ -100,7 +104,7 @@ def choose(
             continue
         if (fused == "torch" or fused is False) and kernel.name != "torch":
             continue
-        if fused == "compiled" and kernel.name != "compiled":
+        if fused in ("compiled", "triton") and kernel.name != fused:
             continue
         if kernel.only_named_on_cpu and all_cpu and fused != kernel.name:
             continue
@@ -152,17 +156,23 @@ def _run_amp_plugin(call: StepCall) -> bool:
     )
 
 
-@torch.no_grad()
-def _run_compiled(call: StepCall) -> bool:
-    devices = {p.device for g in call.optimizer.param_groups for p in g["params"]}
-    strict = call.fused == "compiled"
-    if not all(_compiled.available(device, strict) for device in devices):
-        return False  # nothing changed: the next kernel (torch's ops) runs the step
-    return _run_torch(call, compiled=True)
+def _with_passes(passes: Passes, name: str) -> Callable[[StepCall], bool]:
+    """The multi-tensor step with the lean bit handling of ``passes``, where they run on every
+    device of the step; otherwise it declines (the next kernel runs the step)."""
+
+    @torch.no_grad()
+    def run(call: StepCall) -> bool:
+        devices = {p.device for g in call.optimizer.param_groups for p in g["params"]}
+        strict = call.fused == name
+        if not all(passes.available(device, strict) for device in devices):
+            return False  # nothing changed
+        return _run_torch(call, passes)
+
+    return run
 
 
 @torch.no_grad()
-def _run_torch(call: StepCall, compiled: bool = False) -> bool:
+def _run_torch(call: StepCall, passes: Passes | None = None) -> bool:
     _multi_tensor.torch_adam_step(
         call.optimizer,
         call.grads,
@@ -173,7 +183,7 @@ def _run_torch(call: StepCall, compiled: bool = False) -> bool:
         call.keys,
         call.moments_dtype,
         call.sr_moments,
-        compiled,
+        passes,
     )
     if call.kind.has_fp32_tensor:
         pairs = [(call.models[i], r.master) for i, r in enumerate(call.records) if call.grads[i] is not None]
@@ -197,13 +207,26 @@ register_kernel(
 )
 register_kernel(
     StepKernel(
+        name="triton",
+        optimizers=_ADAM,
+        kinds=_ALL_KINDS,
+        device_type=None,
+        automatic_on_cpu=False,
+        ineligible=lambda opt, to_come: _adam.adam_ineligible(opt, to_come, device_type=None),
+        run=_with_passes(_triton, "triton"),
+        needs_half_grads_in_fp32=True,
+        only_named_on_cpu=True,
+    )
+)
+register_kernel(
+    StepKernel(
         name="compiled",
         optimizers=_ADAM,
         kinds=_ALL_KINDS,
         device_type=None,
         automatic_on_cpu=False,
         ineligible=lambda opt, to_come: _adam.adam_ineligible(opt, to_come, device_type=None),
-        run=_run_compiled,
+        run=_with_passes(_compiled, "compiled"),
         needs_half_grads_in_fp32=True,
         only_named_on_cpu=True,
     )

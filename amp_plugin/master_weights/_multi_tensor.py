@@ -43,6 +43,7 @@ from torch.optim import Optimizer
 from amp_plugin.adam_rule import as_float, init_state
 from amp_plugin.master_weights import _compiled
 from amp_plugin.master_weights._parameter import Record
+from amp_plugin.master_weights._passes import Passes
 from amp_plugin.master_weights._stochastic import moments_key, round_stochastic
 
 __all__ = ["torch_adam_step"]
@@ -59,7 +60,7 @@ def torch_adam_step(
     keys: list[int] | None = None,
     moments_dtype: torch.dtype = torch.float32,
     sr_moments: bool = False,
-    compiled: bool = False,
+    passes: Passes | None = None,
 ) -> None:
     """One Adam/AdamW step of ``optimizer`` over FP32 masters with torch's fused kernel.
 
@@ -70,8 +71,9 @@ def torch_adam_step(
     are rebuilt from ``models``/``records`` and stored back by it (``keys``: the stochastic
     rounding keys by index); otherwise the caller copies the stepped masters into the model.
     ``sr_moments``: BF16 moments rounded stochastically with the moment keys of ``keys[i]``.
-    ``compiled``: the joins and stores of the lean kinds and BF16 moments run as one fused pass per
-    tensor (:mod:`amp_plugin.master_weights._compiled`), the same bits.
+    ``passes``: the joins and stores of the lean kinds and BF16 moments run as fused passes
+    (:mod:`amp_plugin.master_weights._compiled`: one per tensor, :mod:`~amp_plugin.master_weights._triton`:
+    one per group), the same bits.
     """
     lean = kind is not None and not kind.has_fp32_tensor
     adamw_default = isinstance(optimizer, torch.optim.AdamW)
@@ -85,10 +87,10 @@ def torch_adam_step(
                 params.append(p)
                 group_grads.append(g)
                 indices.append(i)
-                if lean and i is not None and not compiled:
+                if lean and i is not None and passes is None:
                     values.append(kind.step_value(cast("list", models)[i], cast("list", records)[i]))
                 elif lean and i is not None:
-                    values.append(None)  # from _compiled.prepare, below
+                    values.append(None)  # from passes.prepare, below
                 else:
                     values.append(p)
         if not params:
@@ -99,10 +101,10 @@ def torch_adam_step(
         exp_avgs = [s["exp_avg"] for s in states]
         exp_avg_sqs = [s["exp_avg_sq"] for s in states]
         low = [j for j, m in enumerate(exp_avgs) if m.dtype is not torch.float32]
-        targets = _compiled_targets(params, indices, exp_avgs, lean, models, records) if compiled else []
+        targets = _pass_targets(params, indices, exp_avgs, lean, models, records, passes) if passes else []
         for target in targets:
             target.prepare(values, exp_avgs, exp_avg_sqs)
-        for j in low if not compiled else ():  # BF16 moments: computed in FP32, rounded once when stored
+        for j in low if passes is None else ():  # BF16 moments: computed in FP32, rounded once when stored
             exp_avgs[j] = exp_avgs[j].float()
             exp_avg_sqs[j] = exp_avg_sqs[j].float()
         grouped = cast(  # its lists hold no None: every list given has a tensor at every index
@@ -146,7 +148,7 @@ def torch_adam_step(
                 grad_scale=None,
                 found_inf=None,
             )
-        if compiled:
+        if passes is not None:
             for target in targets:
                 target.store(values, states, exp_avgs, exp_avg_sqs, cast("list", keys), sr_moments)
             continue
@@ -166,10 +168,11 @@ def torch_adam_step(
 
 @dataclass
 class _Targets:
-    """The positions of one group's tensors on one ``device`` whose bits :mod:`_compiled` handles (a
+    """The positions of one group's tensors on one ``device`` whose bits the fused ``passes`` handle (a
     lean kind's weights, or BF16 moments), tensors of two elements or more first
     (:func:`_compiled.size_class`: fewer batch patterns), with what the passes read of them."""
 
+    passes: Passes
     device: torch.device
     js: list[int]  # positions in the group's lists
     indices: list[int]  # their indices in the wrapper's model parameters (and keys)
@@ -178,10 +181,10 @@ class _Targets:
     bf16_moments: bool
 
     def prepare(self, values: list[Any], exp_avgs: list[torch.Tensor], exp_avg_sqs: list[torch.Tensor]) -> None:
-        """The FP32 values and moments of the step, through :func:`_compiled.prepare`: in place of the
+        """The FP32 values and moments of the step, through the passes' ``prepare``: in place of the
         entries of ``values``, ``exp_avgs`` and ``exp_avg_sqs`` at :attr:`js`."""
         moments = ([exp_avgs[j] for j in self.js], [exp_avg_sqs[j] for j in self.js]) if self.bf16_moments else None
-        new_values, m32s, v32s = _compiled.prepare(self.weights, self.remainders, moments)
+        new_values, m32s, v32s = self.passes.prepare(self.weights, self.remainders, moments)
         for n, j in enumerate(self.js):
             if new_values is not None:
                 values[j] = new_values[n]
@@ -197,8 +200,7 @@ class _Targets:
         keys: list[int],
         sr_moments: bool,
     ) -> None:
-        """What the torch ops store, through :func:`_compiled.store`: one pass per tensor, a batch of
-        tensors per call."""
+        """What the torch ops store, through the passes' ``store``."""
         js = self.js
         moments = None
         if self.bf16_moments:
@@ -209,17 +211,18 @@ class _Targets:
                 [states[j]["exp_avg_sq"] for j in js],
             )
         rows = [(keys[i], moments_key(keys[i])) for i in self.indices]
-        keys_t = _compiled.keys_tensor(rows, self.device)
-        _compiled.store([values[j] for j in js], self.weights, self.remainders, moments, keys_t, sr_moments)
+        keys_t = self.passes.keys_tensor(rows, self.device)
+        self.passes.store([values[j] for j in js], self.weights, self.remainders, moments, keys_t, sr_moments)
 
 
-def _compiled_targets(
+def _pass_targets(
     params: list[torch.Tensor],
     indices: list[int | None],
     exp_avgs: list[torch.Tensor],
     lean: bool,
     models: list[torch.Tensor] | None,
     records: list[Record] | None,
+    passes: Passes,
 ) -> list[_Targets]:
     """The :class:`_Targets` of a group, one per device (``exp_avgs``: its state tensors, before the step)."""
     by_device: dict[torch.device, list[int]] = {}
@@ -236,5 +239,6 @@ def _compiled_targets(
             remainders = [cast("list", records)[i].remainder for i in ii]
             if remainders[0] is None:
                 remainders = None
-        targets.append(_Targets(device, js, ii, weights, remainders, exp_avgs[js[0]].dtype is not torch.float32))
+        bf16_moments = exp_avgs[js[0]].dtype is not torch.float32
+        targets.append(_Targets(passes, device, js, ii, weights, remainders, bf16_moments))
     return targets

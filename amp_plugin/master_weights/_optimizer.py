@@ -28,7 +28,7 @@ __all__ = ["FUSED_MODES", "MASTER_KINDS", "MOMENTS_ROUNDINGS", "MasterWeightOpti
 
 MASTER_KINDS = ("fp32", "bf16_split", "stochastic")  # the built-in kinds (_kinds.KINDS may hold more)
 MOMENTS_ROUNDINGS = ("stochastic", "nearest")
-FUSED_MODES = (None, True, False, "torch", "compiled")
+FUSED_MODES = (None, True, False, "torch", "triton", "compiled")
 
 
 class MasterWeightOptimizer(Optimizer):
@@ -50,16 +50,19 @@ class MasterWeightOptimizer(Optimizer):
               ``fused=True``, one pass per tensor reads the half gradient, updates the master
               and its moments (torch's fused update, bit for bit) and writes the rounded
               weight into the model. On other devices (CUDA), with ``Adam``/``AdamW(fused=True)``,
-              torch's multi-tensor kernels end to end (``fused="compiled"``: ``"torch"`` with the
-              lean kinds' bit handling compiled).
+              torch's multi-tensor kernels end to end, with the lean kinds' bit handling in
+              Triton kernels (``"triton"``), or, without Triton, compiled (``"compiled"``).
             - ``True``: require amp_plugin's kernels and the one-pass Adam step (a
               ``ValueError`` says why not).
             - ``"torch"``: torch's kernels, any device: a multi-tensor copy-and-unscale into
               FP32 gradients, torch's fused Adam/AdamW on the masters, a multi-tensor copy
               into the model (requires ``Adam``/``AdamW``; ``ValueError`` otherwise).
-            - ``"compiled"``: the same, with the lean kinds' joins and stores (and BF16 moments'
-              roundings) compiled by ``torch.compile`` into one pass per tensor; what ``None``
-              picks off the CPU (falling back to ``"torch"`` with a warning if compiling fails).
+            - ``"triton"``: the same, with the lean kinds' joins and stores (and BF16 moments'
+              roundings) in two Triton kernels per group (on the CPU in Triton's interpreter,
+              for tests); what ``None`` picks off the CPU (falling back to ``"compiled"`` with a
+              warning if Triton is missing or fails).
+            - ``"compiled"``: the same passes compiled by ``torch.compile``, one per tensor
+              (falling back to ``"torch"`` with a warning if compiling fails).
             - ``False``: stock torch ops: copy and unscale, then the wrapped optimizer's own
               ``step()``, then a copy into the model.
 
@@ -193,7 +196,8 @@ class MasterWeightOptimizer(Optimizer):
     ) -> None:
         if not any(fused is mode or (isinstance(mode, str) and fused == mode) for mode in FUSED_MODES):
             raise TypeError(
-                f"fused={fused!r} is not allowed: fused must be None (automatic), True, False, 'torch' or 'compiled'."
+                f"fused={fused!r} is not allowed: fused must be None (automatic), True, False, 'torch', 'triton' "
+                "or 'compiled'."
             )
         kind, moments = check_wrappable(optimizer, fused, master, moments_dtype)
         check_moments_rounding(optimizer, moments_rounding, moments)

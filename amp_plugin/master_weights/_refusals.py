@@ -33,7 +33,7 @@ __all__ = [
 
 
 def check_fused_possible(optimizer: Optimizer, fused: bool | str) -> None:
-    if fused in ("torch", "compiled"):
+    if fused in ("torch", "compiled", "triton"):
         reason = _adam.adam_ineligible(optimizer, masters_to_come=True, device_type=None)
         if reason is None:
             reason = foreach_refusal(optimizer)
@@ -183,6 +183,7 @@ def check_wrappable(
     if fused is True or fused in (
         "torch",
         "compiled",
+        "triton",
     ):  # checked before the optimizer's parameters are swapped for masters
         check_fused_possible(optimizer, fused)
     check_kind_possible(optimizer, kind)

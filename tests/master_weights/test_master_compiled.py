@@ -144,8 +144,8 @@ def test_on_the_cpu_only_fused_compiled_selects_it():
     assert [k.name for k in choose(opt, "bf16_split", "compiled", True, False, object())] == ["compiled"]
     assert "compiled" not in [k.name for k in choose(opt, "bf16_split", None, True, False, object())]
     assert "compiled" not in [k.name for k in choose(opt, "bf16_split", "torch", True, False, object())]
-    # off the CPU fused=None takes it first (amp_plugin's kernels are CPU-only), torch's ops after it
-    assert [k.name for k in choose(opt, "bf16_split", None, False, False, None)] == ["compiled", "torch"]
+    # off the CPU fused=None takes it after the Triton kernels (amp_plugin's are CPU-only), torch's ops last
+    assert [k.name for k in choose(opt, "bf16_split", None, False, False, None)] == ["triton", "compiled", "torch"]
 
 
 def _call(opt, fused):

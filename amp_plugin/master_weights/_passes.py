@@ -1,0 +1,48 @@
+"""What a fused implementation of the lean step's bit handling provides (:mod:`._compiled`, :mod:`._triton`).
+
+The multi-tensor step (``_multi_tensor.py``) runs torch's fused Adam on FP32 values: ``prepare``
+builds them from the lean kinds' BF16 weights (joined with their remainders) and BF16 moments,
+``store`` writes the stepped values back (split, or rounded stochastically) and rounds the
+moments into their BF16 tensors, both with the bits of the torch ops in ``_split.py`` and
+``_stochastic.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+
+__all__ = ["Passes"]
+
+L = list[torch.Tensor]
+
+
+class Passes(Protocol):
+    def prepare(
+        self, weights: L | None, remainders: L | None, moments: tuple[L, L] | None
+    ) -> tuple[L | None, L | None, L | None]:
+        """The FP32 values of ``weights`` (joined with ``remainders``; ``None``: FP32 masters) and of
+        the BF16 ``moments`` ``(m16s, v16s)`` (``None``: FP32 moments), tensors of one device."""
+        ...
+
+    def keys_tensor(self, keys: list[tuple[int, int]], device: torch.device) -> Any:
+        """The (weight, moments) rounding keys of each tensor, as ``store`` takes them."""
+        ...
+
+    def store(
+        self,
+        values: L,
+        weights: L | None,
+        remainders: L | None,
+        moments: tuple[L, L, L, L] | None,
+        keys: Any,
+        stochastic_moments: bool,
+    ) -> None:
+        """Write the stepped FP32 ``values`` into ``weights`` (split with ``remainders``, or rounded
+        stochastically) and ``moments`` ``(m32s, v32s, m16s, v16s)`` into their BF16 tensors."""
+        ...
+
+    def available(self, device: torch.device, strict: bool) -> bool:
+        """Whether they run on ``device`` (a failure warns once; ``strict``: raises)."""
+        ...

@@ -1,0 +1,357 @@
+"""The bit handling of the lean step as two Triton kernels per group (``fused="triton"``; automatic on CUDA).
+
+The same two passes as :mod:`amp_plugin.master_weights._compiled` around torch's fused Adam,
+:func:`prepare` (weight + remainder -> FP32, BF16 moments -> FP32) and :func:`store` (the stepped
+FP32 value into the weight and its remainder or stochastically rounded, the FP32 moments into
+their BF16 tensors), but each is one launch for every tensor of a group and device, where
+Inductor's code launches one kernel per tensor (about 40 us of host time apiece on an H200's
+host: 78 tensors, two passes, some 6 ms a step). A program handles :data:`BLOCK` elements of one
+tensor: which tensor, and where, it reads from a table of blocks (kept per pattern of sizes),
+and the tensors' addresses and rounding keys from a table of ``int64`` built per call, as
+torch's ``multi_tensor_apply`` does with its kernel arguments.
+
+Everything is integer arithmetic on the bit patterns (the split, the hash of
+:mod:`~amp_plugin.master_weights._stochastic` in wrapping int32, the upcasts as shifts), so the
+kernels give the torch ops' bits on every backend; the one float conversion, the round to
+nearest of ``moments_rounding="nearest"``, is the device's own on a GPU (``cvt.rn.bf16.f32`` on
+CUDA, as torch's ``copy_``). On the CPU the kernels run in Triton's interpreter (numpy: slow, for
+tests of the numerics; ``fused="triton"`` picks it there only when named), which rounds to nearest
+in integers (its own conversion truncates): torch's bits for every number, NaN as c10's scalar
+rule writes it (0x7FC0; torch's vectorized CPU conversion writes 0xFFFF).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import warnings
+from collections import OrderedDict
+from typing import Any
+
+import torch
+
+from amp_plugin.fused import counted_as_build
+from amp_plugin.master_weights._stochastic import INDEX_MULTIPLIER, MIX1, MIX2, as_int32
+
+try:
+    import triton
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+except ImportError as err:  # no Triton: the compiled or the torch-ops path runs the step
+    triton = None
+    _IMPORT_ERROR: Exception | None = err
+else:
+    _IMPORT_ERROR = None
+
+__all__ = ["BLOCK", "available", "keys_tensor", "prepare", "store"]
+
+L = list[torch.Tensor]
+BLOCK = 1024
+"""Elements per program."""
+if triton is not None:  # the hash's constants as int32 (a kernel reads only constexpr globals)
+    _M = tl.constexpr(as_int32(INDEX_MULTIPLIER))
+    _MIX1 = tl.constexpr(as_int32(MIX1))
+    _MIX2 = tl.constexpr(as_int32(MIX2))
+# The rows of a table, one column per tensor: 0 numel; the addresses of 1 the FP32 value, 2 exp_avg and
+# 3 exp_avg_sq in FP32, 4 the BF16 weight, 5 its remainder, 6 exp_avg and 7 exp_avg_sq in BF16; and (a
+# store's) 8 the weight's and 9 the moments' rounding keys. A prepare writes rows 1-3 from 4-7, a store
+# the reverse.
+
+
+def _prepare_kernel(
+    table,
+    blocks,
+    n,
+    WEIGHTS: tl.constexpr,
+    REMAINDERS: tl.constexpr,
+    MOMENTS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Program ``p``: the block ``blocks[2p + 1]`` elements into tensor ``blocks[2p]``; ``table[r * n + t]``:
+    row ``r`` of tensor ``t``."""
+    pid = tl.program_id(0)
+    t = tl.load(blocks + 2 * pid)
+    offs = tl.load(blocks + 2 * pid + 1) + tl.arange(0, BLOCK)
+    mask = offs < tl.load(table + t)
+    if WEIGHTS:
+        weight = tl.load(table + 4 * n + t).to(tl.pointer_type(tl.int16))
+        bits = (tl.load(weight + offs, mask=mask).to(tl.int32) & 0xFFFF) << 16
+        if REMAINDERS:
+            remainder = tl.load(table + 5 * n + t).to(tl.pointer_type(tl.int16))
+            bits += tl.load(remainder + offs, mask=mask).to(tl.int32)
+        value = tl.load(table + 1 * n + t).to(tl.pointer_type(tl.int32))
+        tl.store(value + offs, bits, mask=mask)
+    if MOMENTS:
+        m16 = tl.load(table + 6 * n + t).to(tl.pointer_type(tl.int16))
+        v16 = tl.load(table + 7 * n + t).to(tl.pointer_type(tl.int16))
+        m32 = tl.load(table + 2 * n + t).to(tl.pointer_type(tl.int32))
+        v32 = tl.load(table + 3 * n + t).to(tl.pointer_type(tl.int32))
+        tl.store(m32 + offs, (tl.load(m16 + offs, mask=mask).to(tl.int32) & 0xFFFF) << 16, mask=mask)
+        tl.store(v32 + offs, (tl.load(v16 + offs, mask=mask).to(tl.int32) & 0xFFFF) << 16, mask=mask)
+
+
+def _store_kernel(
+    table,
+    blocks,
+    n,
+    WEIGHTS: tl.constexpr,
+    REMAINDERS: tl.constexpr,
+    MOMENTS: tl.constexpr,
+    SR_MOMENTS: tl.constexpr,
+    DEVICE_ROUNDING: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Program ``p`` as in :func:`_prepare_kernel`. The hash is
+    :func:`~amp_plugin.master_weights._stochastic.element_hash` in int32 (products wrap), the
+    logical shifts arithmetic ones masked; a stochastic rounding is ``(bits + random) >> 16``,
+    NaN -> 0x7FC0 (:func:`~amp_plugin.master_weights._stochastic.round_stochastic`)."""
+    pid = tl.program_id(0)
+    t = tl.load(blocks + 2 * pid)
+    offs = tl.load(blocks + 2 * pid + 1) + tl.arange(0, BLOCK)
+    mask = offs < tl.load(table + t)
+    index = offs.to(tl.int32)
+    if WEIGHTS:
+        value = tl.load(table + 1 * n + t).to(tl.pointer_type(tl.int32))
+        bits = tl.load(value + offs, mask=mask)
+        weight = tl.load(table + 4 * n + t).to(tl.pointer_type(tl.int16))
+        if REMAINDERS:  # bf16_split: to nearest, ties away from zero, and the remainder
+            low = bits & 0xFFFF
+            tl.store(weight + offs, (((bits >> 16) & 0xFFFF) + ((low >> 15) & 1)).to(tl.int16), mask=mask)
+            remainder = tl.load(table + 5 * n + t).to(tl.pointer_type(tl.int16))
+            tl.store(remainder + offs, low.to(tl.int16), mask=mask)
+        else:  # stochastic: the high 16 bits of the weight key's hash
+            h = index * _M + tl.load(table + 8 * n + t).to(tl.int32)
+            h = h ^ ((h >> 16) & 0xFFFF)
+            h = h * _MIX1
+            h = h ^ ((h >> 13) & 0x7FFFF)
+            h = h * _MIX2
+            h = h ^ ((h >> 16) & 0xFFFF)
+            rounded = (bits + ((h >> 16) & 0xFFFF)) >> 16
+            rounded = tl.where((bits & 0x7FFFFFFF) > 0x7F800000, 0x7FC0, rounded)
+            tl.store(weight + offs, rounded.to(tl.int16), mask=mask)
+    if MOMENTS:
+        m32 = tl.load(table + 2 * n + t).to(tl.pointer_type(tl.int32))
+        v32 = tl.load(table + 3 * n + t).to(tl.pointer_type(tl.int32))
+        m_bits = tl.load(m32 + offs, mask=mask)
+        v_bits = tl.load(v32 + offs, mask=mask)
+        if SR_MOMENTS:  # one hash for both: exp_avg takes its high 16 bits, exp_avg_sq its low 16
+            m16 = tl.load(table + 6 * n + t).to(tl.pointer_type(tl.int16))
+            v16 = tl.load(table + 7 * n + t).to(tl.pointer_type(tl.int16))
+            h = index * _M + tl.load(table + 9 * n + t).to(tl.int32)
+            h = h ^ ((h >> 16) & 0xFFFF)
+            h = h * _MIX1
+            h = h ^ ((h >> 13) & 0x7FFFF)
+            h = h * _MIX2
+            h = h ^ ((h >> 16) & 0xFFFF)
+            m_rounded = (m_bits + ((h >> 16) & 0xFFFF)) >> 16
+            m_rounded = tl.where((m_bits & 0x7FFFFFFF) > 0x7F800000, 0x7FC0, m_rounded)
+            v_rounded = (v_bits + (h & 0xFFFF)) >> 16
+            v_rounded = tl.where((v_bits & 0x7FFFFFFF) > 0x7F800000, 0x7FC0, v_rounded)
+            tl.store(m16 + offs, m_rounded.to(tl.int16), mask=mask)
+            tl.store(v16 + offs, v_rounded.to(tl.int16), mask=mask)
+        elif DEVICE_ROUNDING:  # to nearest, the device's conversion (cvt.rn.bf16.f32 on CUDA, as torch's copy_)
+            m16 = tl.load(table + 6 * n + t).to(tl.pointer_type(tl.bfloat16))
+            v16 = tl.load(table + 7 * n + t).to(tl.pointer_type(tl.bfloat16))
+            tl.store(m16 + offs, m_bits.to(tl.float32, bitcast=True).to(tl.bfloat16), mask=mask)
+            tl.store(v16 + offs, v_bits.to(tl.float32, bitcast=True).to(tl.bfloat16), mask=mask)
+        else:  # to nearest, ties to even, NaN -> 0x7FC0 (c10's rule; the interpreter's conversion truncates)
+            m16 = tl.load(table + 6 * n + t).to(tl.pointer_type(tl.int16))
+            v16 = tl.load(table + 7 * n + t).to(tl.pointer_type(tl.int16))
+            m_rounded = (m_bits + 0x7FFF + ((m_bits >> 16) & 1)) >> 16
+            m_rounded = tl.where((m_bits & 0x7FFFFFFF) > 0x7F800000, 0x7FC0, m_rounded)
+            v_rounded = (v_bits + 0x7FFF + ((v_bits >> 16) & 1)) >> 16
+            v_rounded = tl.where((v_bits & 0x7FFFFFFF) > 0x7F800000, 0x7FC0, v_rounded)
+            tl.store(m16 + offs, m_rounded.to(tl.int16), mask=mask)
+            tl.store(v16 + offs, v_rounded.to(tl.int16), mask=mask)
+
+
+_kernels: dict[tuple[str, bool], Any] = {}
+_blocks: OrderedDict[tuple[Any, ...], torch.Tensor] = OrderedDict()
+_state: dict[str, Any] = {"ok": {}, "error": {}}
+
+
+def _kernel(name: str, device: torch.device) -> Any:
+    """The kernel ``name`` for ``device``: Triton's JIT on a GPU, its interpreter on the CPU."""
+    interpret = device.type == "cpu"
+    if (name, interpret) not in _kernels:
+        fn = {"prepare": _prepare_kernel, "store": _store_kernel}[name]
+        _kernels[name, interpret] = InterpretedFunction(fn) if interpret else triton.jit(fn)
+    return _kernels[name, interpret]
+
+
+def _block_table(numels: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """``[tensor, start]`` of every :data:`BLOCK` of ``numels``, int64 on ``device``, kept for the
+    last 32 patterns of sizes (a model has one or two per group)."""
+    key = (device, numels)
+    table = _blocks.get(key)
+    if table is None:
+        counts = torch.tensor([-(-n // BLOCK) for n in numels], dtype=torch.int64)
+        tensor = torch.repeat_interleave(torch.arange(len(numels)), counts)
+        first = torch.cumsum(counts, 0) - counts
+        start = (torch.arange(int(counts.sum())) - torch.repeat_interleave(first, counts)) * BLOCK
+        table = torch.stack([tensor, start], 1).reshape(-1).to(device)
+        _blocks[key] = table
+        if len(_blocks) > 32:
+            _blocks.popitem(last=False)
+    _blocks.move_to_end(key)
+    return table
+
+
+def _to_device(rows: list[list[int]], device: torch.device) -> torch.Tensor:
+    """``rows`` as one int64 tensor on ``device``: from pinned memory without a host wait on CUDA."""
+    host = torch.tensor(rows, dtype=torch.int64)
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host
+
+
+def _addresses(tensors: L | None, n: int) -> list[int]:
+    return [0] * n if tensors is None else [t.data_ptr() for t in tensors]
+
+
+def _launch(name: str, rows: list[list[int]], numels: tuple[int, ...], device: torch.device, **flags: bool) -> None:
+    if not any(numels):
+        return
+    blocks = _block_table(numels, device)
+    table = _to_device(rows, device)
+    _kernel(name, device)[(blocks.numel() // 2,)](table, blocks, len(numels), BLOCK=BLOCK, **flags)
+
+
+def prepare(
+    weights: L | None, remainders: L | None, moments: tuple[L, L] | None
+) -> tuple[L | None, L | None, L | None]:
+    """:func:`amp_plugin.master_weights._compiled.prepare` in one launch: the FP32 values are views of
+    one new buffer. Tensors contiguous, of one device."""
+    if weights is None and moments is None:
+        return None, None, None
+    like = weights if weights is not None else moments[0]  # type: ignore[index]
+    numels = tuple(t.numel() for t in like)
+    shapes = [t.shape for t in like]
+    parts = (weights is not None) + 2 * (moments is not None)
+    flat = torch.empty(parts, sum(numels), dtype=torch.float32, device=like[0].device)
+    views = [[t.view(shape) for t, shape in zip(part.split(numels), shapes)] for part in flat.unbind(0)]
+    n = len(numels)
+    values = views.pop(0) if weights is not None else None
+    m32s, v32s = views if moments is not None else (None, None)
+    rows = [
+        list(numels),
+        _addresses(values, n),
+        _addresses(m32s, n),
+        _addresses(v32s, n),
+        _addresses(weights, n),
+        _addresses(remainders, n),
+        _addresses(moments[0] if moments is not None else None, n),
+        _addresses(moments[1] if moments is not None else None, n),
+    ]
+    flags = dict(WEIGHTS=weights is not None, REMAINDERS=remainders is not None, MOMENTS=moments is not None)
+    _launch("prepare", rows, numels, like[0].device, **flags)
+    return values, m32s, v32s
+
+
+def keys_tensor(keys: list[tuple[int, int]], device: torch.device) -> list[tuple[int, int]]:
+    """The (weight, moments) rounding keys of each tensor, as int32 values: they travel in :func:`store`'s
+    table (one copy to the device per launch)."""
+    return [(as_int32(w & 0xFFFFFFFF), as_int32(m & 0xFFFFFFFF)) for w, m in keys]
+
+
+def store(
+    values: L,
+    weights: L | None,
+    remainders: L | None,
+    moments: tuple[L, L, L, L] | None,
+    keys: list[tuple[int, int]],
+    stochastic_moments: bool,
+) -> None:
+    """:func:`amp_plugin.master_weights._compiled.store` in one launch (``keys``: :func:`keys_tensor`)."""
+    n = len(values)
+    numels = tuple(t.numel() for t in values)
+    m32s, v32s, m16s, v16s = moments if moments is not None else (None,) * 4
+    rows = [
+        list(numels),
+        _addresses(values, n),
+        _addresses(m32s, n),
+        _addresses(v32s, n),
+        _addresses(weights, n),
+        _addresses(remainders, n),
+        _addresses(m16s, n),
+        _addresses(v16s, n),
+        [k[0] for k in keys],
+        [k[1] for k in keys],
+    ]
+    flags = dict(
+        WEIGHTS=weights is not None,
+        REMAINDERS=remainders is not None,
+        MOMENTS=moments is not None,
+        SR_MOMENTS=bool(stochastic_moments),
+        DEVICE_ROUNDING=values[0].device.type != "cpu",
+    )
+    _launch("store", rows, numels, values[0].device, **flags)
+
+
+def available(device: torch.device, strict: bool) -> bool:
+    """Whether the kernels run on ``device``: Triton importable, and on a GPU compiled (and checked
+    against the torch ops) the first time, said once on stderr. A failure warns once and returns
+    ``False`` (``strict``: raises)."""
+    key = device.type
+    if key not in _state["ok"]:
+        try:
+            if triton is None:
+                raise RuntimeError(f"Triton is not importable ({_IMPORT_ERROR})")
+            if device.type != "cpu":
+                print(
+                    "amp_plugin: compiling the lean step's Triton kernels, once per process (Triton caches them "
+                    "on disk); the time is not counted in the run's steps/s.",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            begin = time.perf_counter()
+            with counted_as_build():
+                _probe(device)
+            if device.type != "cpu":
+                print(f"amp_plugin: compiled in {time.perf_counter() - begin:.0f} s.", file=sys.stderr, flush=True)
+            _state["ok"][key] = True
+        except Exception as err:  # any failure: the next kernel (compiled, or torch's ops) runs the step
+            _state["ok"][key] = False
+            _state["error"][key] = err
+            if device.type != "cpu" or strict:
+                warnings.warn(
+                    f"the lean step's Triton kernels are unavailable on {device.type} ({type(err).__name__}: {err}); "
+                    "the step runs without them (same bits, slower).",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+    if not _state["ok"][key] and strict:
+        error = _state["error"][key]
+        raise RuntimeError(f"fused='triton': {error}") from error
+    return bool(_state["ok"][key])
+
+
+def _probe(device: torch.device) -> None:
+    """Run every variant of both kernels on two small tensors and check them against the torch ops."""
+    from amp_plugin.master_weights import _split
+    from amp_plugin.master_weights._stochastic import round_stochastic
+
+    gen = torch.Generator().manual_seed(0)
+    value = list(torch.randn(2, 40, generator=gen).to(device).unbind(0))
+    abs_value = [v.abs() for v in value]
+    weight = list(torch.empty(2, 40, dtype=torch.bfloat16, device=device).unbind(0))
+    remainder = list(torch.empty(2, 40, dtype=torch.int16, device=device).unbind(0))
+    m16, v16 = (list(torch.empty(2, 40, dtype=torch.bfloat16, device=device).unbind(0)) for _ in range(2))
+    keys = keys_tensor([(1, 2), (3, 4)], device)
+    for sr in (False, True):
+        for rem in (remainder, None):
+            store(value, weight, rem, (value, abs_value, m16, v16), keys, sr)
+            store(value, None, None, (value, abs_value, m16, v16), keys, sr)
+            store(value, weight, rem, None, keys, sr)
+    expected = torch.empty_like(weight[1])
+    round_stochastic(value[1], expected, 3)
+    if not torch.equal(weight[1].view(torch.int16), expected.view(torch.int16)):
+        raise RuntimeError("the Triton store rounds otherwise than the torch ops")
+    _split.split_into(value[1], weight[1], remainder[1])
+    for rem in (remainder, None):
+        for moments in ((m16, v16), None):
+            prepare(weight, rem, moments)
+        prepare(None, None, (m16, v16))
+    joined = prepare([weight[1]], [remainder[1]], None)[0]
+    if joined is None or not torch.equal(joined[0], value[1]):
+        raise RuntimeError("the Triton prepare does not give the master back")
