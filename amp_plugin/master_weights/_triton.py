@@ -327,31 +327,63 @@ def available(device: torch.device, strict: bool) -> bool:
 
 
 def _probe(device: torch.device) -> None:
-    """Run every variant of both kernels on two small tensors and check them against the torch ops."""
+    """Every variant of both kernels on three tensors (one element, a few, past a block), each checked
+    bit for bit against the torch ops on ``device``: kernels that compute otherwise are not used."""
     from amp_plugin.master_weights import _split
     from amp_plugin.master_weights._stochastic import round_stochastic
 
     gen = torch.Generator().manual_seed(0)
-    value = list(torch.randn(2, 40, generator=gen).to(device).unbind(0))
-    abs_value = [v.abs() for v in value]
-    weight = list(torch.empty(2, 40, dtype=torch.bfloat16, device=device).unbind(0))
-    remainder = list(torch.empty(2, 40, dtype=torch.int16, device=device).unbind(0))
-    m16, v16 = (list(torch.empty(2, 40, dtype=torch.bfloat16, device=device).unbind(0)) for _ in range(2))
-    keys = keys_tensor([(1, 2), (3, 4)], device)
-    for sr in (False, True):
-        for rem in (remainder, None):
-            store(value, weight, rem, (value, abs_value, m16, v16), keys, sr)
-            store(value, None, None, (value, abs_value, m16, v16), keys, sr)
-            store(value, weight, rem, None, keys, sr)
-    expected = torch.empty_like(weight[1])
-    round_stochastic(value[1], expected, 3)
-    if not torch.equal(weight[1].view(torch.int16), expected.view(torch.int16)):
-        raise RuntimeError("the Triton store rounds otherwise than the torch ops")
-    _split.split_into(value[1], weight[1], remainder[1])
-    for rem in (remainder, None):
-        for moments in ((m16, v16), None):
-            prepare(weight, rem, moments)
-        prepare(None, None, (m16, v16))
-    joined = prepare([weight[1]], [remainder[1]], None)[0]
-    if joined is None or not torch.equal(joined[0], value[1]):
-        raise RuntimeError("the Triton prepare does not give the master back")
+    sizes = (1, 40, BLOCK + 3)
+    values = [torch.randn(n, generator=gen).to(device) for n in sizes]
+    squares = [v * v for v in values]
+    rows = [(1 + i, 7 + i) for i in range(len(sizes))]  # (weight, moments) keys
+    keys = keys_tensor(rows, device)
+
+    def new(dtype: torch.dtype) -> L:
+        return [torch.zeros(n, dtype=dtype, device=device) for n in sizes]
+
+    def bits(t: torch.Tensor) -> torch.Tensor:
+        return t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int32)
+
+    def same(got: L, expected: L, what: str) -> None:
+        if not all(torch.equal(bits(a), bits(b)) for a, b in zip(got, expected, strict=True)):
+            raise RuntimeError(f"the Triton kernels compute {what} otherwise than the torch ops")
+
+    for weights_kind in ("split", "stochastic", None):
+        for moments_kind in ("stochastic", "nearest", None):
+            if weights_kind is None and moments_kind is None:
+                continue
+            weights = new(torch.bfloat16) if weights_kind else None
+            remainders = new(torch.int16) if weights_kind == "split" else None
+            m16s, v16s = new(torch.bfloat16), new(torch.bfloat16)
+            moments = (values, squares, m16s, v16s) if moments_kind else None
+            store(values, weights, remainders, moments, keys, moments_kind == "stochastic")
+            if weights is not None:
+                w, r = new(torch.bfloat16), new(torch.int16)
+                for i, v in enumerate(values):
+                    if remainders is not None:
+                        _split.split_into(v, w[i], r[i])
+                    else:
+                        round_stochastic(v, w[i], rows[i][0])
+                same(weights, w, f"the {weights_kind} weights")
+                if remainders is not None:
+                    same(remainders, r, "the remainders")
+            if moments_kind is not None:
+                m, v2 = new(torch.bfloat16), new(torch.bfloat16)
+                for i, v in enumerate(values):
+                    if moments_kind == "stochastic":
+                        round_stochastic(v, m[i], rows[i][1])
+                        round_stochastic(squares[i], v2[i], rows[i][1], low=True)
+                    else:
+                        m[i].copy_(v)
+                        v2[i].copy_(squares[i])
+                same(m16s, m, f"the {moments_kind} exp_avg")
+                same(v16s, v2, f"the {moments_kind} exp_avg_sq")
+            joined, m32s, v32s = prepare(weights, remainders, (m16s, v16s) if moments_kind else None)
+            if joined is not None and weights is not None:
+                rems: list[Any] = remainders if remainders is not None else [None] * len(sizes)
+                up = [w.float() if r is None else _split.join(w, r) for w, r in zip(weights, rems)]
+                same(joined, up, "the FP32 weights")
+            if m32s is not None and v32s is not None:
+                same(m32s, [m.float() for m in m16s], "the FP32 exp_avg")
+                same(v32s, [v.float() for v in v16s], "the FP32 exp_avg_sq")

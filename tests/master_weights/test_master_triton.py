@@ -164,3 +164,16 @@ def test_fused_triton_is_refused_where_torch_is():
     params = [torch.nn.Parameter(torch.randn(8).to(BF16))]
     with pytest.raises(ValueError, match="fused='triton' is not possible here: .*Adam and AdamW only, not SGD"):
         MasterWeightOptimizer(torch.optim.SGD(params, lr=0.1), fused="triton")
+
+
+def test_the_probe_refuses_kernels_that_compute_other_bits(monkeypatch):
+    """Every variant is checked against the torch ops before a step uses it: here the stores get other keys."""
+    real = _triton.keys_tensor
+    monkeypatch.setattr(_triton, "keys_tensor", lambda rows, device: real([(w + 1, m) for w, m in rows], device))
+    with pytest.raises(RuntimeError, match="compute the stochastic weights otherwise than the torch ops"):
+        _triton._probe(CPU)
+    monkeypatch.setattr(_triton, "keys_tensor", lambda rows, device: real([(w, m ^ 4) for w, m in rows], device))
+    with pytest.raises(RuntimeError, match="compute the stochastic exp_avg otherwise than the torch ops"):
+        _triton._probe(CPU)
+    monkeypatch.setattr(_triton, "keys_tensor", real)
+    _triton._probe(CPU)
