@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "fused_simd.h"
 
@@ -43,10 +44,13 @@ struct AdamConstants {
 };
 
 // The scalar update. kTail: the roundings of torch's scalar tail loop, which fuses the other
-// product of the exp_avg_sq update: exp_avg_sq * beta2 + ((1 - beta2) * grad) * grad.
-template <bool kL2, bool kTail>
+// product of the exp_avg_sq update: exp_avg_sq * beta2 + ((1 - beta2) * grad) * grad. kSigned: g
+// comes with maximize's sign (the sign is exact, so folding it into the unscale factor changes no bit).
+template <bool kL2, bool kTail, bool kSigned = false>
 inline void adam_scalar(float& p, float g, float& m, float& v, const AdamConstants& c) {
-  g = g * c.sign;
+  if constexpr (!kSigned) {
+    g = g * c.sign;
+  }
   if constexpr (kL2) {
     g = std::fma(p, c.weight_decay, g);
   } else {
@@ -63,16 +67,19 @@ inline void adam_scalar(float& p, float g, float& m, float& v, const AdamConstan
   v = vi;
 }
 
-// Gradient sources: FP32 as stored, or FP16/BF16 times the unscale factor.
+// Gradient sources: FP32 as stored, or FP16/BF16 times the unscale factor, maximize's sign
+// included (kSigned: the factor is inv_scale * sign, one multiply fewer per element).
 struct GradF32 {
+  static constexpr bool kSigned = false;
   const float* g;
   template <class V>
   AMP_INLINE typename V::F load(int64_t i) const { return V::load(g + i); }
 };
 template <typename Half>
 struct GradHalf {
+  static constexpr bool kSigned = true;
   const Half* g;
-  float inv_scale;
+  float inv_scale;  // times the sign
   template <class V>
   AMP_INLINE typename V::F load(int64_t i) const {
     if constexpr (std::is_same_v<Half, _Float16>) {
@@ -191,7 +198,10 @@ int64_t adam_vectors(int64_t i, int64_t limit, const Grad grad, const Master mas
   const F bc2 = V::set1(c.bias_correction2_sqrt), eps = V::set1(c.eps), step_size = V::set1(c.step_size);
   const bool from_avg = c.lerp_from_avg;
   auto update = [&](int64_t j) AMP_LAMBDA_INLINE {  // updates the moments at j, returns the new master
-    F g = V::mul(grad.template load<V>(j), sign);
+    F g = grad.template load<V>(j);
+    if constexpr (!Grad::kSigned) {
+      g = V::mul(g, sign);
+    }
     F p = master.template load<V>(j);
     if constexpr (kL2) {
       g = V::fma(p, weight_decay, g);
@@ -223,11 +233,18 @@ void adam_scalars(int64_t i, int64_t limit, const Grad grad, const Master master
     float p = master.template load<V1>(i);
     float m = mom.template load_m<V1>(i);
     float v = mom.template load_v<V1>(i);
-    adam_scalar<kL2, kTail>(p, grad.template load<V1>(i), m, v, c);
+    adam_scalar<kL2, kTail, Grad::kSigned>(p, grad.template load<V1>(i), m, v, c);
     mom.template store<V1>(i, m, v);
     master.template store<V1>(i, p);
   }
 }
+
+// Whether every stream of an update is 16-bit (the BF16 gradient, a lean master, BF16 moments):
+// such a loop runs V8P, whose 16-bit loads and stores need no widening shuffles.
+template <class Grad, class Master, class Moments>
+constexpr bool kAll16Bit = std::is_same_v<Grad, GradHalf<BF16Bits>> &&
+                           (std::is_same_v<Master, MasterRemainder> || std::is_same_v<Master, MasterStochastic>) &&
+                           (std::is_same_v<Moments, MomentsBF16<true>> || std::is_same_v<Moments, MomentsBF16<false>>);
 
 // torch's fused Adam (CPU) updates whole Vectorized<float> vectors of 8 and finishes each tensor
 // with a scalar loop over the last numel % 8 elements; its work is split into 16-float units, so
@@ -250,6 +267,9 @@ void adam_span(int64_t begin, int64_t end, int64_t numel, const Grad& grad, cons
   i = adam_vectors<V16, kL2>(i, limit, grad, master, mom, c);
 #endif
 #if defined(AMP_PLUGIN_SIMD)
+  if constexpr (kAll16Bit<Grad, Master, Moments>) {
+    i = adam_vectors<V8P, kL2>(i, limit, grad, master, mom, c);
+  }
   i = adam_vectors<V8, kL2>(i, limit, grad, master, mom, c);
 #endif
   adam_scalars<kL2, false>(i, limit, grad, master, mom, c);

@@ -1,9 +1,10 @@
 // The number formats and vector types of amp_plugin's fused CPU kernels (master_step.cpp).
 //
 // BF16 bit conversions (round to nearest even, as c10 does; stochastic rounding from a
-// counter-based hash of the element's index and a key), and three vector types with the same
-// operations, V1 (plain C++), V8 (AVX2 + FMA + F16C) and V16 (AVX-512), which compute the same
-// bits: a loop written once over a vector type gives the same results at every width.
+// counter-based hash of the element's index and a key), and vector types with the same
+// operations, V1 (plain C++), V8 (AVX2 + FMA + F16C), V8P (sixteen elements in two AVX2 vectors,
+// for all-16-bit streams) and V16 (AVX-512), which compute the same bits: a loop written once
+// over a vector type gives the same results at every width.
 
 #pragma once
 
@@ -204,13 +205,12 @@ struct V8 {
     const __m256i h = _mm256_slli_epi32(_mm256_cvtepu16_epi32(load_h(hi)), 16);
     return _mm256_castsi256_ps(_mm256_add_epi32(h, _mm256_cvtepi16_epi32(load_h(lo))));
   }
+  // the weight (u >> 16) + (low >> 15), the high half plus one when the low half is at least half an
+  // ulp, is (u + 2**15) >> 16 modulo 2**32 (a NaN at the top wraps to 0 either way)
   AMP_INLINE static void store_rem(uint16_t* hi, uint16_t* lo, F x) {
     const __m256i u = _mm256_castps_si256(x);
-    const __m256i mask = _mm256_set1_epi32(0xffff);
-    const __m256i low = _mm256_and_si256(u, mask);
-    const __m256i h = _mm256_and_si256(_mm256_add_epi32(_mm256_srli_epi32(u, 16), _mm256_srli_epi32(low, 15)), mask);
-    store_h(hi, narrow(h), false);
-    store_h(lo, narrow(low), false);
+    store_h(hi, narrow(_mm256_srli_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x8000)), 16)), false);
+    store_h(lo, narrow(_mm256_and_si256(u, _mm256_set1_epi32(0xffff))), false);
   }
   AMP_INLINE static __m256i mix(__m256i h) {  // fmix32, eight at a time
     h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
@@ -237,6 +237,109 @@ struct V8 {
     const __m256i h = hash(key, i);
     store_h(m, round_sr(mi, _mm256_srli_epi32(h, 16)), false);
     store_h(v, round_sr(vi, _mm256_and_si256(h, _mm256_set1_epi32(0xffff))), false);
+  }
+};
+#endif
+
+#if defined(AMP_PLUGIN_SIMD)
+// Sixteen elements as two AVX2 vectors in the order of 16-bit unpacking: a holds elements 0-3 and
+// 8-11, b holds 4-7 and 12-15. Reading sixteen 16-bit values into that order is one unpack per
+// vector (_mm256_unpacklo/hi_epi16 work within 128-bit lanes), and writing them back is one
+// _mm256_packus_epi32 for both, which restores the order: a loop whose every stream is 16-bit
+// (the BF16 gradient, weight, remainder and moments) pays no widening or lane-crossing shuffles.
+// FP32 streams are reordered with two lane permutes each way. The hash's lane offsets follow the
+// order, so every element gets V8's bits. (BF16 streams only: there is no FP16 conversion here.)
+struct V8P {
+  struct F {
+    __m256 a, b;
+  };
+  using H = __m256i;  // sixteen 16-bit values, in memory order
+  struct I {
+    __m256i a, b;
+  };
+  static constexpr int64_t kWidth = 16;
+  AMP_INLINE static F set1(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
+  AMP_INLINE static F load(const float* p) {
+    const __m256 lo = _mm256_loadu_ps(p), hi = _mm256_loadu_ps(p + 8);
+    return {_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31)};
+  }
+  AMP_INLINE static void store(float* p, F x) {
+    _mm256_storeu_ps(p, _mm256_permute2f128_ps(x.a, x.b, 0x20));
+    _mm256_storeu_ps(p + 8, _mm256_permute2f128_ps(x.a, x.b, 0x31));
+  }
+  AMP_INLINE static F add(F x, F y) { return {_mm256_add_ps(x.a, y.a), _mm256_add_ps(x.b, y.b)}; }
+  AMP_INLINE static F sub(F x, F y) { return {_mm256_sub_ps(x.a, y.a), _mm256_sub_ps(x.b, y.b)}; }
+  AMP_INLINE static F mul(F x, F y) { return {_mm256_mul_ps(x.a, y.a), _mm256_mul_ps(x.b, y.b)}; }
+  AMP_INLINE static F div(F x, F y) { return {_mm256_div_ps(x.a, y.a), _mm256_div_ps(x.b, y.b)}; }
+  AMP_INLINE static F sqrt(F x) { return {_mm256_sqrt_ps(x.a), _mm256_sqrt_ps(x.b)}; }
+  AMP_INLINE static F fma(F x, F y, F z) { return {_mm256_fmadd_ps(x.a, y.a, z.a), _mm256_fmadd_ps(x.b, y.b, z.b)}; }
+  AMP_INLINE static H load_h(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
+  AMP_INLINE static I bits(F x) { return {_mm256_castps_si256(x.a), _mm256_castps_si256(x.b)}; }
+  AMP_INLINE static F floats(I x) { return {_mm256_castsi256_ps(x.a), _mm256_castsi256_ps(x.b)}; }
+  AMP_INLINE static F load_bf16(const uint16_t* p) {  // each value into the high half of its lane
+    const __m256i x = load_h(p), zero = _mm256_setzero_si256();
+    return floats({_mm256_unpacklo_epi16(zero, x), _mm256_unpackhi_epi16(zero, x)});
+  }
+  AMP_INLINE static H narrow(I x) { return _mm256_packus_epi32(x.a, x.b); }  // lanes below 2**16, memory order
+  AMP_INLINE static H to_bf16(F x) {  // float_to_bf16, sixteen at a time
+    const __m256i one = _mm256_set1_epi32(1), half = _mm256_set1_epi32(0x7fff), qnan = _mm256_set1_epi32(0x7fc0);
+    auto round = [&](__m256 f) AMP_LAMBDA_INLINE {
+      const __m256i u = _mm256_castps_si256(f);
+      const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), one);
+      const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, half), lsb), 16);
+      return _mm256_blendv_epi8(r, qnan, _mm256_castps_si256(_mm256_cmp_ps(f, f, _CMP_UNORD_Q)));
+    };
+    return narrow({round(x.a), round(x.b)});
+  }
+  AMP_INLINE static void store_h(void* p, H x, bool stream) {
+    if (stream) {
+      _mm256_stream_si256(static_cast<__m256i*>(p), x);
+    } else {
+      _mm256_storeu_si256(static_cast<__m256i*>(p), x);
+    }
+  }
+  AMP_INLINE static void store_h2(void* p, H x, H y, bool stream) {
+    store_h(p, x, stream);
+    store_h(static_cast<uint16_t*>(p) + 16, y, stream);
+  }
+  // the remainder offset by 2**15 (an unsigned 16-bit value) joined below the weight, less 2**15:
+  // (weight << 16) + remainder, as V8's sign extension gives it
+  AMP_INLINE static F load_rem(const uint16_t* hi, const uint16_t* lo) {
+    const __m256i h = load_h(hi), l = _mm256_xor_si256(load_h(lo), _mm256_set1_epi16(static_cast<int16_t>(0x8000)));
+    const __m256i offset = _mm256_set1_epi32(0x8000);
+    return floats({_mm256_sub_epi32(_mm256_unpacklo_epi16(l, h), offset),
+                   _mm256_sub_epi32(_mm256_unpackhi_epi16(l, h), offset)});
+  }
+  AMP_INLINE static void store_rem(uint16_t* hi, uint16_t* lo, F x) {  // V8's, on both vectors
+    const __m256i mask = _mm256_set1_epi32(0xffff), half = _mm256_set1_epi32(0x8000);
+    const I u = bits(x);
+    const __m256i ha = _mm256_srli_epi32(_mm256_add_epi32(u.a, half), 16);
+    store_h(hi, narrow({ha, _mm256_srli_epi32(_mm256_add_epi32(u.b, half), 16)}), false);
+    store_h(lo, narrow({_mm256_and_si256(u.a, mask), _mm256_and_si256(u.b, mask)}), false);
+  }
+  // sr_hash of elements i .. i + 15 in this order: the index times the multiplier, as a scalar plus each lane's offset
+  AMP_INLINE static I hash(uint32_t key, int64_t i) {
+    const int m = static_cast<int>(kIndexMultiplier);
+    const __m256i base = _mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(i) * kIndexMultiplier + key));
+    const __m256i lanes_a = _mm256_setr_epi32(0, m, 2 * m, 3 * m, 8 * m, 9 * m, 10 * m, 11 * m);  // wraps, as uint32
+    const __m256i lanes_b = _mm256_setr_epi32(4 * m, 5 * m, 6 * m, 7 * m, 12 * m, 13 * m, 14 * m, 15 * m);
+    return {V8::mix(_mm256_add_epi32(base, lanes_a)), V8::mix(_mm256_add_epi32(base, lanes_b))};
+  }
+  AMP_INLINE static __m256i round_sr1(__m256 x, __m256i r) {  // bf16_stochastic with the random bits r (< 2**16)
+    const __m256i out = _mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(x), r), 16);
+    const __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
+    return _mm256_blendv_epi8(out, _mm256_set1_epi32(0x7fc0), _mm256_castps_si256(nan));
+  }
+  AMP_INLINE static H to_bf16_sr(F x, uint32_t key, int64_t i) {
+    const I h = hash(key, i);
+    return narrow({round_sr1(x.a, _mm256_srli_epi32(h.a, 16)), round_sr1(x.b, _mm256_srli_epi32(h.b, 16))});
+  }
+  AMP_INLINE static void store_sr_pair(uint16_t* m, uint16_t* v, F mi, F vi, uint32_t key, int64_t i) {
+    const I h = hash(key, i);
+    const __m256i mask = _mm256_set1_epi32(0xffff);
+    const __m256i ma = round_sr1(mi.a, _mm256_srli_epi32(h.a, 16)), va = round_sr1(vi.a, _mm256_and_si256(h.a, mask));
+    store_h(m, narrow({ma, round_sr1(mi.b, _mm256_srli_epi32(h.b, 16))}), false);
+    store_h(v, narrow({va, round_sr1(vi.b, _mm256_and_si256(h.b, mask))}), false);
   }
 };
 #endif
@@ -289,13 +392,10 @@ struct V16 {
     const __m512i h = _mm512_slli_epi32(_mm512_cvtepu16_epi32(load_h(hi)), 16);
     return _mm512_castsi512_ps(_mm512_add_epi32(h, _mm512_cvtepi16_epi32(load_h(lo))));
   }
-  AMP_INLINE static void store_rem(uint16_t* hi, uint16_t* lo, F x) {
+  AMP_INLINE static void store_rem(uint16_t* hi, uint16_t* lo, F x) {  // as V8's; the truncations keep the low halves
     const __m512i u = _mm512_castps_si512(x);
-    const __m512i mask = _mm512_set1_epi32(0xffff);
-    const __m512i low = _mm512_and_si512(u, mask);
-    const __m512i h = _mm512_and_si512(_mm512_add_epi32(_mm512_srli_epi32(u, 16), _mm512_srli_epi32(low, 15)), mask);
-    store_h(hi, _mm512_cvtepi32_epi16(h), false);
-    store_h(lo, _mm512_cvtepi32_epi16(low), false);
+    store_h(hi, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x8000)), 16)), false);
+    store_h(lo, _mm512_cvtepi32_epi16(u), false);
   }
   AMP_INLINE static __m512i mix(__m512i h) {  // fmix32, sixteen at a time
     h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 16));

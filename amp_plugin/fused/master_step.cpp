@@ -333,12 +333,12 @@ void adam_job_grad(const AdamJob& job, int64_t begin, int64_t end, const Master&
       adam_span<kL2>(begin, end, job.numel, GradF32{static_cast<const float*>(job.grad)}, master, mom, job.c);
       break;
     case at::kHalf:
-      adam_span<kL2>(begin, end, job.numel, GradHalf<_Float16>{static_cast<const _Float16*>(job.grad), job.inv_scale},
-                     master, mom, job.c);
+      adam_span<kL2>(begin, end, job.numel,
+                     GradHalf<_Float16>{static_cast<const _Float16*>(job.grad), job.inv_scale * job.c.sign}, master, mom, job.c);
       break;
     default:
-      adam_span<kL2>(begin, end, job.numel, GradHalf<BF16Bits>{static_cast<const BF16Bits*>(job.grad), job.inv_scale},
-                     master, mom, job.c);
+      adam_span<kL2>(begin, end, job.numel,
+                     GradHalf<BF16Bits>{static_cast<const BF16Bits*>(job.grad), job.inv_scale * job.c.sign}, master, mom, job.c);
       break;
   }
 }

@@ -145,7 +145,7 @@ def test_fused_torch_needs_adam_and_says_so():
 
 def test_parameters_off_the_cpu_select_the_multi_tensor_path(monkeypatch):
     """fused=None picks torch's kernels for non-CPU parameters (seen here by pretending): torch's fused
-    Adam with the compiled bit handling, torch's ops if compiling fails."""
+    Adam with the bit handling in Triton kernels, compiled if Triton fails, torch's ops if compiling fails."""
     model = model_for()
     opt = MasterWeightOptimizer(torch.optim.AdamW(model.parameters(), fused=True))
     names = lambda: [k.name for k in step_kernels(opt, {})]  # noqa: E731
@@ -153,7 +153,7 @@ def test_parameters_off_the_cpu_select_the_multi_tensor_path(monkeypatch):
     opt._chosen = None  # the choice is cached from the first step
     monkeypatch.setattr(opt, "_all_cpu", lambda: False)
     monkeypatch.setattr(opt, "_kernel_ops", lambda: None)  # amp_plugin's kernels are CPU-only
-    assert names() == ["compiled", "torch"]
+    assert names() == ["triton", "compiled", "torch"]
     opt._chosen = None
     opt.param_groups[0]["fused"] = False  # the user chose foreach/for-loop Adam: its own step
     assert names() == []
