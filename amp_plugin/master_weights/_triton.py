@@ -214,7 +214,12 @@ def _launch(name: str, rows: list[list[int]], numels: tuple[int, ...], device: t
         return
     blocks = _block_table(numels, device)
     table = _to_device(rows, device)
-    _kernel(name, device)[(blocks.numel() // 2,)](table, blocks, len(numels), BLOCK=BLOCK, **flags)
+    grid = (blocks.numel() // 2,)
+    if device.type == "cuda":  # Triton launches on the current device: the tensors' one
+        with torch.cuda.device(device):
+            _kernel(name, device)[grid](table, blocks, len(numels), BLOCK=BLOCK, **flags)
+    else:
+        _kernel(name, device)[grid](table, blocks, len(numels), BLOCK=BLOCK, **flags)
 
 
 def prepare(
