@@ -205,32 +205,20 @@ register_kernel(
         needs_half_grads_in_fp32=False,
     )
 )
-register_kernel(
-    StepKernel(
-        name="triton",
-        optimizers=_ADAM,
-        kinds=_ALL_KINDS,
-        device_type=None,
-        automatic_on_cpu=False,
-        ineligible=lambda opt, to_come: _adam.adam_ineligible(opt, to_come, device_type=None),
-        run=_with_passes(_triton, "triton"),
-        needs_half_grads_in_fp32=True,
-        only_named_on_cpu=True,
+for _name, _passes in (("triton", _triton), ("compiled", _compiled)):  # most preferred first
+    register_kernel(
+        StepKernel(
+            name=_name,
+            optimizers=_ADAM,
+            kinds=_ALL_KINDS,
+            device_type=None,
+            automatic_on_cpu=False,
+            ineligible=lambda opt, to_come: _adam.adam_ineligible(opt, to_come, device_type=None),
+            run=_with_passes(_passes, _name),
+            needs_half_grads_in_fp32=True,
+            only_named_on_cpu=True,
+        )
     )
-)
-register_kernel(
-    StepKernel(
-        name="compiled",
-        optimizers=_ADAM,
-        kinds=_ALL_KINDS,
-        device_type=None,
-        automatic_on_cpu=False,
-        ineligible=lambda opt, to_come: _adam.adam_ineligible(opt, to_come, device_type=None),
-        run=_with_passes(_compiled, "compiled"),
-        needs_half_grads_in_fp32=True,
-        only_named_on_cpu=True,
-    )
-)
 register_kernel(
     StepKernel(
         name="torch",

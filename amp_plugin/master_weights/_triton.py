@@ -101,7 +101,9 @@ def _store_kernel(
     DEVICE_ROUNDING: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """Program ``p`` as in :func:`_prepare_kernel`. The hash is
+    """Program ``p`` as in :func:`_prepare_kernel`. (The hash and the rounding are written out where
+    each is used: Triton's interpreter, which runs this on the CPU, cannot call ``@triton.jit`` helpers
+    from a kernel it interprets.) The hash is
     :func:`~amp_plugin.master_weights._stochastic.element_hash` in int32 (products wrap), the
     logical shifts arithmetic ones masked; a stochastic rounding is ``(bits + random) >> 16``,
     NaN -> 0x7FC0 (:func:`~amp_plugin.master_weights._stochastic.round_stochastic`)."""
