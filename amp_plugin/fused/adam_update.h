@@ -240,7 +240,7 @@ void adam_scalars(int64_t i, int64_t limit, const Grad grad, const Master master
 }
 
 // Whether every stream of an update is 16-bit (the BF16 gradient, a lean master, BF16 moments):
-// such a loop runs V8P, whose 16-bit loads and stores need no widening shuffles.
+// such a loop runs V16P (AVX-512) or V8P, whose 16-bit loads and stores need no widening shuffles.
 template <class Grad, class Master, class Moments>
 constexpr bool kAll16Bit = std::is_same_v<Grad, GradHalf<BF16Bits>> &&
                            (std::is_same_v<Master, MasterRemainder> || std::is_same_v<Master, MasterStochastic>) &&
@@ -264,6 +264,9 @@ void adam_span(int64_t begin, int64_t end, int64_t numel, const Grad& grad, cons
   const int64_t limit = std::min(end, vector_end);
   int64_t i = begin;
 #if defined(AMP_PLUGIN_AVX512)
+  if constexpr (kAll16Bit<Grad, Master, Moments>) {
+    i = adam_vectors<V16P, kL2>(i, limit, grad, master, mom, c);
+  }
   i = adam_vectors<V16, kL2>(i, limit, grad, master, mom, c);
 #endif
 #if defined(AMP_PLUGIN_SIMD)

@@ -2,9 +2,9 @@
 //
 // BF16 bit conversions (round to nearest even, as c10 does; stochastic rounding from a
 // counter-based hash of the element's index and a key), and vector types with the same
-// operations, V1 (plain C++), V8 (AVX2 + FMA + F16C), V8P (sixteen elements in two AVX2 vectors,
-// for all-16-bit streams) and V16 (AVX-512), which compute the same bits: a loop written once
-// over a vector type gives the same results at every width.
+// operations, V1 (plain C++), V8 (AVX2 + FMA + F16C), V16 (AVX-512), and V8P and V16P (sixteen and
+// thirty-two elements in two vectors, for all-16-bit streams), which compute the same bits: a loop
+// written once over a vector type gives the same results at every width.
 
 #pragma once
 
@@ -423,6 +423,98 @@ struct V16 {
     const __m512i h = hash(key, i);
     store_h(m, round_sr(mi, _mm512_srli_epi32(h, 16)), false);
     store_h(v, round_sr(vi, _mm512_and_si512(h, _mm512_set1_epi32(0xffff))), false);
+  }
+};
+#endif
+
+#if defined(AMP_PLUGIN_AVX512)
+// V8P at twice the width: thirty-two elements as two AVX-512 vectors in 16-bit unpack order. The
+// AVX-512 unpacks and packs work within 128-bit lanes too, so a holds elements 0-3, 8-11, 16-19
+// and 24-27, b the other sixteen, and one pack of both restores memory order: no vpmovzxwd or
+// vpmovdw (lane-crossing shuffles) for the 16-bit streams. 16-bit streams only: the loops of
+// kAll16Bit (adam_update.h) read and write nothing else.
+struct V16P {
+  struct F {
+    __m512 a, b;
+  };
+  using H = __m512i;  // thirty-two 16-bit values, in memory order
+  struct I {
+    __m512i a, b;
+  };
+  static constexpr int64_t kWidth = 32;
+  AMP_INLINE static F set1(float x) { return {_mm512_set1_ps(x), _mm512_set1_ps(x)}; }
+  AMP_INLINE static F add(F x, F y) { return {_mm512_add_ps(x.a, y.a), _mm512_add_ps(x.b, y.b)}; }
+  AMP_INLINE static F sub(F x, F y) { return {_mm512_sub_ps(x.a, y.a), _mm512_sub_ps(x.b, y.b)}; }
+  AMP_INLINE static F mul(F x, F y) { return {_mm512_mul_ps(x.a, y.a), _mm512_mul_ps(x.b, y.b)}; }
+  AMP_INLINE static F div(F x, F y) { return {_mm512_div_ps(x.a, y.a), _mm512_div_ps(x.b, y.b)}; }
+  AMP_INLINE static F sqrt(F x) { return {_mm512_sqrt_ps(x.a), _mm512_sqrt_ps(x.b)}; }
+  AMP_INLINE static F fma(F x, F y, F z) { return {_mm512_fmadd_ps(x.a, y.a, z.a), _mm512_fmadd_ps(x.b, y.b, z.b)}; }
+  AMP_INLINE static H load_h(const void* p) { return _mm512_loadu_si512(p); }
+  AMP_INLINE static I bits(F x) { return {_mm512_castps_si512(x.a), _mm512_castps_si512(x.b)}; }
+  AMP_INLINE static F floats(I x) { return {_mm512_castsi512_ps(x.a), _mm512_castsi512_ps(x.b)}; }
+  AMP_INLINE static F load_bf16(const uint16_t* p) {  // each value into the high half of its lane
+    const __m512i x = load_h(p), zero = _mm512_setzero_si512();
+    return floats({_mm512_unpacklo_epi16(zero, x), _mm512_unpackhi_epi16(zero, x)});
+  }
+  AMP_INLINE static H narrow(I x) { return _mm512_packus_epi32(x.a, x.b); }  // lanes below 2**16, memory order
+  AMP_INLINE static __m512i nan_to_qnan(__m512 f, __m512i r) {
+    return _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q), r, _mm512_set1_epi32(0x7fc0));
+  }
+  AMP_INLINE static H to_bf16(F x) {  // float_to_bf16, thirty-two at a time
+    const __m512i one = _mm512_set1_epi32(1), half = _mm512_set1_epi32(0x7fff);
+    auto round = [&](__m512 f) AMP_LAMBDA_INLINE {
+      const __m512i u = _mm512_castps_si512(f);
+      const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), one);
+      return nan_to_qnan(f, _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, half), lsb), 16));
+    };
+    return narrow({round(x.a), round(x.b)});
+  }
+  AMP_INLINE static void store_h(void* p, H x, bool stream) {
+    if (stream) {
+      _mm512_stream_si512(static_cast<__m512i*>(p), x);
+    } else {
+      _mm512_storeu_si512(p, x);
+    }
+  }
+  AMP_INLINE static void store_h2(void* p, H x, H y, bool stream) {
+    store_h(p, x, stream);
+    store_h(static_cast<uint16_t*>(p) + 32, y, stream);
+  }
+  AMP_INLINE static F load_rem(const uint16_t* hi, const uint16_t* lo) {  // as V8P's
+    const __m512i h = load_h(hi), l = _mm512_xor_si512(load_h(lo), _mm512_set1_epi16(static_cast<int16_t>(0x8000)));
+    const __m512i offset = _mm512_set1_epi32(0x8000);
+    return floats({_mm512_sub_epi32(_mm512_unpacklo_epi16(l, h), offset),
+                   _mm512_sub_epi32(_mm512_unpackhi_epi16(l, h), offset)});
+  }
+  AMP_INLINE static void store_rem(uint16_t* hi, uint16_t* lo, F x) {  // V8's, on both vectors
+    const __m512i mask = _mm512_set1_epi32(0xffff), half = _mm512_set1_epi32(0x8000);
+    const I u = bits(x);
+    const __m512i ha = _mm512_srli_epi32(_mm512_add_epi32(u.a, half), 16);
+    store_h(hi, narrow({ha, _mm512_srli_epi32(_mm512_add_epi32(u.b, half), 16)}), false);
+    store_h(lo, narrow({_mm512_and_si512(u.a, mask), _mm512_and_si512(u.b, mask)}), false);
+  }
+  // sr_hash of elements i .. i + 31 in this order: the index times the multiplier, as a scalar plus each lane's offset
+  AMP_INLINE static I hash(uint32_t key, int64_t i) {
+    const int m = static_cast<int>(kIndexMultiplier);
+    const __m512i base = _mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(i) * kIndexMultiplier + key));
+    const __m512i lanes_a = _mm512_setr_epi32(0, m, 2 * m, 3 * m, 8 * m, 9 * m, 10 * m, 11 * m, 16 * m, 17 * m,
+                                              18 * m, 19 * m, 24 * m, 25 * m, 26 * m, 27 * m);  // wraps, as uint32
+    const __m512i lanes_b = _mm512_add_epi32(lanes_a, _mm512_set1_epi32(4 * m));
+    return {V16::mix(_mm512_add_epi32(base, lanes_a)), V16::mix(_mm512_add_epi32(base, lanes_b))};
+  }
+  AMP_INLINE static __m512i round_sr1(__m512 x, __m512i r) {  // bf16_stochastic with the random bits r (< 2**16)
+    return nan_to_qnan(x, _mm512_srli_epi32(_mm512_add_epi32(_mm512_castps_si512(x), r), 16));
+  }
+  AMP_INLINE static H to_bf16_sr(F x, uint32_t key, int64_t i) {
+    const I h = hash(key, i);
+    return narrow({round_sr1(x.a, _mm512_srli_epi32(h.a, 16)), round_sr1(x.b, _mm512_srli_epi32(h.b, 16))});
+  }
+  AMP_INLINE static void store_sr_pair(uint16_t* m, uint16_t* v, F mi, F vi, uint32_t key, int64_t i) {
+    const I h = hash(key, i);
+    const __m512i mask = _mm512_set1_epi32(0xffff);
+    const __m512i ma = round_sr1(mi.a, _mm512_srli_epi32(h.a, 16)), va = round_sr1(vi.a, _mm512_and_si512(h.a, mask));
+    store_h(m, narrow({ma, round_sr1(mi.b, _mm512_srli_epi32(h.b, 16))}), false);
+    store_h(v, narrow({va, round_sr1(vi.b, _mm512_and_si512(h.b, mask))}), false);
   }
 };
 #endif
