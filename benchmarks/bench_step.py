@@ -23,7 +23,8 @@ CPU time, which the other jobs on a shared machine disturb less):
              kernel (and ``bf16_lean`` on torch's multi-tensor path; both on it with their bit handling
              compiled by torch.compile, ``fused="compiled"``: compiled during the warm-up, not timed;
              off the CPU also with it in two Triton kernels per group, ``fused="triton"``, what
-             ``fused=None`` runs there).
+             ``fused=None`` runs there). The BF16 presets run without a loss scaler by default:
+             ``bf16_lean`` and ``bf16_sr`` also as the step alone (no inf check over the grads).
 - lightning: Lightning `16-mixed`'s path: torch.amp.GradScaler + default AdamW (foreach) on
              N FP32 params: unscale_, step, update.
 
@@ -274,7 +275,9 @@ def main() -> None:
     floor_params = make_params(sizes, torch.float32, device)
     floor_opt = torch.optim.AdamW(floor_params, lr=1e-3, fused=True)
 
-    def master_weight_path(fused, adamw_fused=True, master="fp32", moments=None, rounding="stochastic", shown=False):
+    def master_weight_path(
+        fused, adamw_fused=True, master="fp32", moments=None, rounding="stochastic", shown=False, scaled=True
+    ):
         params = make_params(sizes, torch.float16 if master == "fp32" else torch.bfloat16, device)
         for p in params:
             p.grad.mul_(2.0**10)  # grads as a scaled backward leaves them
@@ -289,6 +292,8 @@ def main() -> None:
                 moments_rounding=rounding,
                 unscaled_model_grads=shown,  # False: as MixedPrecisionPlugin builds it
             )
+        if not scaled:  # no loss scaler: no inf check, the step alone
+            return opt.step
         scaler = DynamicLossScaler(init_scale=2.0**10)
 
         def step() -> None:
@@ -328,6 +333,12 @@ def main() -> None:
         ),
         "ours bf16_sr (stochastic, BF16 moments, 8 B/param)": master_weight_path(
             None, master="stochastic", moments=torch.bfloat16
+        ),
+        "ours bf16_lean, no loss scaler (the preset's default)": master_weight_path(
+            None, master="bf16_split", moments=torch.bfloat16, scaled=False
+        ),
+        "ours bf16_sr, no loss scaler (the preset's default)": master_weight_path(
+            None, master="stochastic", moments=torch.bfloat16, scaled=False
         ),
         'ours bf16_lean, torch multi-tensor (fused="torch")': master_weight_path(
             "torch", master="bf16_split", moments=torch.bfloat16
