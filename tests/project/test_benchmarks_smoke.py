@@ -63,7 +63,7 @@ def table_rows(text: str) -> list[list[str]]:
 def test_bench_step_prints_the_paths_the_traffic_floor_and_the_stages():
     out = run("bench_step.py", "--params", "0.2", "--chunks", "4", "--repeats", "2", "--threads", "1", "--stages")
     names = [row[0] for row in table_rows(out)]
-    assert names[:14] == [
+    assert names[:16] == [
         "floor (fused AdamW, FP32)",
         "ours (FP16 + FP32 masters)",
         "ours, unscaled grads shown in the model (torch's AMP recipe)",
@@ -74,6 +74,8 @@ def test_bench_step_prints_the_paths_the_traffic_floor_and_the_stages():
         "ours bf16_lean (+ BF16 moments, 10 B/param)",
         "ours bf16_lean, moments rounded to nearest (before)",
         "ours bf16_sr (stochastic, BF16 moments, 8 B/param)",
+        "ours bf16_lean, no loss scaler (the preset's default)",
+        "ours bf16_sr, no loss scaler (the preset's default)",
         'ours bf16_lean, torch multi-tensor (fused="torch")',
         'ours bf16_lean, compiled (fused="compiled")',
         'ours bf16_sr, compiled (fused="compiled")',
