@@ -186,9 +186,9 @@ struct MomentsBF16 {
   }
 };
 
-// The vectorised update over [i, limit), two vectors at a time (the model's 16-bit weights of
-// both go out in one store), then one; returns where it stopped. The policies come by value:
-// their pointers then live in registers, where no store can alias them.
+// The vectorised update over [i, limit), two vectors at a time where V::kPaired (the model's
+// 16-bit weights of both go out in one store), then one; returns where it stopped. The policies
+// come by value: their pointers then live in registers, where no store can alias them.
 template <class V, bool kL2, class Grad, class Master, class Moments>
 int64_t adam_vectors(int64_t i, int64_t limit, const Grad grad, const Master master, const Moments mom,
                      const AdamConstants& c) {
@@ -215,7 +215,7 @@ int64_t adam_vectors(int64_t i, int64_t limit, const Grad grad, const Master mas
     mom.template store<V>(j, mi, vi);
     return V::sub(p, V::div(V::mul(step_size, mi), denom));
   };
-  for (; i + 2 * V::kWidth <= limit; i += 2 * V::kWidth) {
+  for (; V::kPaired && i + 2 * V::kWidth <= limit; i += 2 * V::kWidth) {
     const F p0 = update(i);
     const F p1 = update(i + V::kWidth);
     master.template store2<V>(i, p0, p1);

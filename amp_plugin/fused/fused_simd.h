@@ -108,6 +108,7 @@ struct V1 {
   using F = float;
   using H = uint16_t;
   static constexpr int64_t kWidth = 1;
+  static constexpr bool kPaired = true;  // adam_vectors takes two vectors per loop step
   AMP_INLINE static F set1(float x) { return x; }
   AMP_INLINE static F load(const float* p) { return *p; }
   AMP_INLINE static void store(float* p, F x) { *p = x; }
@@ -159,6 +160,7 @@ struct V8 {
   using F = __m256;
   using H = __m128i;
   static constexpr int64_t kWidth = 8;
+  static constexpr bool kPaired = true;  // adam_vectors takes two vectors per loop step
   AMP_INLINE static F set1(float x) { return _mm256_set1_ps(x); }
   AMP_INLINE static F load(const float* p) { return _mm256_loadu_ps(p); }
   AMP_INLINE static void store(float* p, F x) { _mm256_storeu_ps(p, x); }
@@ -258,6 +260,8 @@ struct V8P {
     __m256i a, b;
   };
   static constexpr int64_t kWidth = 16;
+  // one vector pair per loop step: two (four AVX2 registers per value) spill out of the sixteen
+  static constexpr bool kPaired = false;
   AMP_INLINE static F set1(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
   AMP_INLINE static F load(const float* p) {
     const __m256 lo = _mm256_loadu_ps(p), hi = _mm256_loadu_ps(p + 8);
@@ -349,6 +353,7 @@ struct V16 {
   using F = __m512;
   using H = __m256i;
   static constexpr int64_t kWidth = 16;
+  static constexpr bool kPaired = true;
   AMP_INLINE static F set1(float x) { return _mm512_set1_ps(x); }
   AMP_INLINE static F load(const float* p) { return _mm512_loadu_ps(p); }
   AMP_INLINE static void store(float* p, F x) { _mm512_storeu_ps(p, x); }
@@ -442,6 +447,7 @@ struct V16P {
     __m512i a, b;
   };
   static constexpr int64_t kWidth = 32;
+  static constexpr bool kPaired = true;  // thirty-two registers: no spills
   AMP_INLINE static F set1(float x) { return {_mm512_set1_ps(x), _mm512_set1_ps(x)}; }
   AMP_INLINE static F add(F x, F y) { return {_mm512_add_ps(x.a, y.a), _mm512_add_ps(x.b, y.b)}; }
   AMP_INLINE static F sub(F x, F y) { return {_mm512_sub_ps(x.a, y.a), _mm512_sub_ps(x.b, y.b)}; }
