@@ -13,7 +13,7 @@ from _models import TinyClassifier, as_lightning, quiet_trainer
 
 from amp_plugin import MixedPrecisionPlugin
 
-MASTER_PRESETS = ["fp16", "bf16"]
+MASTER_PRESETS = ["fp16", "bf16", "bf16_lean", "bf16_sr"]
 
 
 class HookedClassifier(TinyClassifier):
@@ -61,9 +61,18 @@ def fit(pl, preset, max_steps=1, **kwargs):
     model = as_lightning(pl, HookedClassifier)(**kwargs)
     trainer = quiet_trainer(pl, plugins=[MixedPrecisionPlugin(preset)], max_steps=max_steps, **trainer_kwargs)
     trainer.fit(model)
-    opt = trainer.optimizers[0]
-    weights = opt.master_params() if hasattr(opt, "master_params") else list(model.parameters())
-    return model, [w.detach().float().clone() for w in weights]
+    return model, trained_values(trainer.optimizers[0], model)
+
+
+def trained_values(opt, model):
+    """The values the step trained, in parameter order: FP32 masters (joined from weight and remainder
+    with ``bf16_split``; the BF16 weight itself with ``stochastic``, which keeps no master), or the
+    module's own parameters."""
+    if not hasattr(opt, "fp32_masters"):
+        return [p.detach().float().clone() for p in model.parameters()]
+    halves = iter(opt.fp32_masters())
+    return [next(halves) if p.dtype in (torch.float16, torch.bfloat16) else p.detach().float().clone()
+            for p in opt.model_params()]  # fmt: skip
 
 
 def no_op_clip(module):
@@ -81,7 +90,22 @@ def test_a_hook_that_touches_p_grad_in_place_keeps_lightnings_clipping(pl, prese
     _, plain = fit(pl, preset, gradient_clip_val=1e-3)
     model, touched = fit(pl, preset, action=no_op_clip, gradient_clip_val=1e-3)
     assert all(torch.equal(a, b) for a, b in zip(plain, touched))  # bit for bit the run without the hook
-    assert update_norm(model, touched) == pytest.approx(1e-3, rel=1e-4)  # SGD lr=1: the clipped norm
+    if preset != "bf16_sr":
+        assert update_norm(model, touched) == pytest.approx(1e-3, rel=1e-4)  # SGD lr=1: the clipped norm
+        return
+    # bf16_sr keeps no master: each BF16 weight lands on one of the two BF16 neighbours of start - grad (SGD
+    # lr=1, the clipped FP32 gradient), rounded stochastically, so the norm of the update is not the clip's;
+    # the FP32 (norm) parameters are their own masters
+    for start, grad, weight, p in zip(model.start, model.stepped[0], touched, model.parameters(), strict=True):
+        exact = start - grad
+        if p.dtype == torch.float32:
+            assert torch.equal(weight, exact)
+            continue
+        below = (exact.view(torch.int32) & -65536).view(torch.float32)  # toward zero, to BF16
+        above = (below.view(torch.int32) + 65536).view(torch.float32)
+        assert bool(((weight == below) | (weight == above)).all())
+    clipped = torch.linalg.vector_norm(torch.cat([g.flatten() for g in model.stepped[0]]))
+    assert float(clipped) == pytest.approx(1e-3, rel=1e-4)  # the step's gradients are clipped, as with a master
 
 
 def test_a_hook_that_touches_p_grad_in_place_keeps_the_fp32_master_gradient(pl):

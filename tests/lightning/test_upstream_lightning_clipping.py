@@ -56,7 +56,7 @@ from _models import quiet_trainer
 
 from amp_plugin import DynamicLossScaler, MixedPrecisionPlugin
 
-PRESETS = ["fp32", "fp16", "bf16", "bf16_split"]
+PRESETS = ["fp32", "fp16", "bf16", "bf16_split", "bf16_lean", "bf16_sr"]
 CONTROLS = ["32-true", "16-mixed", "bf16-mixed"]
 HALF = (torch.float16, torch.bfloat16)
 
@@ -68,7 +68,7 @@ def precision_kwargs(pl: ModuleType, precision: str, scaler: bool = False) -> di
         return {"plugins": [pl.plugins.precision.MixedPrecision("16-mixed", "cpu")]}
     if precision in CONTROLS:
         return {"precision": precision}
-    if scaler and precision in ("bf16", "bf16_split"):
+    if scaler and precision in ("bf16", "bf16_split", "bf16_lean", "bf16_sr"):
         return {"plugins": [MixedPrecisionPlugin(precision, scaler=DynamicLossScaler())]}
     return {"plugins": [MixedPrecisionPlugin(precision)]}
 
