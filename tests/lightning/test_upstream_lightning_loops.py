@@ -22,7 +22,8 @@ from torch import nn
 from amp_plugin import DynamicLossScaler, MasterWeightOptimizer, MixedPrecisionPlugin
 
 PRESETS = [
-    "fp32", "fp16", "bf16", "fp16_autocast", "bf16_autocast", "fp16_pure", "bf16_pure", "bf16_split", "bf16_lean", "bf16_sr"
+    *("fp32", "fp16", "bf16", "fp16_autocast", "bf16_autocast", "fp16_pure", "bf16_pure"),
+    *("bf16_split", "bf16_lean", "bf16_sr"),
 ]
 MASTER_PRESETS = ["fp16", "bf16", "bf16_split", "bf16_lean", "bf16_sr"]
 
