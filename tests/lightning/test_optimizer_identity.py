@@ -46,7 +46,7 @@ def two_optimizers_module(pl):
     return TwoOptimizers()
 
 
-@pytest.mark.parametrize("precision", ["fp16", "bf16", "fp32"])
+@pytest.mark.parametrize("precision", ["fp16", "bf16", "fp32", "bf16_lean", "bf16_sr"])
 def test_a_parameter_in_two_optimizers_steps_with_unscaled_gradients_in_manual_optimization(pl, precision):
     """Each optimizer's step uses the unscaled gradient: one batch (``max_steps`` counts both
     optimizers' steps) moves ``shared`` by ``2 * 0.125 * g`` as in FP32 (one of them used to step

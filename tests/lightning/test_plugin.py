@@ -574,7 +574,7 @@ class ReadsGradsInHook(TinyClassifier):
             self.net[0].weight.grad.zero_()
 
 
-@pytest.mark.parametrize("preset", ["fp16", "bf16"])
+@pytest.mark.parametrize("preset", ["fp16", "bf16", "bf16_lean", "bf16_sr"])
 def test_hooks_read_the_unscaled_gradient_from_the_module(pl, preset):
     model = as_lightning(pl, ReadsGradsInHook)(optimizer="sgd")
     plugin = MixedPrecisionPlugin(preset, scaler=DynamicLossScaler(init_scale=2.0**12))  # a scale for bf16 too

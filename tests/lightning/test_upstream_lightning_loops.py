@@ -182,7 +182,7 @@ def manual_schedule_steps(pl, precision, overflow_at=()):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("precision", ["fp16", "fp32", "bf16"])
+@pytest.mark.parametrize("precision", ["fp16", "fp32", "bf16", "bf16_lean", "bf16_sr"])
 def test_manual_schedulers_step_as_with_lightnings_precision_when_nothing_skips(pl, precision):
     assert manual_schedule_steps(pl, precision) == manual_schedule_steps(pl, "32-true") == [4, 4]
 
@@ -203,7 +203,7 @@ def test_the_plugin_pickles_for_every_preset(preset):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("precision", ["fp16", "bf16", "16-mixed"])
+@pytest.mark.parametrize("precision", ["fp16", "bf16", "bf16_sr", "16-mixed"])
 def test_ddp_spawn_trains_on_two_cpu_processes(pl, precision):
     """Lightning's ``test_amp_cpus[ddp_spawn-2]``: the plugin travels to each spawned process."""
     pl.seed_everything(0)

@@ -151,7 +151,7 @@ def gan_module(pl, records, init_dtype):
     return GAN
 
 
-@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+@pytest.mark.parametrize("precision", ["fp16", "bf16", "bf16_lean", "bf16_sr"])
 def test_a_lightning_gan_with_toggle_optimizer_trains_like_fp32(pl, precision):
     from _models import quiet_trainer
 
@@ -178,5 +178,8 @@ def test_a_lightning_gan_with_toggle_optimizer_trains_like_fp32(pl, precision):
         ]
         results[name] = torch.cat([p.detach().float().flatten() for p in module.parameters()]) - start
     fp32, half = results["fp32"], results[precision]  # what training changed, in each run
-    tolerance = 0.03 if precision == "fp16" else 0.15  # BF16 computes with 3 digits: Adam amplifies the noise
+    # BF16 computes with 3 digits: Adam amplifies the noise. bf16_sr keeps no master: each of the 16 updates
+    # lands on a BF16 neighbour of the exact one (right on average), noise of the order of the weights' ulp,
+    # about as large as what 16 steps change here; toggle_optimizer's freezing is what it checks (above)
+    tolerance = {"fp16": 0.03, "bf16_sr": 0.4}.get(precision, 0.15)
     assert fp32.norm() > 0 and (half - fp32).norm() / fp32.norm() < tolerance
