@@ -131,6 +131,7 @@ class GracefulInterrupt(Callback):
         if not signum or _last_step(trainer):
             return
         path = os.path.join(checkpoint_dir(trainer), self.filename)
+        _record_as_last(trainer, path)
         trainer.save_checkpoint(path, weights_only=False)
         self.pending = RunInterrupted(signum, trainer.global_step, path)
 
@@ -145,6 +146,21 @@ class GracefulInterrupt(Callback):
     ) -> None:
         if self.pending is not None:
             raise self.pending
+
+
+def _record_as_last(trainer: pl.Trainer, path: str) -> None:
+    """Tell each ``ModelCheckpoint(save_last=True)`` whose last checkpoint ``path`` is that it wrote it,
+    before the save (its state is part of the checkpoint, as ``ModelCheckpoint`` itself does): a run
+    resumed from ``path`` then overwrites it at its end. Otherwise the resumed callback finds a file it
+    did not write and saves ``last-v1.ckpt`` beside it, leaving ``last.ckpt`` at the interrupted step
+    (and a second resume from it would lose every step since)."""
+    for callback in trainer.checkpoint_callbacks:
+        dirpath = getattr(callback, "dirpath", None)
+        if not getattr(callback, "save_last", False) or not dirpath:
+            continue
+        name = getattr(callback, "CHECKPOINT_NAME_LAST", "last") + getattr(callback, "FILE_EXTENSION", ".ckpt")
+        if os.path.abspath(os.path.join(dirpath, name)) == os.path.abspath(path):
+            callback.last_model_path = path  # type: ignore[attr-defined]
 
 
 def _last_step(trainer: pl.Trainer) -> bool:

@@ -28,7 +28,7 @@ def metric_steps(run_dir: Path) -> list[int]:
         return [int(row["step"]) for row in csv.DictReader(f) if row.get("train/loss")]
 
 
-def interrupt(tmp_path: Path, signum: int) -> tuple[Path, str, int]:
+def interrupt(tmp_path: Path, signum: int, extra: tuple[str, ...] = ()) -> tuple[Path, str, int]:
     """Start a throttled run, send ``signum`` after a few steps; return its dir, FAILED and exit status."""
     run_dir = tmp_path / signal.Signals(signum).name
     log = tmp_path / f"{run_dir.name}.log"
@@ -39,6 +39,7 @@ def interrupt(tmp_path: Path, signum: int) -> tuple[Path, str, int]:
             "trainer.limit_val_batches=2",
             *QUIET,
             *throttle(2, 0.25),
+            *extra,
             f"hydra.run.dir={run_dir}",
         ],
         tmp_path,
@@ -77,6 +78,38 @@ def test_a_signal_saves_a_checkpoint_exits_128_plus_n_and_the_resume_command_con
     assert f"steps        {STEPS - step} (resumed at step {step})" in resumed.stdout
     assert not (run_dir / "FAILED").exists()
     assert metric_steps(run_dir) == list(range(STEPS))  # both parts, each step once
+    # the resumed run's end overwrote last.ckpt (not a last-v1.ckpt beside it, which would leave
+    # last.ckpt at the interrupted step for the next resume)
+    assert torch.load(checkpoint, weights_only=False)["global_step"] == STEPS
+    assert not list(checkpoint.parent.glob("last-v*"))
+
+
+def optimizer_state(run_dir: Path) -> dict:
+    checkpoint = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False)
+    return {"global_step": checkpoint["global_step"], **checkpoint["optimizer_states"][0]}
+
+
+@pytest.mark.slow
+def test_a_bf16_sr_run_stopped_by_sigterm_keeps_its_rounding_state_through_the_resume(tmp_path):
+    """bf16_sr keeps no master: its weights depend on every stochastic rounding, so the checkpoint a
+    signal writes carries the rounding generator (seed, and a counter at the step it stopped after) and
+    the BF16 moments, and the resumed run goes on from them. (Not bit-identical to an uninterrupted
+    run: a mid-epoch checkpoint restarts that epoch's data, docs/guarantees.md.)"""
+    run_dir, note, code = interrupt(tmp_path, signal.SIGTERM, ("precision=bf16_sr",))
+    assert code == 143, note
+    step = int(re.search(r"at step (\d+)", note).group(1))
+    stopped = optimizer_state(run_dir)
+    assert stopped["global_step"] == step and stopped["master_kind"] == "stochastic"
+    assert stopped["sr_generator"]["counter"] == step  # one draw of keys per step taken
+    moments = [s for s in stopped["state"].values() if s["exp_avg"].dtype == torch.bfloat16]
+    assert moments and all(int(s["step"]) == step for s in moments)
+    command = note.split("resume with ", 1)[1].splitlines()[0]
+    resumed = subprocess.run(command, shell=True, env=env(), capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    finished = optimizer_state(run_dir)
+    assert finished["global_step"] == STEPS
+    assert finished["sr_generator"] == {"seed": stopped["sr_generator"]["seed"], "counter": STEPS}
+    assert all(int(s["step"]) == STEPS for s in finished["state"].values())
 
 
 @pytest.mark.slow
