@@ -34,3 +34,11 @@ class MomentStore:
             out = torch.empty(value.shape, dtype=BF16)
             round_stochastic(value, out, key, low=low)
             value.copy_(out)
+
+
+def on_a_bf16_neighbour(rounded: torch.Tensor, exact: torch.Tensor) -> bool:
+    """Whether each element of ``rounded`` is one of the two BF16 numbers around the FP32 ``exact``
+    (toward zero, or one ulp away from it): what a stochastic rounding may give."""
+    toward_zero = (exact.float().view(torch.int32) & -65536).view(torch.float32)
+    away = (toward_zero.view(torch.int32) + 65536).view(torch.float32)
+    return bool(((rounded.float() == toward_zero) | (rounded.float() == away)).all())
