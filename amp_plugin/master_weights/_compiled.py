@@ -21,7 +21,9 @@ shapes" off), so the batches of a model compile once per length, not once per pa
 equal sizes. All of it is integer arithmetic on bit patterns and exact conversions, so the
 compiled code gives the bits of the torch ops in ``_split.py`` and ``_stochastic.py`` on every
 backend (int32 products wrap modulo 2**32 there too); the Adam update between the two passes is
-still torch's own fused kernel.
+still torch's own fused kernel. The functions themselves are in ``_compiled_bits.py``: on the CPU
+the tensors of an even size go through them in pairs of elements (int32 and int64 lanes, which
+Inductor vectorizes; int16 it does not), the others one element per lane.
 
 The first call compiles (tens of seconds on a small CPU; Inductor caches the generated code on disk,
 so a later process loads it): said once on stderr, and the time is counted apart from training's
@@ -37,132 +39,21 @@ import contextlib
 import sys
 import time
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, cast
 
 import torch
 import torch.fx.experimental._config as fx_config
 
 from amp_plugin.fused import counted_as_build
-from amp_plugin.master_weights._stochastic import as_int32, element_hash, shr32
+from amp_plugin.master_weights._compiled_bits import FUNCTIONS, pairable
+from amp_plugin.master_weights._stochastic import as_int32
 
 __all__ = ["available", "join", "keys_tensor", "prepare", "store"]
 
 T = torch.Tensor
 L = list[torch.Tensor]
 BATCH_SIZES = (16, 4, 1)
-
-
-def _rounded_stochastically(value: torch.Tensor, random: torch.Tensor) -> torch.Tensor:
-    """The BF16 bits (int16) of ``value`` rounded with the 16 ``random`` bits of each element."""
-    rounded = (value.view(torch.int32) + random) >> 16
-    return torch.where(torch.isnan(value), 0x7FC0, rounded).to(torch.int16)
-
-
-def _high(h: torch.Tensor) -> torch.Tensor:
-    return shr32(h, 16)
-
-
-def _round_weight(value: T, weight: T, key: T) -> None:
-    """``master="stochastic"``: the weight rounded with the high 16 bits of each element's hash."""
-    random = _high(element_hash(value.numel(), key, value.device))
-    weight.view(torch.int16).copy_(_rounded_stochastically(value, random))
-
-
-def _join(weight: T, remainder: T) -> T:
-    high = (weight.view(torch.int16).to(torch.int32) & 0xFFFF) << 16
-    return (high + remainder.to(torch.int32)).view(torch.float32)
-
-
-def _split_weight(value: torch.Tensor, weight: torch.Tensor, remainder: torch.Tensor) -> None:
-    """bf16_split: the weight rounded to nearest (ties away from zero), and the exact remainder."""
-    bits = value.view(torch.int32)
-    low = bits & 0xFFFF
-    weight.view(torch.int16).copy_((shr32(bits, 16) + shr32(low, 15)).to(torch.int16))
-    remainder.copy_(low.to(torch.int16))
-
-
-def _round_moments(m32: T, v32: T, m16: T, v16: T, key: T, sr: bool) -> None:
-    if sr:  # one hash for both: exp_avg takes its high 16 bits, exp_avg_sq its low 16
-        h = element_hash(m32.numel(), key, m32.device)
-        m16.view(torch.int16).copy_(_rounded_stochastically(m32, _high(h)))
-        v16.view(torch.int16).copy_(_rounded_stochastically(v32, h & 0xFFFF))
-    else:
-        m16.copy_(m32)
-        v16.copy_(v32)
-
-
-# One function per combination, each compiled on its own (a code object holds its own graphs and
-# recompile budget), each over a batch of tensors of one combination.
-# The values a step computes on: the FP32 weight (joined with its remainder, or upcast) and the
-# BF16 moments upcast.
-def _join_all(weights: L, remainders: L) -> L:
-    return [_join(w, r) for w, r in zip(weights, remainders)]
-
-
-def _join_up_all(weights: L, remainders: L, m16s: L, v16s: L) -> list[tuple[T, T, T]]:
-    return [(_join(w, r), m.float(), v.float()) for w, r, m, v in zip(weights, remainders, m16s, v16s)]
-
-
-def _up_weight_all(weights: L) -> L:
-    return [w.float() for w in weights]
-
-
-def _up_all(weights: L, m16s: L, v16s: L) -> list[tuple[T, T, T]]:
-    return [(w.float(), m.float(), v.float()) for w, m, v in zip(weights, m16s, v16s)]
-
-
-def _up_moments_all(m16s: L, v16s: L) -> list[tuple[T, T]]:
-    return [(m.float(), v.float()) for m, v in zip(m16s, v16s)]
-
-
-# Stores: the weight split or rounded stochastically, with or without the BF16 moments, in one
-# kernel per tensor; ``keys`` row i holds tensor i's (weight, moments) rounding keys.
-def _split_all(values: L, weights: L, remainders: L, keys: T) -> None:
-    for value, weight, remainder in zip(values, weights, remainders):
-        _split_weight(value, weight, remainder)
-
-
-def _split_moments_all(
-    values: L, weights: L, remainders: L, m32s: L, v32s: L, m16s: L, v16s: L, keys: T, sr: bool
-) -> None:
-    for i, (value, weight, remainder) in enumerate(zip(values, weights, remainders)):
-        _split_weight(value, weight, remainder)
-        _round_moments(m32s[i], v32s[i], m16s[i], v16s[i], keys[i, 1], sr)
-
-
-def _rounded_all(values: L, weights: L, remainders: None, keys: T) -> None:
-    for i, (value, weight) in enumerate(zip(values, weights)):
-        _round_weight(value, weight, keys[i, 0])
-
-
-def _rounded_moments_all(
-    values: L, weights: L, remainders: None, m32s: L, v32s: L, m16s: L, v16s: L, keys: T, sr: bool
-) -> None:
-    for i, (value, weight) in enumerate(zip(values, weights)):
-        _round_weight(value, weight, keys[i, 0])
-        _round_moments(m32s[i], v32s[i], m16s[i], v16s[i], keys[i, 1], sr)
-
-
-def _moments_all(
-    values: L, weights: None, remainders: None, m32s: L, v32s: L, m16s: L, v16s: L, keys: T, sr: bool
-) -> None:
-    for i in range(len(values)):
-        _round_moments(m32s[i], v32s[i], m16s[i], v16s[i], keys[i, 1], sr)
-
-
-_FUNCTIONS: dict[str, Callable[..., Any]] = {
-    "join": _join_all,
-    "join_up": _join_up_all,
-    "up_weight": _up_weight_all,
-    "up": _up_all,
-    "up_moments": _up_moments_all,
-    "split": _split_all,
-    "split_moments": _split_moments_all,
-    "rounded": _rounded_all,
-    "rounded_moments": _rounded_moments_all,
-    "moments": _moments_all,
-}
 _compiled: dict[str, Any] = {}
 _state: dict[str, Any] = {"ok": None, "error": None, "eager": False}
 _seen: set[tuple[Any, ...]] = set()
@@ -182,7 +73,7 @@ def _no_duck_shapes() -> Iterator[None]:
 
 def _fn(name: str) -> Any:
     if name not in _compiled:
-        _compiled[name] = torch.compile(_FUNCTIONS[name], dynamic=True, fullgraph=True)
+        _compiled[name] = torch.compile(FUNCTIONS[name], dynamic=True, fullgraph=True)
     return _compiled[name]
 
 
@@ -213,7 +104,7 @@ def _runs(tensors: Sequence[torch.Tensor]) -> Iterator[slice]:
 
 
 def _run(name: str, lists: Sequence[L | None], *rest: Any) -> list[Any]:
-    """``_FUNCTIONS[name]`` over ``lists`` (``None``: absent) batch by batch, compiled; a batch that
+    """``FUNCTIONS[name]`` over ``lists`` (``None``: absent) batch by batch, compiled; a batch that
     fails to compile runs uncompiled (the same torch ops), said once. ``rest[0]``, if any, is the
     keys tensor, cut with the lists; the results of the batches are concatenated."""
     out: list[Any] = []
@@ -223,6 +114,38 @@ def _run(name: str, lists: Sequence[L | None], *rest: Any) -> list[Any]:
             args += [rest[0][part], *rest[1:]]
         out += _call(name, part.stop - part.start, args) or []
     return out
+
+
+def _run_laid_out(name: str, lists: Sequence[L | None], pair_dtypes: Sequence[Any], *rest: Any) -> list[Any]:
+    """:func:`_run` of ``name`` over the tensors one element per lane, and, on the CPU, of ``name + "_pairs"``
+    over those whose tensors of the lists with a ``pair_dtypes`` entry are all :func:`~._compiled_bits.pairable`,
+    viewed as it says (``None``: as they are); the results in the tensors' order."""
+    first = next(x for x in lists if x is not None)
+    count = len(first)
+    checked = [x for x, d in zip(lists, pair_dtypes) if x is not None and d is not None]
+    on_cpu = first[0].device.type == "cpu"  # Inductor's Triton code handles int16 as it is
+    in_pairs = [on_cpu and bool(checked) and all(pairable(x[i]) for x in checked) for i in range(count)]
+    results: list[Any] = [None] * count
+    for paired in (False, True):
+        idx = [i for i in range(count) if in_pairs[i] == paired]
+        if not idx:
+            continue
+        if paired:
+            sub = [
+                None if x is None else [x[i] if d is None else x[i].view(d) for i in idx]
+                for x, d in zip(lists, pair_dtypes)
+            ]
+        else:
+            sub = [None if x is None else [x[i] for i in idx] for x in lists]
+        keys = () if not rest else (rest[0] if len(idx) == count else rest[0][idx], *rest[1:])
+        for i, result in zip(idx, _run(f"{name}_pairs" if paired else name, sub, *keys)):
+            results[i] = result
+    return results
+
+
+def _as_float(value: torch.Tensor) -> torch.Tensor:
+    """An FP32 result: as it is, or from pairs (int64)."""
+    return value.view(torch.float32) if value.dtype is torch.int64 else value
 
 
 def _call(name: str, length: int, args: list[Any]) -> Any:
@@ -247,16 +170,24 @@ def _call(name: str, length: int, args: list[Any]) -> Any:
                 RuntimeWarning,
                 stacklevel=4,
             )
-    return _FUNCTIONS[name](*args)
+    return FUNCTIONS[name](*args)
 
 
 def _flat(tensors: Sequence[torch.Tensor]) -> L:
     return [t.detach().view(-1) for t in tensors]
 
 
+_I32, _I64 = torch.int32, torch.int64
+
+
 def join(weight: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
     """The FP32 master of a ``bf16_split`` parameter (as ``_split.join``), one fused pass."""
-    return _run("join", [_flat([weight]), _flat([remainder])])[0].view(weight.shape)
+    return _joined(_flat([weight]), _flat([remainder]))[0].view(weight.shape)
+
+
+def _joined(weights: L, remainders: L) -> L:
+    """The FP32 values of flat BF16 ``weights`` and their ``remainders``."""
+    return [_as_float(v) for v in _run_laid_out("join", [weights, remainders], [_I32, _I32])]
 
 
 def prepare(
@@ -275,14 +206,18 @@ def prepare(
     w = None if weights is None else _flat(weights)
     r = None if remainders is None else _flat(remainders)
     if moments is None:
-        return shaped(_run("join", [w, r]) if r is not None else _run("up_weight", [w])), None, None
+        w = cast("L", w)  # weights and moments are not both None
+        return shaped(_joined(w, r) if r is not None else _run("up_weight", [w])), None, None
     m16, v16 = _flat(moments[0]), _flat(moments[1])
     if w is None:
         m32, v32 = zip(*_run("up_moments", [m16, v16]))
         return None, shaped(list(m32)), shaped(list(v32))
-    triples = _run("join_up", [w, r, m16, v16]) if r is not None else _run("up", [w, m16, v16])
+    if r is None:
+        triples = _run("up", [w, m16, v16])
+    else:
+        triples = _run_laid_out("join_up", [w, r, m16, v16], [_I32, _I32, None, None])
     value, m32, v32 = zip(*triples)
-    return shaped(list(value)), shaped(list(m32)), shaped(list(v32))
+    return shaped([_as_float(v) for v in value]), shaped(list(m32)), shaped(list(v32))
 
 
 def store(
@@ -300,11 +235,19 @@ def store(
     contiguous, of one device, tensor ``i`` of each list of one shape; ``keys``: :func:`keys_tensor`."""
     name = "moments" if weights is None else "split" if remainders is not None else "rounded"
     lists = [_flat(values), *(None if x is None else _flat(x) for x in (weights, remainders))]
+    dtypes: list[Any] = [None if weights is None else _I64, _I32, _I32]  # the masters of "moments" go unread
     if moments is None:
         if weights is not None:
-            _run(name, lists, keys)
+            _run_laid_out(name, lists, dtypes, keys)
         return
-    _run(name if weights is None else f"{name}_moments", lists + [_flat(t) for t in moments], keys, stochastic_moments)
+    moment_dtypes = [_I64, _I64, _I32, _I32] if stochastic_moments else [None] * 4  # to nearest: as they are
+    _run_laid_out(
+        name if weights is None else f"{name}_moments",
+        lists + [_flat(t) for t in moments],
+        dtypes + moment_dtypes,
+        keys,
+        stochastic_moments,
+    )
 
 
 def keys_tensor(keys: list[tuple[int, int]], device: torch.device) -> torch.Tensor:
@@ -349,23 +292,25 @@ def available(device: torch.device, strict: bool) -> bool:
 
 
 def _probe(device: torch.device) -> None:
-    """Compile the stores and the join on two 16-element tensors and check them against the torch ops."""
+    """Compile the stores and the join on a tensor of 16 elements (in pairs, on the CPU) and one of 17 (one
+    element per lane), and check them against the torch ops."""
     from amp_plugin.master_weights import _split
     from amp_plugin.master_weights._stochastic import round_stochastic
 
     gen = torch.Generator().manual_seed(0)
-    value = list(torch.randn(2, 16, generator=gen).to(device).unbind(0))
-    weight = list(torch.empty(2, 16, dtype=torch.bfloat16, device=device).unbind(0))
-    remainder = list(torch.empty(2, 16, dtype=torch.int16, device=device).unbind(0))
-    m16, v16 = (list(torch.empty(2, 16, dtype=torch.bfloat16, device=device).unbind(0)) for _ in range(2))
+    sizes = (16, 17)
+    value = [torch.randn(n, generator=gen).to(device) for n in sizes]
+    weight, m16, v16 = ([torch.empty(n, dtype=torch.bfloat16, device=device) for n in sizes] for _ in range(3))
+    remainder = [torch.empty(n, dtype=torch.int16, device=device) for n in sizes]
     abs_value = [v.abs() for v in value]
     keys = keys_tensor([(1, 2), (3, 4)], device)
     for rem in (remainder, None):
         store(value, weight, rem, (value, abs_value, m16, v16), keys, True)
-    expected = torch.empty_like(weight[1])
-    round_stochastic(abs_value[1], expected, 4, low=True)
-    if not torch.equal(v16[1].view(torch.int16), expected.view(torch.int16)):
-        raise RuntimeError("the compiled store rounds otherwise than the torch ops")
-    _split.split_into(value[1], weight[1], remainder[1])
-    if not torch.equal(join(weight[1], remainder[1]), value[1]):
-        raise RuntimeError("the compiled join does not give the master back")
+    for i, moments_key in enumerate((2, 4)):
+        expected = torch.empty_like(weight[i])
+        round_stochastic(abs_value[i], expected, moments_key, low=True)
+        if not torch.equal(v16[i].view(torch.int16), expected.view(torch.int16)):
+            raise RuntimeError("the compiled store rounds otherwise than the torch ops")
+        _split.split_into(value[i], weight[i], remainder[i])
+        if not torch.equal(join(weight[i], remainder[i]), value[i]):
+            raise RuntimeError("the compiled join does not give the master back")

@@ -143,14 +143,16 @@ def shr32(h: torch.Tensor, n: int) -> torch.Tensor:
     return (h >> n) & ((1 << (32 - n)) - 1)
 
 
-def element_hash(numel: int, key: int | torch.Tensor, device: torch.device) -> torch.Tensor:
+def element_hash(numel: int, key: int | torch.Tensor, device: torch.device, stride: int = 1) -> torch.Tensor:
     """The 32-bit hash of each element (int32 bits), as the kernel's ``sr_hash``; ``key`` an int, or
-    an int32 tensor (the compiled step passes it so, to compile once for every key).
+    an int32 tensor (the compiled step passes it so, to compile once for every key). With ``stride``:
+    of the elements ``0, stride, 2 * stride, ...`` (``numel`` of them; :func:`offset_key` shifts them).
 
     In int32 arithmetic, whose products and sums wrap modulo 2**32 on every torch backend, as the
     kernel's uint32 ones do: the same bits, in a fraction of the time int64 arithmetic takes."""
     k = as_int32(key & _MASK32) if isinstance(key, int) else key
-    h = torch.arange(numel, dtype=torch.int32, device=device) * as_int32(INDEX_MULTIPLIER) + k
+    step = as_int32((stride * INDEX_MULTIPLIER) & _MASK32)
+    h = torch.arange(numel, dtype=torch.int32, device=device) * step + k
     h = h ^ shr32(h, 16)
     h = h * as_int32(MIX1)
     h = h ^ shr32(h, 13)

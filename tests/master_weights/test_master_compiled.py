@@ -15,8 +15,9 @@ from amp_plugin.master_weights._kernels import StepCall, choose
 from amp_plugin.master_weights._step import step_kernels
 
 BF16 = torch.bfloat16
-# one element (Dynamo specializes it), a vector tail, past 2**16 for the hash; seven tensors: batches of 4, 2 and 1
-SIZES = (1, 7, 1000, 70001, 3, 33, 129)
+# one element (Dynamo specializes it), a vector tail, past 2**16 for the hash; odd sizes run one element per
+# lane, even ones in pairs (2: one pair, a size Dynamo specializes; 70002: past 2**16; 34: a vector tail)
+SIZES = (1, 7, 1000, 70001, 3, 33, 129, 2, 70002, 34)
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
 
 
@@ -182,19 +183,23 @@ def test_fused_compiled_is_refused_where_torch_is():
 
 @pytest.mark.slow
 def test_a_batch_compiles_once_whatever_sizes_happen_to_be_equal():
-    """Each size its own symbol: a model's batches differ in which sizes are equal, and must not recompile."""
+    """Each size its own symbol: a model's batches differ in which sizes are equal, and must not recompile
+    (a batch of odd sizes runs one element per lane, of even sizes in pairs: one graph each)."""
     from torch._dynamo.utils import counters
 
     assert _compiled.available(torch.device("cpu"), True)
     before = counters["stats"]["unique_graphs"]
-    for sizes in ([5, 5, 5, 5], [5, 6, 7, 8], [9, 9, 8, 8], [4, 3, 4, 3], [2, 2, 2, 3]):
+    odd = ([5, 5, 5, 5], [5, 7, 9, 11], [9, 9, 7, 7], [3, 5, 3, 5])
+    even = ([6, 6, 6, 6], [6, 8, 10, 12], [10, 10, 8, 8], [4, 12, 4, 12], [4, 4, 4, 6])
+    for sizes in odd + even:
         weights = [torch.randn(n).to(BF16) for n in sizes]
         remainders = [torch.randint(-(2**15), 2**15, (n,), dtype=torch.int16) for n in sizes]
         (values,) = _compiled.prepare(weights, remainders, None)[:1]
         for w, r, v in zip(weights, remainders, values, strict=True):
             assert torch.equal(v, _split.join(w, r))
-    # the join over batches of 4 compiled once (or before, by another test); with duck shapes, once per pattern
-    assert counters["stats"]["unique_graphs"] - before <= 1
+    # the join over batches of 4 compiled once per layout (or before, by another test); with duck shapes,
+    # once per pattern
+    assert counters["stats"]["unique_graphs"] - before <= 2
 
 
 @pytest.mark.slow
@@ -216,3 +221,50 @@ def test_each_new_graph_counts_as_build_time_not_step_time():
     before = fused.build_seconds()
     _compiled.store(values, weights, remainders, (values, [v.abs() for v in values], m16s, v16s), keys, True)
     assert fused.build_seconds() == before  # compiled before: step time
+
+
+def _special_values(n: int) -> torch.Tensor:
+    """FP32 values whose bits every rule has a case for, then random ones: NaNs (quiet, signalling, negative),
+    infinities, zeros, the largest finite, subnormals, ties of the split, and low halves that read as a BF16
+    NaN or infinity (a remainder a float conversion would not keep)."""
+    bits = [0x7FC00000, 0x7F800001, 0xFFC00123, 0x7F800000, 0xFF800000, 0, 0x80000000, 0x7F7FFFFF, 0xFF7FFFFF]
+    bits += [0x00000001, 0x807FFFFF, 0x3F808000, 0xBF818000, 0x3F807FFF, 0x3F80FF81, 0xC000FF80, 0x4049FFC1]
+    gen = torch.Generator().manual_seed(3)
+    rest = torch.randint(-(2**31), 2**31, (n - len(bits),), generator=gen, dtype=torch.int64)
+    words = torch.cat([torch.tensor(bits, dtype=torch.int64), rest])
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32).view(torch.float32)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("offset", [0, 1], ids=["pairs", "lanes"])
+def test_pairs_and_lanes_give_the_torch_ops_bits_on_every_kind_of_value(offset):
+    """The same values through the pairs (an even size at an even offset) and one element per lane (at an odd
+    offset into a buffer, as a flat parameter's view can be): the bits of ``_split`` and ``round_stochastic``."""
+    from amp_plugin.master_weights._compiled_bits import pairable
+    from amp_plugin.master_weights._stochastic import round_stochastic
+
+    assert _compiled.available(torch.device("cpu"), True)
+    n = 1026
+    value = _special_values(n)
+    moments = _special_values(n).flip(0)
+
+    def buffers(dtype):
+        return [torch.zeros(n + 2, dtype=dtype)[offset : offset + n] for _ in range(2)]
+
+    weights, m16s, v16s, remainders = buffers(BF16), buffers(BF16), buffers(BF16), buffers(torch.int16)
+    assert pairable(weights[0]) == (offset == 0)
+    keys = _compiled.keys_tensor([(11, 12), (13, 14)], torch.device("cpu"))
+    _compiled.store([value], weights[:1], remainders[:1], ([moments], [value], m16s[:1], v16s[:1]), keys[:1], True)
+    _compiled.store([value], weights[1:], None, None, keys[1:], True)
+    w_ref, m_ref, v_ref = (torch.empty(n, dtype=BF16) for _ in range(3))
+    r_ref = torch.empty(n, dtype=torch.int16)
+    _split.split_into(value, w_ref, r_ref)
+    round_stochastic(moments, m_ref, 12)
+    round_stochastic(value, v_ref, 12, low=True)
+    assert torch.equal(bits(weights[0]), bits(w_ref)) and torch.equal(remainders[0], r_ref)
+    assert torch.equal(bits(m16s[0]), bits(m_ref)) and torch.equal(bits(v16s[0]), bits(v_ref))
+    round_stochastic(value, w_ref, 13)
+    assert torch.equal(bits(weights[1]), bits(w_ref))
+    joined, m32, v32 = _compiled.prepare(weights[:1], remainders[:1], (m16s[:1], v16s[:1]))
+    assert torch.equal(bits(joined[0]), bits(value))  # every pattern back, NaN payloads included
+    assert torch.equal(bits(m32[0]), bits(m_ref.float())) and torch.equal(bits(v32[0]), bits(v_ref.float()))
