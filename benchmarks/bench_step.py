@@ -43,7 +43,9 @@ process CPU time, stages alternating, median), against the floor, plus two stock
 alternatives (the inf check reading the FP16 grads; fused AdamW doing the unscale through
 its ``grad_scale``/``found_inf`` arguments), and amp_plugin's kernels (the two passes of
 ``ours``, and the base design's two: a copy-and-unscale into FP32 grads, then Adam reading
-those). ``--compiled-prototype`` adds a prototype of the whole path fused by
+those), and the five stages of ``bf16_lean``'s compiled step (``fused="compiled"``: the
+gradients' upcast and unscale, the compiled join, torch's fused AdamW, the compiled stores).
+``--compiled-prototype`` adds a prototype of the whole path fused by
 ``torch.compile`` (not what ``MasterWeightOptimizer`` does).
 """
 
@@ -153,6 +155,46 @@ def compiled_update():
     return one_c, nonfinite_c
 
 
+def lean_compiled_stages(sizes: list[int]) -> dict:
+    """The stages of ``bf16_lean``'s compiled step (``fused="compiled"``: BF16 weights, int16 remainders,
+    BF16 moments rounded stochastically), each on its own, on tensors as the step makes them (the FP32
+    copies new each time)."""
+    from amp_plugin.master_weights import _compiled
+
+    g = torch.Generator().manual_seed(1)
+    weights = [(torch.randn(n, generator=g) * 0.02).bfloat16() for n in sizes]
+    remainders = [torch.zeros(n, dtype=torch.int16) for n in sizes]
+    m16s, v16s = (
+        [torch.zeros(n, dtype=torch.bfloat16) for n in sizes],
+        [torch.zeros(n, dtype=torch.bfloat16) for n in sizes],
+    )
+    grads = [torch.randn(n, generator=g).bfloat16() for n in sizes]
+    steps, found, one = [torch.ones(()) for _ in sizes], torch.zeros(()), torch.ones(1)
+    keys = _compiled.keys_tensor([(i, i + 1) for i in range(len(sizes))], torch.device("cpu"))
+    hp = dict(lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=0.01, eps=1e-8, amsgrad=False, maximize=False)
+    held: dict = {}
+    _compiled.available(torch.device("cpu"), strict=True)
+
+    def prepare() -> None:
+        held["values"], held["m32"], held["v32"] = _compiled.prepare(weights, remainders, (m16s, v16s))
+
+    return {
+        "lean compiled 1. upcast the BF16 grads (new FP32 tensors)": lambda: held.update(
+            grads=list(torch._foreach_mul(grads, [one] * len(grads)))
+        ),
+        "lean compiled 2. unscale + inf check": lambda: torch._amp_foreach_non_finite_check_and_unscale_(
+            held["grads"], found, one
+        ),
+        "lean compiled 3. join weights, upcast moments (compiled)": prepare,
+        "lean compiled 4. fused AdamW on the FP32 values": lambda: torch._fused_adamw_(
+            held["values"], held["grads"], held["m32"], held["v32"], [], steps, **hp
+        ),
+        "lean compiled 5. split weights, round moments (compiled)": lambda: _compiled.store(
+            held["values"], weights, remainders, (held["m32"], held["v32"], m16s, v16s), keys, True
+        ),
+    }
+
+
 def stage_breakdown(sizes: list[int], repeats: int, prototype: bool = False) -> None:
     """Time each stage of our step path on its own, alternating, against the fused-AdamW floor."""
     g = torch.Generator().manual_seed(0)
@@ -196,6 +238,10 @@ def stage_breakdown(sizes: list[int], repeats: int, prototype: bool = False) -> 
         stages["base design B: adam_step_ (FP32 grads in)"] = lambda: ops.adam_step_(
             masters, master_g, m, v, steps, half_w, 1e-3, 0.9, 0.999, 0.01, 1e-8, True, False
         )
+    try:
+        stages.update(lean_compiled_stages(sizes))
+    except Exception as err:  # no C++ compiler, or an inductor limitation
+        print(f"\n(lean compiled stages skipped: {type(err).__name__}: {str(err).splitlines()[0][:120]})")
     if prototype:
         try:
             one_c, nonfinite_c = compiled_update()
@@ -232,11 +278,13 @@ def stage_breakdown(sizes: list[int], repeats: int, prototype: bool = False) -> 
     print(f"\n# Where our path's time goes: each stage alone, {torch.get_num_threads()} threads, median of {repeats}\n")
     print("| stage | ms | CPU ms | CPU vs floor |")
     print("|---|---:|---:|---:|")
-    total = fused_total = base_total = 0.0
+    total = fused_total = base_total = lean_total = 0.0
     for name in stages:
         w, c = statistics.median(wall[name]), statistics.median(cpu[name])
         if name[0].isdigit():
             total += c
+        if name.startswith("lean compiled"):
+            lean_total += c
         if name.startswith("fused"):
             fused_total += c
         if name.startswith("base design"):
@@ -246,6 +294,8 @@ def stage_breakdown(sizes: list[int], repeats: int, prototype: bool = False) -> 
     if fused_total:
         print(f"| sum of fused A + B (+ stage 3) | | {fused_total * 1e3:.1f} | {fused_total / floor_cpu:.2f}x |")
         print(f"| sum of base design A + B | | {base_total * 1e3:.1f} | {base_total / floor_cpu:.2f}x |")
+    if lean_total:
+        print(f"| sum of lean compiled 1-5 | | {lean_total * 1e3:.1f} | {lean_total / floor_cpu:.2f}x |")
 
 
 def main() -> None:
