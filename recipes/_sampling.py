@@ -6,17 +6,27 @@ order than the run it continues. :class:`EpochShuffle` makes the order of epoch 
 function of ``(seed, e)`` alone, the rule of torch's ``DistributedSampler``. Lightning calls
 ``set_epoch`` at the start of every epoch, also after a resume, and under DDP replaces the
 sampler with a ``DistributedSampler`` seeded the same way.
+
+A checkpoint taken inside an epoch (``every_n_train_steps``, a SIGTERM's) also needs where in the
+epoch's order the run was: :class:`ResumableLoader` is a ``DataLoader`` with Lightning's
+``state_dict``/``load_state_dict`` (the checkpoint's ``loops`` entry holds it), which resumes the
+epoch's order after the batches already trained on. Without it Lightning restarts the epoch's
+order and stops after the batches left: the first ones are trained on twice, the last ones not at
+all. It also resumes a checkpoint written at the end of an epoch with the next epoch's order, where
+Lightning 2.6 counts that epoch twice and would set the order of the one after.
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Iterator, Sized
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset, RandomSampler
 
-__all__ = ["EpochShuffle", "train_loader"]
+__all__ = ["EpochShuffle", "ResumableLoader", "train_loader"]
 
 
 class EpochShuffle(RandomSampler):
@@ -45,6 +55,75 @@ class EpochShuffle(RandomSampler):
         yield from torch.randperm(len(self.data_source), generator=generator).tolist()
 
 
+class ResumableLoader(DataLoader):
+    """A ``DataLoader`` that a checkpoint taken inside an epoch resumes where it was.
+
+    ``state_dict()`` holds the epoch whose order is being read (the sampler's ``epoch``), the
+    batches handed out of it so far, and the batch size and dataset length they count in;
+    ``load_state_dict()`` makes the next iteration read that epoch's order after those batches (the
+    next epoch's from its start when the epoch was finished). The batches passed over are not
+    loaded: their indices are drawn from the sampler and dropped, so a dataset that draws random
+    numbers draws none for them, as in the run that trained on them. Lightning calls both (the
+    fit loop's checkpoint state), and takes the loader as resumable (no warning on a mid-epoch
+    resume). In-process loading only (``num_workers=0``): worker processes take indices ahead.
+    """
+
+    _resume: dict[str, int] | None = None
+    _epoch = 0
+    _yielded = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {
+            "epoch": self._epoch,
+            "batches": self._yielded,
+            "batch_size": int(self.batch_size or 0),
+            "length": len(self.dataset),  # type: ignore[arg-type]
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._resume = {key: int(value) for key, value in state.items()}
+
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        skip = self._resume_here()
+        self._epoch = int(getattr(self.sampler, "epoch", 0))
+        batches = super().__iter__()
+        for _ in range(skip):
+            next(batches._sampler_iter)  # the indices of a batch trained on before the checkpoint
+        self._yielded = skip
+        for batch in batches:
+            self._yielded += 1
+            yield batch
+
+    def _resume_here(self) -> int:
+        """After ``load_state_dict``: set the sampler to the checkpoint's epoch and return the batches
+        of it to pass over (once); else 0."""
+        state, self._resume = self._resume, None
+        if state is None:
+            return 0
+        if self.num_workers > 0:
+            raise ValueError(
+                f"ResumableLoader resumes in-process loading only: num_workers={self.num_workers} is not "
+                "allowed (worker processes take indices ahead of the batches handed out)."
+            )
+        epoch, done = state["epoch"], state["batches"]
+        if (state["batch_size"], state["length"]) != (self.batch_size, len(self.dataset)):  # type: ignore[arg-type]
+            warnings.warn(
+                f"The checkpoint's training loader read {state['length']} samples in batches of "
+                f"{state['batch_size']}, this one {len(self.dataset)} in batches of {self.batch_size}: "  # type: ignore[arg-type]
+                "the resumed epoch restarts its order.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            done = 0
+        if done >= len(self):
+            epoch, done = epoch + 1, 0
+        set_epoch = getattr(self.sampler, "set_epoch", None)
+        if set_epoch is not None:
+            set_epoch(epoch)
+        return done
+
+
 def train_loader(dataset: Dataset, batch_size: int) -> DataLoader:
-    """The recipes' training loader: in-memory data, :class:`EpochShuffle`, no worker processes."""
-    return DataLoader(dataset, batch_size=batch_size, sampler=EpochShuffle(dataset), num_workers=0)
+    """The recipes' training loader: in-memory data, :class:`EpochShuffle`, no worker processes,
+    resumable inside an epoch (:class:`ResumableLoader`)."""
+    return ResumableLoader(dataset, batch_size=batch_size, sampler=EpochShuffle(dataset), num_workers=0)

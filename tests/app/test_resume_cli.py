@@ -3,11 +3,9 @@
 The resume test runs ``train.py`` three times: uninterrupted, killed with SIGKILL after its
 first checkpoint, and resumed from that checkpoint to the same ``max_steps`` in the killed
 run's own directory (the README's pattern for multi-node jobs), whose logs must then read as
-the uninterrupted run's. Checkpoints
-are written every epoch-length steps (``every_n_train_steps``), at an epoch boundary: a
-plain DataLoader restarts its epoch from the first batch when a run resumes mid-epoch, and
-Lightning miscounts the epoch after resuming from a checkpoint written in
-``on_train_epoch_end`` (the sampler then replays the order of the wrong epoch).
+the uninterrupted run's. Checkpoints taken inside an epoch and at its end resume exactly too
+(in-process runs): the recipes' training loader holds its place in the epoch's order
+(``recipes/_sampling.py``).
 """
 
 from __future__ import annotations
@@ -118,28 +116,43 @@ def test_sigkill_then_resume_is_bit_exact(tmp_path):
 QUIET = ["trainer.enable_progress_bar=false", "plot=false"]
 
 
-@pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="Lightning 2.6 counts the epoch twice when resuming from a checkpoint "
-    "written in on_train_epoch_end, so set_epoch() replays the order of the wrong epoch",
-)
-def test_resume_from_an_epoch_end_checkpoint_is_bit_exact(tmp_path, compose_config):
-    """Pins a known limitation: the default callbacks' per-epoch checkpoints do not resume exactly."""
+def _resumed_equals_uninterrupted(tmp_path, compose_config, common: list[str], checkpoint: str, step: int) -> None:
+    """Train ``common`` uninterrupted, then again from its ``checkpoints/<checkpoint>`` (at ``step``): the
+    same weights, optimizer state, amp_plugin state and step at the end, every bit."""
     from amp_plugin.app.run import train
 
+    train(compose_config(*common, output_dir=tmp_path / "full"))
+    saved = tmp_path / "full" / "checkpoints" / checkpoint
+    assert load(saved)["global_step"] == step
+    train(compose_config(*common, f"ckpt_path={saved}", output_dir=tmp_path / "resumed"))
+    expected, got = (load(tmp_path / d / "checkpoints" / "last.ckpt") for d in ("full", "resumed"))
+    for key in ("state_dict", "optimizer_states", "amp_plugin", "global_step"):
+        assert differences(expected[key], got[key]) == [], key
+
+
+@pytest.mark.slow
+def test_resume_from_an_epoch_end_checkpoint_is_bit_exact(tmp_path, compose_config):
+    """The default callbacks' per-epoch checkpoints: Lightning 2.6 counts the epoch twice when resuming one
+    (its ``set_epoch`` would give the order of the epoch after the next); the recipes' loader holds the epoch
+    it read in the checkpoint and reads the next one's order."""
+    k = epoch_length()
+    common = [f"trainer.max_steps={2 * k}", "callbacks.model_checkpoint.save_top_k=-1", "trainer.limit_val_batches=1"]
+    _resumed_equals_uninterrupted(tmp_path, compose_config, [*common, *QUIET], f"epoch0-step{k}.ckpt", k)
+
+
+@pytest.mark.slow
+def test_resume_from_a_checkpoint_inside_an_epoch_is_bit_exact(tmp_path, compose_config):
+    """A checkpoint seven batches into the second epoch (as a SIGTERM or ``every_n_train_steps`` leaves one):
+    the resumed run trains on that epoch's batches after the seventh, in its order, not on its first ones again."""
     k = epoch_length()
     common = [
-        f"trainer.max_steps={2 * k}",
+        f"trainer.max_steps={2 * k + 3}",
+        f"callbacks.model_checkpoint.every_n_train_steps={k + 7}",
         "callbacks.model_checkpoint.save_top_k=-1",
         "trainer.limit_val_batches=1",
         *QUIET,
     ]
-    train(compose_config(*common, output_dir=tmp_path / "full"))
-    first = tmp_path / "full" / "checkpoints" / f"epoch0-step{k}.ckpt"
-    train(compose_config(*common, f"ckpt_path={first}", output_dir=tmp_path / "resumed"))
-    expected, got = (load(tmp_path / d / "checkpoints" / "last.ckpt") for d in ("full", "resumed"))
-    assert differences(expected["state_dict"], got["state_dict"]) == []
+    _resumed_equals_uninterrupted(tmp_path, compose_config, common, f"epoch1-step{k + 7}.ckpt", k + 7)
 
 
 # ---------------------------------------------------------------------------------- atomic checkpoint writes

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -93,8 +94,13 @@ def optimizer_state(run_dir: Path) -> dict:
 def test_a_bf16_sr_run_stopped_by_sigterm_keeps_its_rounding_state_through_the_resume(tmp_path):
     """bf16_sr keeps no master: its weights depend on every stochastic rounding, so the checkpoint a
     signal writes carries the rounding generator (seed, and a counter at the step it stopped after) and
-    the BF16 moments, and the resumed run goes on from them. (Not bit-identical to an uninterrupted
-    run: a mid-epoch checkpoint restarts that epoch's data, docs/guarantees.md.)"""
+    the BF16 moments, and the resumed run goes on from them, where it stopped in the epoch's data: it
+    ends bit for bit as a run that was never stopped."""
+    full_dir = tmp_path / "full"
+    full_args = [f"trainer.max_steps={STEPS}", "trainer.log_every_n_steps=1", "trainer.limit_val_batches=2"]
+    full = start(
+        [*full_args, *QUIET, "precision=bf16_sr", f"hydra.run.dir={full_dir}"], tmp_path, tmp_path / "full.log"
+    )
     run_dir, note, code = interrupt(tmp_path, signal.SIGTERM, ("precision=bf16_sr",))
     assert code == 143, note
     step = int(re.search(r"at step (\d+)", note).group(1))
@@ -110,6 +116,23 @@ def test_a_bf16_sr_run_stopped_by_sigterm_keeps_its_rounding_state_through_the_r
     assert finished["global_step"] == STEPS
     assert finished["sr_generator"] == {"seed": stopped["sr_generator"]["seed"], "counter": STEPS}
     assert all(int(s["step"]) == STEPS for s in finished["state"].values())
+    assert full.wait(timeout=300) == 0, (tmp_path / "full.log").read_text()[-3000:]
+    expected, got = (torch.load(d / "checkpoints" / "last.ckpt", weights_only=False) for d in (full_dir, run_dir))
+    assert not bit_differences(expected["state_dict"], got["state_dict"])
+    assert not bit_differences(expected["optimizer_states"], got["optimizer_states"])
+
+
+def bit_differences(a: Any, b: Any, path: str = "") -> list[str]:
+    """Where two checkpoint trees differ: tensors by dtype, shape and every bit."""
+    if isinstance(a, torch.Tensor):
+        return [] if a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b) else [path]
+    if isinstance(a, dict):
+        if a.keys() != b.keys():
+            return [f"{path} (keys)"]
+        return [d for k in a for d in bit_differences(a[k], b[k], f"{path}/{k}")]
+    if isinstance(a, (list, tuple)):
+        return [d for i, (x, y) in enumerate(zip(a, b, strict=True)) for d in bit_differences(x, y, f"{path}[{i}]")]
+    return [] if a == b else [f"{path}: {a!r} != {b!r}"]
 
 
 @pytest.mark.slow
