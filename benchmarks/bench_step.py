@@ -43,8 +43,9 @@ process CPU time, stages alternating, median), against the floor, plus two stock
 alternatives (the inf check reading the FP16 grads; fused AdamW doing the unscale through
 its ``grad_scale``/``found_inf`` arguments), and amp_plugin's kernels (the two passes of
 ``ours``, and the base design's two: a copy-and-unscale into FP32 grads, then Adam reading
-those), and the five stages of ``bf16_lean``'s compiled step (``fused="compiled"``: the
-gradients' upcast and unscale, the compiled join, torch's fused AdamW, the compiled stores).
+those); then ``bf16_lean``'s compiled step (``fused="compiled"``) as the optimizer runs it under
+``torch.profiler``, its operators' time gathered into its five stages (the gradients' upcast and
+unscale, the compiled join, torch's fused AdamW, the compiled stores).
 ``--compiled-prototype`` adds a prototype of the whole path fused by
 ``torch.compile`` (not what ``MasterWeightOptimizer`` does).
 """
@@ -155,44 +156,68 @@ def compiled_update():
     return one_c, nonfinite_c
 
 
-def lean_compiled_stages(sizes: list[int]) -> dict:
-    """The stages of ``bf16_lean``'s compiled step (``fused="compiled"``: BF16 weights, int16 remainders,
-    BF16 moments rounded stochastically), each on its own, on tensors as the step makes them (the FP32
-    copies new each time)."""
-    from amp_plugin.master_weights import _compiled
+def lean_compiled_profile(sizes: list[int], repeats: int, floor_cpu: float) -> None:
+    """Where ``bf16_lean``'s compiled step (``fused="compiled"``, with a dynamic scaler) spends its time:
+    the step as the optimizer runs it, under ``torch.profiler``, each operator's self CPU time per step
+    gathered into the step's stages (the compiled graphs before torch's fused AdamW are the joins, those
+    after it the stores), against the floor's CPU time."""
+    from torch.profiler import ProfilerActivity, profile
 
     g = torch.Generator().manual_seed(1)
-    weights = [(torch.randn(n, generator=g) * 0.02).bfloat16() for n in sizes]
-    remainders = [torch.zeros(n, dtype=torch.int16) for n in sizes]
-    m16s, v16s = (
-        [torch.zeros(n, dtype=torch.bfloat16) for n in sizes],
-        [torch.zeros(n, dtype=torch.bfloat16) for n in sizes],
+    params = [torch.nn.Parameter((torch.randn(n, generator=g) * 0.02).bfloat16()) for n in sizes]
+    for p in params:
+        p.grad = (torch.randn(p.shape, generator=g) * 2.0**10).bfloat16()
+    inner = torch.optim.AdamW(params, lr=1e-3, fused=True)
+    opt = MasterWeightOptimizer(
+        inner, fused="compiled", master="bf16_split", moments_dtype=torch.bfloat16, unscaled_model_grads=False
     )
-    grads = [torch.randn(n, generator=g).bfloat16() for n in sizes]
-    steps, found, one = [torch.ones(()) for _ in sizes], torch.zeros(()), torch.ones(1)
-    keys = _compiled.keys_tensor([(i, i + 1) for i in range(len(sizes))], torch.device("cpu"))
-    hp = dict(lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=0.01, eps=1e-8, amsgrad=False, maximize=False)
-    held: dict = {}
-    _compiled.available(torch.device("cpu"), strict=True)
+    scaler = DynamicLossScaler(init_scale=2.0**10)
 
-    def prepare() -> None:
-        held["values"], held["m32"], held["v32"] = _compiled.prepare(weights, remainders, (m16s, v16s))
+    def step() -> None:
+        scaler.unscale_(opt)
+        scaler.step(opt)
+        scaler.update()
 
-    return {
-        "lean compiled 1. upcast the BF16 grads (new FP32 tensors)": lambda: held.update(
-            grads=list(torch._foreach_mul(grads, [one] * len(grads)))
+    for _ in range(2):  # compiles
+        step()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(repeats):
+            step()
+    events = sorted(prof.events(), key=lambda e: e.time_range.start)
+    adam_at = next(e.time_range.start for e in events if e.name == "aten::_fused_adamw_")
+    first_seen: dict[str, float] = {}
+    for e in events:
+        if e.name.startswith("## Call CompiledFxGraph"):
+            first_seen.setdefault(e.name, e.time_range.start)
+    joins = tuple(name for name, at in first_seen.items() if at < adam_at)  # the first step's, before its Adam
+    stores = tuple(name for name, at in first_seen.items() if at > adam_at)
+    stages = {
+        "1. upcast the BF16 grads (new FP32 tensors)": (
+            "aten::_foreach_mul",
+            "aten::mul",
+            "aten::_to_copy",
+            "aten::copy_",
         ),
-        "lean compiled 2. unscale + inf check": lambda: torch._amp_foreach_non_finite_check_and_unscale_(
-            held["grads"], found, one
-        ),
-        "lean compiled 3. join weights, upcast moments (compiled)": prepare,
-        "lean compiled 4. fused AdamW on the FP32 values": lambda: torch._fused_adamw_(
-            held["values"], held["grads"], held["m32"], held["v32"], [], steps, **hp
-        ),
-        "lean compiled 5. split weights, round moments (compiled)": lambda: _compiled.store(
-            held["values"], weights, remainders, (held["m32"], held["v32"], m16s, v16s), keys, True
-        ),
+        "2. unscale + inf check": ("aten::_amp_foreach_non_finite_check_and_unscale_",),
+        "3. join weights, upcast moments (compiled)": joins,
+        "4. torch's fused AdamW on the FP32 values": ("aten::_fused_adamw_",),
+        "5. split weights, round moments (compiled)": stores,
     }
+    self_us = {e.key: e.self_cpu_time_total for e in prof.key_averages()}
+    total = sum(self_us.values())
+    print(f"\n# Where bf16_lean's compiled step goes (torch.profiler, self CPU time), {repeats} steps\n")
+    print("| stage of the compiled step | CPU ms/step | CPU vs floor |")
+    print("|---|---:|---:|")
+    counted = 0.0
+    for name, ops in stages.items():
+        us = sum(self_us.get(op, 0.0) for op in ops)
+        counted += us
+        ms = us / repeats / 1e3
+        print(f"| lean compiled {name} | {ms:.1f} | {ms / 1e3 / floor_cpu:.2f}x |")
+    rest = (total - counted) / repeats / 1e3
+    print(f"| lean compiled: the rest (Python, small ops, the profiler) | {rest:.1f} | {rest / 1e3 / floor_cpu:.2f}x |")
+    ms = total / repeats / 1e3
+    print(f"| sum of lean compiled | {ms:.1f} | {ms / 1e3 / floor_cpu:.2f}x |")
 
 
 def stage_breakdown(sizes: list[int], repeats: int, prototype: bool = False) -> None:
@@ -238,10 +263,6 @@ def stage_breakdown(sizes: list[int], repeats: int, prototype: bool = False) -> 
         stages["base design B: adam_step_ (FP32 grads in)"] = lambda: ops.adam_step_(
             masters, master_g, m, v, steps, half_w, 1e-3, 0.9, 0.999, 0.01, 1e-8, True, False
         )
-    try:
-        stages.update(lean_compiled_stages(sizes))
-    except Exception as err:  # no C++ compiler, or an inductor limitation
-        print(f"\n(lean compiled stages skipped: {type(err).__name__}: {str(err).splitlines()[0][:120]})")
     if prototype:
         try:
             one_c, nonfinite_c = compiled_update()
@@ -278,13 +299,11 @@ def stage_breakdown(sizes: list[int], repeats: int, prototype: bool = False) -> 
     print(f"\n# Where our path's time goes: each stage alone, {torch.get_num_threads()} threads, median of {repeats}\n")
     print("| stage | ms | CPU ms | CPU vs floor |")
     print("|---|---:|---:|---:|")
-    total = fused_total = base_total = lean_total = 0.0
+    total = fused_total = base_total = 0.0
     for name in stages:
         w, c = statistics.median(wall[name]), statistics.median(cpu[name])
         if name[0].isdigit():
             total += c
-        if name.startswith("lean compiled"):
-            lean_total += c
         if name.startswith("fused"):
             fused_total += c
         if name.startswith("base design"):
@@ -294,8 +313,10 @@ def stage_breakdown(sizes: list[int], repeats: int, prototype: bool = False) -> 
     if fused_total:
         print(f"| sum of fused A + B (+ stage 3) | | {fused_total * 1e3:.1f} | {fused_total / floor_cpu:.2f}x |")
         print(f"| sum of base design A + B | | {base_total * 1e3:.1f} | {base_total / floor_cpu:.2f}x |")
-    if lean_total:
-        print(f"| sum of lean compiled 1-5 | | {lean_total * 1e3:.1f} | {lean_total / floor_cpu:.2f}x |")
+    try:
+        lean_compiled_profile(sizes, repeats, floor_cpu)
+    except Exception as err:  # no C++ compiler, or an inductor limitation
+        print(f"\n(lean compiled profile skipped: {type(err).__name__}: {str(err).splitlines()[0][:120]})")
 
 
 def main() -> None:

@@ -59,7 +59,8 @@ class ResumableLoader(DataLoader):
     """A ``DataLoader`` that a checkpoint taken inside an epoch resumes where it was.
 
     ``state_dict()`` holds the epoch whose order is being read (the sampler's ``epoch``), the
-    batches handed out of it so far, and the batch size and dataset length they count in;
+    batches handed out of it so far and in all (this process's: under DDP each rank reads its
+    share), and the batch size and dataset length they count in;
     ``load_state_dict()`` makes the next iteration read that epoch's order after those batches (the
     next epoch's from its start when the epoch was finished). The batches passed over are not
     loaded: their indices are drawn from the sampler and dropped, so a dataset that draws random
@@ -76,6 +77,7 @@ class ResumableLoader(DataLoader):
         return {
             "epoch": self._epoch,
             "batches": self._yielded,
+            "epoch_batches": len(self),
             "batch_size": int(self.batch_size or 0),
             "length": len(self.dataset),  # type: ignore[arg-type]
         }
@@ -87,8 +89,8 @@ class ResumableLoader(DataLoader):
         skip = self._resume_here()
         self._epoch = int(getattr(self.sampler, "epoch", 0))
         batches = super().__iter__()
-        for _ in range(skip):
-            next(batches._sampler_iter)  # the indices of a batch trained on before the checkpoint
+        for _ in range(skip):  # the indices of the batches trained on before the checkpoint (torch's
+            next(batches._sampler_iter)  # iterator draws each batch's indices from it, then loads them)
         self._yielded = skip
         for batch in batches:
             self._yielded += 1
@@ -106,7 +108,9 @@ class ResumableLoader(DataLoader):
                 "allowed (worker processes take indices ahead of the batches handed out)."
             )
         epoch, done = state["epoch"], state["batches"]
-        if (state["batch_size"], state["length"]) != (self.batch_size, len(self.dataset)):  # type: ignore[arg-type]
+        if done >= state["epoch_batches"]:  # the checkpoint's epoch was finished
+            epoch, done = epoch + 1, 0
+        elif (state["batch_size"], state["length"]) != (self.batch_size, len(self.dataset)):  # type: ignore[arg-type]
             warnings.warn(
                 f"The checkpoint's training loader read {state['length']} samples in batches of "
                 f"{state['batch_size']}, this one {len(self.dataset)} in batches of {self.batch_size}: "  # type: ignore[arg-type]
@@ -115,8 +119,6 @@ class ResumableLoader(DataLoader):
                 stacklevel=2,
             )
             done = 0
-        if done >= len(self):
-            epoch, done = epoch + 1, 0
         set_epoch = getattr(self.sampler, "set_epoch", None)
         if set_epoch is not None:
             set_epoch(epoch)

@@ -153,7 +153,9 @@ def _call(name: str, length: int, args: list[Any]) -> Any:
         try:
             first = args[0][0]  # what a graph is compiled for: the batch's length, size class, device, flags
             graph = (name, length, size_class(first), first.device.type, *(a for a in args if isinstance(a, bool)))
-            with _no_duck_shapes():
+            # no_grad always: bit handling has no gradient, and a graph is compiled for one grad mode (a
+            # call from where gradients are on, as the probe's from a test, would compile them all again)
+            with _no_duck_shapes(), torch.no_grad():
                 if graph in _seen:
                     return _fn(name)(*args)
                 with counted_as_build():  # the first call of a kind compiles
@@ -170,7 +172,8 @@ def _call(name: str, length: int, args: list[Any]) -> Any:
                 RuntimeWarning,
                 stacklevel=4,
             )
-    return FUNCTIONS[name](*args)
+    with torch.no_grad():
+        return FUNCTIONS[name](*args)
 
 
 def _flat(tensors: Sequence[torch.Tensor]) -> L:

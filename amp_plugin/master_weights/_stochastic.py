@@ -42,7 +42,7 @@ __all__ = [
     "state_key",
     "state_low_bits",
 ]
-# element_hash, shr32 and as_int32 are the compiled step's (_compiled.py), not the package's API
+# element_hash, shr32 and as_int32 are the compiled step's (_compiled.py, _compiled_bits.py), not the package's API
 
 _MASK32 = 0xFFFFFFFF
 INDEX_MULTIPLIER = 0x9E3779B1

@@ -46,7 +46,7 @@ def test_a_loader_resumed_inside_an_epoch_reads_the_rest_of_its_order_and_loads_
     first.sampler.set_epoch(3)
     assert read(first, 2) == full[:2]
     state = first.state_dict()
-    assert state == {"epoch": 3, "batches": 2, "batch_size": 4, "length": 22}
+    assert state == {"epoch": 3, "batches": 2, "epoch_batches": 6, "batch_size": 4, "length": 22}
 
     data = Counted(22)
     resumed = train_loader(data, 4)
@@ -78,10 +78,18 @@ def test_another_batch_size_restarts_the_epochs_order_with_a_warning():
         assert read(resumed) == epoch_order(22, 8, epoch=0)
 
 
+def test_a_finished_epoch_resumes_with_the_next_even_in_other_batches():
+    first = train_loader(Counted(22), 4)
+    read(first)
+    resumed = train_loader(Counted(22), 8)
+    resumed.load_state_dict(first.state_dict())
+    assert read(resumed) == epoch_order(22, 8, epoch=1)  # nothing of epoch 0 left to restart: no warning
+
+
 def test_a_loader_with_worker_processes_refuses_to_resume():
     data = Counted(8)
     loader = ResumableLoader(data, batch_size=2, sampler=EpochShuffle(data), num_workers=1)
-    loader.load_state_dict({"epoch": 0, "batches": 1, "batch_size": 2, "length": 8})
+    loader.load_state_dict({"epoch": 0, "batches": 1, "epoch_batches": 4, "batch_size": 2, "length": 8})
     with pytest.raises(ValueError, match="num_workers=1 is not allowed"):
         read(loader)
 
