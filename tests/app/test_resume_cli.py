@@ -16,11 +16,11 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import _cli_procs
 import pytest
 import torch
+from _checkpoint_trees import differences
 
 from amp_plugin.lightning.checkpoint_io import AtomicCheckpointIO
 
@@ -42,22 +42,6 @@ def start(args: list[str], run_dir: Path, log_name: str | None = None) -> subpro
 def finish(proc: subprocess.Popen, run_dir: Path, timeout: float = 300, log_name: str | None = None) -> None:
     proc.wait(timeout=timeout)
     assert proc.returncode == 0, (run_dir.parent / f"{log_name or run_dir.name}.log").read_text()[-3000:]
-
-
-def differences(a: Any, b: Any, path: str = "") -> list[str]:
-    """Where two checkpoint trees differ: tensors by dtype, shape and every bit."""
-    if isinstance(a, torch.Tensor):
-        same = isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
-        return [] if same else [path]
-    if isinstance(a, dict):
-        if not isinstance(b, dict) or a.keys() != b.keys():
-            return [f"{path} (keys)"]
-        return [d for k in a for d in differences(a[k], b[k], f"{path}/{k}")]
-    if isinstance(a, (list, tuple)):
-        if not isinstance(b, (list, tuple)) or len(a) != len(b):
-            return [f"{path} (length)"]
-        return [d for i, (x, y) in enumerate(zip(a, b)) for d in differences(x, y, f"{path}[{i}]")]
-    return [] if a == b else [f"{path}: {a!r} != {b!r}"]
 
 
 def load(path: Path) -> dict:

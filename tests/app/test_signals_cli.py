@@ -15,10 +15,10 @@ import signal
 import subprocess
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
+from _checkpoint_trees import differences
 from _cli_procs import QUIET, env, logged_steps, start, throttle, wait_until
 
 STEPS = 40
@@ -118,21 +118,8 @@ def test_a_bf16_sr_run_stopped_by_sigterm_keeps_its_rounding_state_through_the_r
     assert all(int(s["step"]) == STEPS for s in finished["state"].values())
     assert full.wait(timeout=300) == 0, (tmp_path / "full.log").read_text()[-3000:]
     expected, got = (torch.load(d / "checkpoints" / "last.ckpt", weights_only=False) for d in (full_dir, run_dir))
-    assert not bit_differences(expected["state_dict"], got["state_dict"])
-    assert not bit_differences(expected["optimizer_states"], got["optimizer_states"])
-
-
-def bit_differences(a: Any, b: Any, path: str = "") -> list[str]:
-    """Where two checkpoint trees differ: tensors by dtype, shape and every bit."""
-    if isinstance(a, torch.Tensor):
-        return [] if a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b) else [path]
-    if isinstance(a, dict):
-        if a.keys() != b.keys():
-            return [f"{path} (keys)"]
-        return [d for k in a for d in bit_differences(a[k], b[k], f"{path}/{k}")]
-    if isinstance(a, (list, tuple)):
-        return [d for i, (x, y) in enumerate(zip(a, b, strict=True)) for d in bit_differences(x, y, f"{path}[{i}]")]
-    return [] if a == b else [f"{path}: {a!r} != {b!r}"]
+    assert not differences(expected["state_dict"], got["state_dict"])
+    assert not differences(expected["optimizer_states"], got["optimizer_states"])
 
 
 @pytest.mark.slow
