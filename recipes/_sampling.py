@@ -12,8 +12,8 @@ epoch's order the run was: :class:`ResumableLoader` is a ``DataLoader`` with Lig
 ``state_dict``/``load_state_dict`` (the checkpoint's ``loops`` entry holds it), which resumes the
 epoch's order after the batches already trained on. Without it Lightning restarts the epoch's
 order and stops after the batches left: the first ones are trained on twice, the last ones not at
-all. It also resumes a checkpoint written at the end of an epoch with the next epoch's order, where
-Lightning 2.6 counts that epoch twice and would set the order of the one after.
+all. It also resumes a checkpoint written at the end of an epoch with the next epoch's order and
+counts on from it, where Lightning 2.6 passes ``set_epoch`` one more than the epoch it runs.
 """
 
 from __future__ import annotations
@@ -67,9 +67,14 @@ class ResumableLoader(DataLoader):
     numbers draws none for them, as in the run that trained on them. Lightning calls both (the
     fit loop's checkpoint state), and takes the loader as resumable (no warning on a mid-epoch
     resume). In-process loading only (``num_workers=0``): worker processes take indices ahead.
+
+    Once resumed, the loader counts the epochs itself, each iteration the next: Lightning 2.6, resumed
+    from a checkpoint written at an epoch's end, passes ``set_epoch`` one more than the epoch it runs,
+    for every epoch after. A run never resumed takes Lightning's ``set_epoch`` as it is.
     """
 
     _resume: dict[str, int] | None = None
+    _counting = False  # since a resume: each iteration reads the epoch after the last one's
     _epoch = 0
     _yielded = 0
 
@@ -87,6 +92,10 @@ class ResumableLoader(DataLoader):
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         skip = self._resume_here()
+        if skip is None:  # no resume now: Lightning's epoch, or the one after ours since a resume
+            skip = 0
+            if self._counting:
+                self._set_epoch(self._epoch + 1)
         self._epoch = int(getattr(self.sampler, "epoch", 0))
         batches = super().__iter__()
         for _ in range(skip):  # the indices of the batches trained on before the checkpoint (torch's
@@ -96,12 +105,17 @@ class ResumableLoader(DataLoader):
             self._yielded += 1
             yield batch
 
-    def _resume_here(self) -> int:
+    def _set_epoch(self, epoch: int) -> None:
+        set_epoch = getattr(self.sampler, "set_epoch", None)
+        if set_epoch is not None:
+            set_epoch(epoch)
+
+    def _resume_here(self) -> int | None:
         """After ``load_state_dict``: set the sampler to the checkpoint's epoch and return the batches
-        of it to pass over (once); else 0."""
+        of it to pass over (once); else ``None``."""
         state, self._resume = self._resume, None
         if state is None:
-            return 0
+            return None
         if self.num_workers > 0:
             raise ValueError(
                 f"ResumableLoader resumes in-process loading only: num_workers={self.num_workers} is not "
@@ -119,9 +133,8 @@ class ResumableLoader(DataLoader):
                 stacklevel=2,
             )
             done = 0
-        set_epoch = getattr(self.sampler, "set_epoch", None)
-        if set_epoch is not None:
-            set_epoch(epoch)
+        self._set_epoch(epoch)
+        self._counting = True
         return done
 
 

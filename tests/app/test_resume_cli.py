@@ -116,11 +116,11 @@ def _resumed_equals_uninterrupted(tmp_path, compose_config, common: list[str], c
 
 @pytest.mark.slow
 def test_resume_from_an_epoch_end_checkpoint_is_bit_exact(tmp_path, compose_config):
-    """The default callbacks' per-epoch checkpoints: Lightning 2.6 counts the epoch twice when resuming one
-    (its ``set_epoch`` would give the order of the epoch after the next); the recipes' loader holds the epoch
-    it read in the checkpoint and reads the next one's order."""
+    """The default callbacks' per-epoch checkpoints: resumed from one, Lightning 2.6 passes ``set_epoch`` one
+    more than the epoch it runs, for every epoch after; the recipes' loader holds the epoch it read in the
+    checkpoint and counts on from it (two epochs after the resume here)."""
     k = epoch_length()
-    common = [f"trainer.max_steps={2 * k}", "callbacks.model_checkpoint.save_top_k=-1", "trainer.limit_val_batches=1"]
+    common = [f"trainer.max_steps={3 * k}", "callbacks.model_checkpoint.save_top_k=-1", "trainer.limit_val_batches=1"]
     _resumed_equals_uninterrupted(tmp_path, compose_config, [*common, *QUIET], f"epoch0-step{k}.ckpt", k)
 
 
@@ -130,7 +130,7 @@ def test_resume_from_a_checkpoint_inside_an_epoch_is_bit_exact(tmp_path, compose
     the resumed run trains on that epoch's batches after the seventh, in its order, not on its first ones again."""
     k = epoch_length()
     common = [
-        f"trainer.max_steps={2 * k + 3}",
+        f"trainer.max_steps={3 * k + 3}",
         f"callbacks.model_checkpoint.every_n_train_steps={k + 7}",
         "callbacks.model_checkpoint.save_top_k=-1",
         "trainer.limit_val_batches=1",

@@ -55,8 +55,15 @@ def test_a_loader_resumed_inside_an_epoch_reads_the_rest_of_its_order_and_loads_
     resumed.sampler.set_epoch(7)  # what Lightning sets is overridden by the checkpoint's epoch, once
     assert read(resumed) == full[2:]
     assert data.loaded == 22 - 8  # the two batches passed over were not loaded
-    resumed.sampler.set_epoch(4)
-    assert read(resumed) == epoch_order(22, 4, epoch=4)  # afterwards, Lightning's epochs again
+    resumed.sampler.set_epoch(9)
+    assert read(resumed) == epoch_order(22, 4, epoch=4)  # afterwards, each iteration the next epoch
+
+
+def test_a_loader_never_resumed_reads_the_epoch_lightning_sets():
+    loader = train_loader(Counted(22), 4)
+    for epoch in (0, 1, 5):
+        loader.sampler.set_epoch(epoch)
+        assert read(loader) == epoch_order(22, 4, epoch=epoch)
 
 
 def test_a_checkpoint_at_the_end_of_an_epoch_resumes_with_the_next_epochs_order():
@@ -65,8 +72,9 @@ def test_a_checkpoint_at_the_end_of_an_epoch_resumes_with_the_next_epochs_order(
     read(first)
     resumed = train_loader(Counted(22), 4)
     resumed.load_state_dict(first.state_dict())
-    resumed.sampler.set_epoch(5)  # Lightning 2.6's count after resuming an epoch-end checkpoint
-    assert read(resumed) == epoch_order(22, 4, epoch=4)
+    for epoch in (4, 5, 6):
+        resumed.sampler.set_epoch(epoch + 1)  # Lightning 2.6's count after resuming an epoch-end checkpoint
+        assert read(resumed) == epoch_order(22, 4, epoch=epoch)
 
 
 def test_another_batch_size_restarts_the_epochs_order_with_a_warning():
