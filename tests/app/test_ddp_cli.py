@@ -140,3 +140,38 @@ def test_ddp_ranks_share_their_run_directory_refuse_another_run_and_stop_togethe
     assert torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == step
     assert f"ckpt_path={run_dir}/checkpoints/last.ckpt hydra.run.dir={run_dir}" in note
     assert "Traceback" not in log.read_text()
+
+
+@pytest.mark.slow
+def test_a_ddp_run_stopped_by_sigterm_mid_epoch_resumes_bit_for_bit(tmp_path):
+    """Under DDP each rank reads its share of the epoch; rank 0's checkpoint holds the loader's place in it, the
+    same on every rank, so a run stopped mid-epoch and resumed with its FAILED command (across three more
+    epochs) ends with an uninterrupted run's weights, FP32 masters and optimizer state."""
+    import re
+    import signal
+    import time
+
+    from _checkpoint_trees import differences
+    from _cli_procs import QUIET, env, logged_steps, start, throttle, wait_until
+
+    common = ["trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2", "trainer.max_steps=40", *QUIET]
+    full = start([*common, f"hydra.run.dir={tmp_path / 'full'}"], tmp_path, tmp_path / "full.log")
+    assert full.wait(timeout=300) == 0, (tmp_path / "full.log").read_text()[-3000:]
+    log = tmp_path / "stopped.log"
+    stopped = start([*common, *throttle(2, 0.25), f"hydra.run.dir={tmp_path / 'stopped'}"], tmp_path, log)
+    wait_until(lambda: logged_steps(log), stopped)
+    time.sleep(2.0)
+    stopped.send_signal(signal.SIGTERM)
+    assert stopped.wait(timeout=120) == 143, log.read_text()[-3000:]
+    note = (tmp_path / "stopped" / "FAILED").read_text()
+    stopped_at = int(re.search(r"at step (\d+)", note).group(1))
+    command = note.split("resume with ", 1)[1].splitlines()[0]
+    resumed = subprocess.run(command, shell=True, env=env(), capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    expected, got = (
+        torch.load(tmp_path / d / "checkpoints" / "last.ckpt", weights_only=False) for d in ("full", "stopped")
+    )
+    for key in ("state_dict", "optimizer_states", "global_step"):
+        assert differences(expected[key], got[key]) == [], key
+    loader = got["loops"]["fit_loop"]["state_dict"]["combined_loader"][0]  # each rank: 12 batches an epoch
+    assert stopped_at % loader["epoch_batches"] and loader["epoch"] == 3 and loader["batches"] == 40 - 3 * 12
