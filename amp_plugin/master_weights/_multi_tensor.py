@@ -34,6 +34,7 @@ into FP32 is needed anyway, so the unscale happens there.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -44,9 +45,10 @@ from amp_plugin.adam_rule import as_float, init_state
 from amp_plugin.master_weights import _compiled
 from amp_plugin.master_weights._parameter import Record
 from amp_plugin.master_weights._passes import Passes
-from amp_plugin.master_weights._stochastic import moments_key, round_stochastic
+from amp_plugin.master_weights._stochastic import moments_key, offset_key, round_stochastic
 
-__all__ = ["torch_adam_step"]
+L = list[torch.Tensor]
+__all__ = ["slabs", "torch_adam_step"]
 
 
 @torch.no_grad()
@@ -76,7 +78,6 @@ def torch_adam_step(
     one per group), the same bits.
     """
     lean = kind is not None and not kind.has_fp32_tensor
-    adamw_default = isinstance(optimizer, torch.optim.AdamW)
     for group in optimizer.param_groups:
         params, group_grads, indices = [], [], []
         values: list[Any] = []
@@ -101,57 +102,21 @@ def torch_adam_step(
         exp_avgs = [s["exp_avg"] for s in states]
         exp_avg_sqs = [s["exp_avg_sq"] for s in states]
         low = [j for j, m in enumerate(exp_avgs) if m.dtype is not torch.float32]
-        targets = _pass_targets(params, indices, exp_avgs, lean, models, records, passes) if passes else []
-        for target in targets:
-            target.prepare(values, exp_avgs, exp_avg_sqs)
-        for j in low if passes is None else ():  # BF16 moments: computed in FP32, rounded once when stored
+        if passes is not None:
+            targets = _pass_targets(params, indices, exp_avgs, lean, models, records, passes)
+            handled = {j for target in targets for j in target.js}
+            rest = [j for j in range(len(params)) if j not in handled]
+            lists = [values, group_grads, exp_avgs, exp_avg_sqs, [s["step"] for s in states]]
+            _update(group, optimizer, [[x[j] for j in rest] for x in lists], increment=True)
+            for target in targets:
+                target.step(group, optimizer, lists, cast("list", keys), sr_moments)
+            continue
+        for j in low:  # BF16 moments: computed in FP32, rounded once when stored
             exp_avgs[j] = exp_avgs[j].float()
             exp_avg_sqs[j] = exp_avg_sqs[j].float()
-        grouped = cast(  # its lists hold no None: every list given has a tensor at every index
-            "dict[tuple[torch.device, torch.dtype], tuple[list[list[torch.Tensor]], list[int]]]",
-            Optimizer._group_tensors_by_device_and_dtype(
-                [  # one C++ call, as torch's fused Adam
-                    values,
-                    group_grads,
-                    exp_avgs,
-                    exp_avg_sqs,
-                    [s["step"] for s in states],
-                ]
-            ),
+        _update(
+            group, optimizer, [values, group_grads, exp_avgs, exp_avg_sqs, [s["step"] for s in states]], increment=True
         )
-        beta1, beta2 = group["betas"]
-        decoupled = bool(group.get("decoupled_weight_decay", adamw_default))
-        kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
-        lr = group["lr"]
-        for (device, _), ((d_params, d_grads, d_exp_avgs, d_exp_avg_sqs, d_steps), _) in grouped.items():
-            torch._foreach_add_(d_steps, 1)
-            # as torch's fused Adam: a tensor lr moves to a CUDA device, a CPU one stays
-            d_lr: Any = (
-                lr.to(device)
-                if isinstance(lr, torch.Tensor) and lr.device.type != "cpu" and lr.device != device
-                else lr
-            )
-            kernel(
-                d_params,
-                d_grads,
-                d_exp_avgs,
-                d_exp_avg_sqs,
-                [],
-                d_steps,
-                amsgrad=False,
-                lr=d_lr,
-                beta1=as_float(beta1),
-                beta2=as_float(beta2),
-                weight_decay=group["weight_decay"],
-                eps=group["eps"],
-                maximize=group["maximize"],
-                grad_scale=None,
-                found_inf=None,
-            )
-        if passes is not None:
-            for target in targets:
-                target.store(values, states, exp_avgs, exp_avg_sqs, cast("list", keys), sr_moments)
-            continue
         for j in low:
             if sr_moments:
                 key = moments_key(cast("list", keys)[cast("int", indices[j])])
@@ -164,6 +129,72 @@ def torch_adam_step(
             for value, i in zip(values, indices):
                 if i is not None:
                     kind.store(cast("list", models)[i], cast("list", records)[i], value, cast("list", keys)[i])
+
+
+def _update(group: dict[str, Any], optimizer: Optimizer, lists: list[list[Any]], increment: bool) -> None:
+    """torch's fused Adam/AdamW with ``group``'s hyperparameters over ``lists`` (values, gradients, exp_avgs,
+    exp_avg_sqs, step counters; FP32, any devices: one call per device), the counters first increased by
+    one if ``increment``."""
+    if not lists[0]:
+        return
+    grouped = cast(  # its lists hold no None: every list given has a tensor at every index
+        "dict[tuple[torch.device, torch.dtype], tuple[list[list[torch.Tensor]], list[int]]]",
+        Optimizer._group_tensors_by_device_and_dtype(lists),  # one C++ call, as torch's fused Adam
+    )
+    beta1, beta2 = group["betas"]
+    decoupled = bool(group.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW)))
+    kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
+    lr = group["lr"]
+    for (device, _), ((d_params, d_grads, d_exp_avgs, d_exp_avg_sqs, d_steps), _) in grouped.items():
+        if increment:
+            torch._foreach_add_(d_steps, 1)
+        # as torch's fused Adam: a tensor lr moves to a CUDA device, a CPU one stays
+        d_lr: Any = (
+            lr.to(device) if isinstance(lr, torch.Tensor) and lr.device.type != "cpu" and lr.device != device else lr
+        )
+        kernel(
+            d_params,
+            d_grads,
+            d_exp_avgs,
+            d_exp_avg_sqs,
+            [],
+            d_steps,
+            amsgrad=False,
+            lr=d_lr,
+            beta1=as_float(beta1),
+            beta2=as_float(beta2),
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            maximize=group["maximize"],
+            grad_scale=None,
+            found_inf=None,
+        )
+
+
+SLAB_ELEMENTS = {"cpu": 1 << 18}
+"""Elements per slab of the passes' step, by device type (others: :data:`SLAB_ELEMENTS_DEFAULT`)."""
+SLAB_ELEMENTS_DEFAULT = 1 << 24
+
+
+def slabs(numels: Sequence[int], limit: int) -> Iterator[list[tuple[int, int, int]]]:
+    """The tensors of ``numels`` cut into pieces ``(n, start, stop)`` at the multiples of ``limit`` of each
+    tensor's flat index, gathered in order into slabs of at most ``limit`` elements."""
+    slab: list[tuple[int, int, int]] = []
+    size = 0
+    for n, numel in enumerate(numels):
+        for start in range(0, max(numel, 1), limit):
+            stop = min(numel, start + limit)
+            if slab and size + stop - start > limit:
+                yield slab
+                slab, size = [], 0
+            slab.append((n, start, stop))
+            size += stop - start
+    if slab:
+        yield slab
+
+
+def _piece(t: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    return t.detach().view(-1)[start:stop]
 
 
 @dataclass
@@ -180,39 +211,45 @@ class _Targets:
     remainders: list[torch.Tensor] | None  # bf16_split's
     bf16_moments: bool
 
-    def prepare(self, values: list[Any], exp_avgs: list[torch.Tensor], exp_avg_sqs: list[torch.Tensor]) -> None:
-        """The FP32 values and moments of the step, through the passes' ``prepare``: in place of the
-        entries of ``values``, ``exp_avgs`` and ``exp_avg_sqs`` at :attr:`js`."""
-        moments = ([exp_avgs[j] for j in self.js], [exp_avg_sqs[j] for j in self.js]) if self.bf16_moments else None
-        new_values, m32s, v32s = self.passes.prepare(self.weights, self.remainders, moments)
-        for n, j in enumerate(self.js):
-            if new_values is not None:
-                values[j] = new_values[n]
-            if m32s is not None:
-                exp_avgs[j], exp_avg_sqs[j] = m32s[n], cast("list", v32s)[n]
-
-    def store(
+    def step(
         self,
-        values: list[torch.Tensor],
-        states: list[dict[str, Any]],
-        exp_avgs: list[torch.Tensor],
-        exp_avg_sqs: list[torch.Tensor],
+        group: dict[str, Any],
+        optimizer: Optimizer,
+        lists: list[list[Any]],
         keys: list[int],
         sr_moments: bool,
     ) -> None:
-        """What the torch ops store, through the passes' ``store``."""
-        js = self.js
-        moments = None
-        if self.bf16_moments:
-            moments = (
-                [exp_avgs[j] for j in js],
-                [exp_avg_sqs[j] for j in js],
-                [states[j]["exp_avg"] for j in js],
-                [states[j]["exp_avg_sq"] for j in js],
-            )
-        rows = [(keys[i], moments_key(keys[i])) for i in self.indices]
-        keys_t = self.passes.keys_tensor(rows, self.device)
-        self.passes.store([values[j] for j in js], self.weights, self.remainders, moments, keys_t, sr_moments)
+        """The update of these tensors (``lists``: the group's values, gradients, moments and step counters)
+        slab by slab (:func:`slabs`): the passes build a slab's FP32 values and moments, torch's fused Adam
+        updates them, the passes store them. torch's fused Adam computes each element alike wherever a
+        tensor is cut (on the CPU: its scalar tail is the last ``numel % 8`` elements of each call, and the
+        cuts fall on multiples of the slab size, so only a tensor's last piece has one, the same elements),
+        and a piece's rounding keys are its tensor's, offset to its first element
+        (:func:`~amp_plugin.master_weights._stochastic.offset_key`): the bits of one pass over whole tensors,
+        with FP32 copies of one slab at a time, which the cache holds (on the CPU) and the device's memory
+        never holds for a whole group."""
+        values, grads, exp_avgs, exp_avg_sqs, steps = ([x[j] for j in self.js] for x in lists)
+        torch._foreach_add_(steps, 1)
+        limit = SLAB_ELEMENTS.get(self.device.type, SLAB_ELEMENTS_DEFAULT)
+        for slab in slabs([g.numel() for g in grads], limit):
+
+            def cut(tensors: Sequence[Any]) -> L:
+                return [_piece(tensors[n], a, b) for n, a, b in slab]  # noqa: B023 (called in this iteration)
+
+            weights = None if self.weights is None else cut(self.weights)
+            remainders = None if self.remainders is None else cut(self.remainders)
+            g, m, v = cut(grads), cut(exp_avgs), cut(exp_avg_sqs)
+            new_values, m32s, v32s = self.passes.prepare(weights, remainders, (m, v) if self.bf16_moments else None)
+            slab_values = new_values if new_values is not None else cut(values)
+            m32, v32 = (m, v) if m32s is None or v32s is None else (m32s, v32s)
+            _update(group, optimizer, [slab_values, g, m32, v32, [steps[n] for n, _, _ in slab]], increment=False)
+            rows = [
+                (offset_key(keys[self.indices[n]], a), offset_key(moments_key(keys[self.indices[n]]), a))
+                for n, a, _ in slab
+            ]
+            moments = (m32, v32, m, v) if self.bf16_moments else None
+            keys_t = self.passes.keys_tensor(rows, self.device)
+            self.passes.store(slab_values, weights, remainders, moments, keys_t, sr_moments)
 
 
 def _pass_targets(
