@@ -19,7 +19,8 @@ same kernel on FP32 values rebuilt for the step (the weight joined with its rema
 weight upcast), then store the results their way (split, or rounded stochastically); BF16
 moments are upcast for the kernel and rounded back into their BF16 tensors (stochastically with
 the moments' key of :func:`~amp_plugin.master_weights._stochastic.moments_key`, the CPU kernel's
-bits, or to nearest). These FP32 copies live for one group's step.
+bits, or to nearest). With the fused passes (``passes``) these FP32 copies are made for one slab of at
+most :data:`SLAB_ELEMENTS` elements at a time (:meth:`_Targets.step`), with the torch ops for one group.
 
 The FP32 gradients are dropped when the step ends. Python only gathers references (the
 gradients, the state tensors) into lists: no per-parameter tensor op, no host sync. (The
@@ -171,9 +172,12 @@ def _update(group: dict[str, Any], optimizer: Optimizer, lists: list[list[Any]],
         )
 
 
-SLAB_ELEMENTS = {"cpu": 1 << 18}
-"""Elements per slab of the passes' step, by device type (others: :data:`SLAB_ELEMENTS_DEFAULT`)."""
-SLAB_ELEMENTS_DEFAULT = 1 << 24
+SLAB_ELEMENTS = 1 << 24
+"""Elements per slab of the passes' step: the most FP32 values, moments (12 bytes an element) the step
+holds at once beyond its gradients, 192 MiB, where a group's whole would be 12 bytes per parameter. A
+multiple of 8 (torch's CPU vector width, see :meth:`_Targets.step`). Not smaller on the CPU: the compiled
+passes there are bound by their arithmetic, not by memory traffic (at ``2**18``, which the cache holds, a
+step of 4M parameters took 38 ms against 34 ms in one slab: each slab costs some 0.3 ms of host work)."""
 
 
 def slabs(numels: Sequence[int], limit: int) -> Iterator[list[tuple[int, int, int]]]:
@@ -226,30 +230,42 @@ class _Targets:
         cuts fall on multiples of the slab size, so only a tensor's last piece has one, the same elements),
         and a piece's rounding keys are its tensor's, offset to its first element
         (:func:`~amp_plugin.master_weights._stochastic.offset_key`): the bits of one pass over whole tensors,
-        with FP32 copies of one slab at a time, which the cache holds (on the CPU) and the device's memory
-        never holds for a whole group."""
-        values, grads, exp_avgs, exp_avg_sqs, steps = ([x[j] for j in self.js] for x in lists)
-        torch._foreach_add_(steps, 1)
-        limit = SLAB_ELEMENTS.get(self.device.type, SLAB_ELEMENTS_DEFAULT)
-        for slab in slabs([g.numel() for g in grads], limit):
+        with FP32 copies of one slab at a time, never of a whole group."""
+        mine = [[x[j] for j in self.js] for x in lists]
+        torch._foreach_add_(mine[4], 1)
+        for slab in slabs([g.numel() for g in mine[1]], SLAB_ELEMENTS):
+            self._step_slab(slab, group, optimizer, mine, keys, sr_moments)
 
-            def cut(tensors: Sequence[Any]) -> L:
-                return [_piece(tensors[n], a, b) for n, a, b in slab]  # noqa: B023 (called in this iteration)
+    def _step_slab(
+        self,
+        slab: list[tuple[int, int, int]],
+        group: dict[str, Any],
+        optimizer: Optimizer,
+        lists: list[list[Any]],
+        keys: list[int],
+        sr_moments: bool,
+    ) -> None:
+        """The pieces ``slab`` of these tensors (``lists``: theirs, in :attr:`js`'s order) prepared, updated and
+        stored; the FP32 copies are freed on return, before the next slab's are made."""
+        values, grads, exp_avgs, exp_avg_sqs, steps = lists
 
-            weights = None if self.weights is None else cut(self.weights)
-            remainders = None if self.remainders is None else cut(self.remainders)
-            g, m, v = cut(grads), cut(exp_avgs), cut(exp_avg_sqs)
-            new_values, m32s, v32s = self.passes.prepare(weights, remainders, (m, v) if self.bf16_moments else None)
-            slab_values = new_values if new_values is not None else cut(values)
-            m32, v32 = (m, v) if m32s is None or v32s is None else (m32s, v32s)
-            _update(group, optimizer, [slab_values, g, m32, v32, [steps[n] for n, _, _ in slab]], increment=False)
-            rows = [
-                (offset_key(keys[self.indices[n]], a), offset_key(moments_key(keys[self.indices[n]]), a))
-                for n, a, _ in slab
-            ]
-            moments = (m32, v32, m, v) if self.bf16_moments else None
-            keys_t = self.passes.keys_tensor(rows, self.device)
-            self.passes.store(slab_values, weights, remainders, moments, keys_t, sr_moments)
+        def cut(tensors: Sequence[Any]) -> L:
+            return [_piece(tensors[n], a, b) for n, a, b in slab]
+
+        weights = None if self.weights is None else cut(self.weights)
+        remainders = None if self.remainders is None else cut(self.remainders)
+        g, m, v = cut(grads), cut(exp_avgs), cut(exp_avg_sqs)
+        new_values, m32s, v32s = self.passes.prepare(weights, remainders, (m, v) if self.bf16_moments else None)
+        slab_values = new_values if new_values is not None else cut(values)
+        m32, v32 = (m, v) if m32s is None or v32s is None else (m32s, v32s)
+        _update(group, optimizer, [slab_values, g, m32, v32, [steps[n] for n, _, _ in slab]], increment=False)
+        rows = [
+            (offset_key(keys[self.indices[n]], a), offset_key(moments_key(keys[self.indices[n]]), a))
+            for n, a, _ in slab
+        ]
+        moments = (m32, v32, m, v) if self.bf16_moments else None
+        keys_t = self.passes.keys_tensor(rows, self.device)
+        self.passes.store(slab_values, weights, remainders, moments, keys_t, sr_moments)
 
 
 def _pass_targets(

@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import sys
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -296,8 +297,7 @@ def test_slabs_cut_each_tensor_at_multiples_of_the_limit_and_cover_it_once(limit
 def test_the_slab_sizes_keep_torchs_cpu_tail_where_one_pass_has_it():
     # torch's fused CPU Adam rounds the last numel % 8 elements of a call otherwise: a cut at a multiple of 8
     # leaves that tail where a call over the whole tensor has it
-    for limit in (*_multi_tensor.SLAB_ELEMENTS.values(), _multi_tensor.SLAB_ELEMENTS_DEFAULT):
-        assert limit % 8 == 0
+    assert _multi_tensor.SLAB_ELEMENTS % 8 == 0
 
 
 @pytest.mark.parametrize("fused", ["compiled", pytest.param("triton", marks=pytest.mark.slow)])
@@ -310,8 +310,26 @@ def test_a_step_in_small_slabs_gives_the_bits_of_the_torch_ops(monkeypatch, fuse
         pytest.importorskip("triton")
         monkeypatch.setattr(sys.modules[__name__], "SIZES", (1, 7, 1000, 2100, 3, 33, 129, 2, 34))
     expected, _ = train("torch", master, moments, rounding, steps=3)
-    monkeypatch.setitem(_multi_tensor.SLAB_ELEMENTS, "cpu", 520)
+    monkeypatch.setattr(_multi_tensor, "SLAB_ELEMENTS", 520)
     got, opt = train(fused, master, moments, rounding, steps=3)
     assert [k.name for k in step_kernels(opt, {})] == [fused]
     for a, b in zip(got, expected, strict=True):
         assert torch.equal(a, b), a.shape
+
+
+def test_the_step_holds_the_fp32_copies_of_one_slab_at_a_time(monkeypatch):
+    monkeypatch.setattr(_multi_tensor, "SLAB_ELEMENTS", 520)
+    made: list[weakref.ref] = []
+    prepare = _compiled.prepare
+
+    def recording(*args):
+        assert all(ref() is None for ref in made), "an earlier slab's FP32 copies are still alive"
+        out = prepare(*args)
+        copies = [t for x in out if x is not None for t in x]
+        assert sum(t.numel() for t in copies) <= 3 * 520  # the values, exp_avg and exp_avg_sq of one slab
+        made.extend(weakref.ref(t) for t in copies)
+        return out
+
+    monkeypatch.setattr(_compiled, "prepare", recording)
+    train("compiled", "bf16_split", BF16, "stochastic", steps=2)
+    assert len(made) > 3 * len(SIZES)
