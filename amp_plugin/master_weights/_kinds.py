@@ -132,7 +132,10 @@ class StochasticMaster(_Bf16Only):
     exact = False
 
     def fp32(self, model_p: torch.Tensor, record: Record) -> torch.Tensor:
-        return model_p.detach().float()
+        # contiguous whatever the weight's layout: the step pairs it with the moments, which are contiguous,
+        # and torch's fused Adam pairs elements by their place in memory (a channels_last weight's FP32 copy
+        # kept its layout and was updated with other elements' moments)
+        return model_p.detach().to(torch.float32, memory_format=torch.contiguous_format)
 
     step_value = fp32
 

@@ -201,6 +201,23 @@ def _piece(t: torch.Tensor, start: int, stop: int) -> torch.Tensor:
     return t.detach().view(-1)[start:stop]
 
 
+def _dense(tensors: list[Any], written: list[tuple[torch.Tensor, torch.Tensor]] | None) -> list[Any]:
+    """``tensors`` (``None`` entries kept) with a contiguous copy in place of each strided one (a channels_last
+    weight, its gradient): the passes pair elements, and hash them, by their index in the tensor's logical
+    order, as the torch ops do. The copies of the tensors the step writes are added to ``written``
+    (``None``: read only), to be copied back."""
+    out = []
+    for t in tensors:
+        if t is None or t.is_contiguous():
+            out.append(t)
+            continue
+        copy = t.detach().contiguous()
+        out.append(copy)
+        if written is not None:
+            written.append((t.detach(), copy))
+    return out
+
+
 @dataclass
 class _Targets:
     """The positions of one group's tensors on one ``device`` whose bits the fused ``passes`` handle (a
@@ -231,10 +248,16 @@ class _Targets:
         and a piece's rounding keys are its tensor's, offset to its first element
         (:func:`~amp_plugin.master_weights._stochastic.offset_key`): the bits of one pass over whole tensors,
         with FP32 copies of one slab at a time, never of a whole group."""
-        mine = [[x[j] for j in self.js] for x in lists]
-        torch._foreach_add_(mine[4], 1)
-        for slab in slabs([g.numel() for g in mine[1]], SLAB_ELEMENTS):
-            self._step_slab(slab, group, optimizer, mine, keys, sr_moments)
+        written: list[tuple[torch.Tensor, torch.Tensor]] = []  # (a strided tensor the step writes, its copy)
+        values, grads, exp_avgs, exp_avg_sqs, steps = ([x[j] for j in self.js] for x in lists)
+        dense = [_dense(t, written) for t in (values, exp_avgs, exp_avg_sqs)]
+        weights, remainders = (None if x is None else _dense(x, written) for x in (self.weights, self.remainders))
+        mine = [dense[0], _dense(grads, None), dense[1], dense[2], steps]
+        torch._foreach_add_(steps, 1)
+        for slab in slabs([g.numel() for g in grads], SLAB_ELEMENTS):
+            self._step_slab(slab, group, optimizer, mine, weights, remainders, keys, sr_moments)
+        for tensor, copy in written:
+            tensor.copy_(copy)
 
     def _step_slab(
         self,
@@ -242,20 +265,23 @@ class _Targets:
         group: dict[str, Any],
         optimizer: Optimizer,
         lists: list[list[Any]],
+        weights: L | None,
+        remainders: L | None,
         keys: list[int],
         sr_moments: bool,
     ) -> None:
-        """The pieces ``slab`` of these tensors (``lists``: theirs, in :attr:`js`'s order) prepared, updated and
-        stored; the FP32 copies are freed on return, before the next slab's are made."""
+        """The pieces ``slab`` of these tensors (``lists``, ``weights``, ``remainders``: theirs, in :attr:`js`'s
+        order, contiguous) prepared, updated and stored; the FP32 copies are freed on return, before the next
+        slab's are made."""
         values, grads, exp_avgs, exp_avg_sqs, steps = lists
 
         def cut(tensors: Sequence[Any]) -> L:
             return [_piece(tensors[n], a, b) for n, a, b in slab]
 
-        weights = None if self.weights is None else cut(self.weights)
-        remainders = None if self.remainders is None else cut(self.remainders)
+        w = None if weights is None else cut(weights)
+        r = None if remainders is None else cut(remainders)
         g, m, v = cut(grads), cut(exp_avgs), cut(exp_avg_sqs)
-        new_values, m32s, v32s = self.passes.prepare(weights, remainders, (m, v) if self.bf16_moments else None)
+        new_values, m32s, v32s = self.passes.prepare(w, r, (m, v) if self.bf16_moments else None)
         slab_values = new_values if new_values is not None else cut(values)
         m32, v32 = (m, v) if m32s is None or v32s is None else (m32s, v32s)
         _update(group, optimizer, [slab_values, g, m32, v32, [steps[n] for n, _, _ in slab]], increment=False)
@@ -265,7 +291,7 @@ class _Targets:
         ]
         moments = (m32, v32, m, v) if self.bf16_moments else None
         keys_t = self.passes.keys_tensor(rows, self.device)
-        self.passes.store(slab_values, weights, remainders, moments, keys_t, sr_moments)
+        self.passes.store(slab_values, w, r, moments, keys_t, sr_moments)
 
 
 def _pass_targets(

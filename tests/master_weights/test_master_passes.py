@@ -1,0 +1,78 @@
+"""The passes' step (``fused="compiled"``, ``"triton"``): a group worked through in slabs of pieces of its
+tensors, each slab's FP32 copies made, updated by torch's fused Adam and stored before the next, with the bits
+of one pass over whole tensors; strided parameters (channels_last) paired by their logical index."""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+
+import pytest
+import torch
+
+from amp_plugin.master_weights import _compiled, _multi_tensor
+from amp_plugin.master_weights._step import step_kernels
+from tests.master_weights import test_master_compiled as compiled_tests
+from tests.master_weights.test_master_compiled import BF16, SIZES, train
+
+
+@pytest.mark.parametrize("limit, numels", [(8, [0, 3, 8, 9, 20, 1, 1]), (1000, [70001, 2, 999, 1, 1000, 34])])
+def test_slabs_cut_each_tensor_at_multiples_of_the_limit_and_cover_it_once(limit, numels):
+    slabs = list(_multi_tensor.slabs(numels, limit))
+    seen = {n: [] for n in range(len(numels))}
+    for slab in slabs:
+        assert sum(b - a for _, a, b in slab) <= limit
+        for n, a, b in slab:
+            assert a % limit == 0 and (b == numels[n] or b % limit == 0) and a <= b
+            seen[n].append((a, b))
+    for n, numel in enumerate(numels):
+        edges = [a for a, _ in seen[n]] + [seen[n][-1][1]]
+        assert edges[0] == 0 and edges[-1] == numel and edges == sorted(edges)
+        assert all(b == a2 for (_, b), (a2, _) in itertools.pairwise(seen[n]))
+    # the pieces in the tensors' order, a slab closed only when the next piece does not fit
+    flat = [p for slab in slabs for p in slab]
+    assert [n for n, _, _ in flat] == sorted(n for n, _, _ in flat)
+    for slab, following in itertools.pairwise(slabs):
+        n, a, b = following[0]
+        assert sum(y - x for _, x, y in slab) + b - a > limit
+
+
+def test_the_slab_sizes_keep_torchs_cpu_tail_where_one_pass_has_it():
+    # torch's fused CPU Adam rounds the last numel % 8 elements of a call otherwise: a cut at a multiple of 8
+    # leaves that tail where a call over the whole tensor has it
+    assert _multi_tensor.SLAB_ELEMENTS % 8 == 0
+
+
+@pytest.mark.parametrize("fused", ["compiled", pytest.param("triton", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("master", ["bf16_split", "stochastic", "fp32"])
+@pytest.mark.parametrize("moments, rounding", [(BF16, "stochastic"), (BF16, "nearest")], ids=["sr", "rne"])
+def test_a_step_in_small_slabs_gives_the_bits_of_the_torch_ops(monkeypatch, fused, master, moments, rounding):
+    """Tensors cut into many pieces (every size of ``SIZES`` past the limit, odd and even, whole tensors and
+    pieces in one slab): the rounding keys offset to each piece, torch's fused Adam per slab, the same bits."""
+    if fused == "triton":
+        pytest.importorskip("triton")
+        monkeypatch.setattr(compiled_tests, "SIZES", (1, 7, 1000, 2100, 3, 33, 129, 2, 34))
+    expected, _ = train("torch", master, moments, rounding, steps=3)
+    monkeypatch.setattr(_multi_tensor, "SLAB_ELEMENTS", 520)
+    got, opt = train(fused, master, moments, rounding, steps=3)
+    assert [k.name for k in step_kernels(opt, {})] == [fused]
+    for a, b in zip(got, expected, strict=True):
+        assert torch.equal(a, b), a.shape
+
+
+def test_the_step_holds_the_fp32_copies_of_one_slab_at_a_time(monkeypatch):
+    monkeypatch.setattr(_multi_tensor, "SLAB_ELEMENTS", 520)
+    made: list[weakref.ref] = []
+    prepare = _compiled.prepare
+
+    def recording(*args):
+        assert all(ref() is None for ref in made), "an earlier slab's FP32 copies are still alive"
+        out = prepare(*args)
+        copies = [t for x in out if x is not None for t in x]
+        assert sum(t.numel() for t in copies) <= 3 * 520  # the values, exp_avg and exp_avg_sq of one slab
+        made.extend(weakref.ref(t) for t in copies)
+        return out
+
+    monkeypatch.setattr(_compiled, "prepare", recording)
+    train("compiled", "bf16_split", BF16, "stochastic", steps=2)
+    assert len(made) > 3 * len(SIZES)
