@@ -44,6 +44,7 @@ for name in $parts; do
     tests) # AMP_PLUGIN_FUSED=0: no build of the CPU kernels, which these tests do not run
         part tests 120 env AMP_PLUGIN_FUSED=0 python3 -m pytest -q -p no:cacheprovider -k cuda \
             tests/master_weights/test_master_triton.py tests/master_weights/test_master_compiled.py \
+            tests/master_weights/test_master_passes.py tests/master_weights/test_master_layouts.py \
             tests/lightning/test_loss_scale_monitor.py ;;
     triton) part triton 90 env AMP_PLUGIN_FUSED=0 python3 -m pytest -q -p no:cacheprovider -k cuda \
         tests/master_weights/test_master_triton.py ;;

@@ -25,9 +25,9 @@ PATHS = [
 ]
 
 
-def run(fused, master, optimizer, channels_last, steps=3):
+def run(fused, master, optimizer, channels_last, steps=3, device="cpu"):
     torch.manual_seed(0)
-    weight = torch.randn(SHAPE).to(BF16)
+    weight = torch.randn(SHAPE).to(device, BF16)
     if channels_last:
         weight = weight.to(memory_format=torch.channels_last)
     p = torch.nn.Parameter(weight)
@@ -36,14 +36,14 @@ def run(fused, master, optimizer, channels_last, steps=3):
     )
     gen = torch.Generator().manual_seed(1)
     for _ in range(steps):
-        grad = torch.randn(SHAPE, generator=gen).to(BF16)
+        grad = torch.randn(SHAPE, generator=gen).to(device, BF16)
         p.grad = grad.to(memory_format=torch.channels_last) if channels_last else grad
         opt.step()
         opt.zero_grad()
     assert p.is_contiguous(memory_format=torch.channels_last) == channels_last
     tensors = [p.detach()] + [r.remainder for r in opt._records if r.remainder is not None]
     tensors += [t for s in opt.state_dict()["state"].values() for t in s.values() if t.dim() > 0]
-    return [t.contiguous().view(torch.int16 if t.element_size() == 2 else torch.int32) for t in tensors], opt
+    return [t.cpu().contiguous().view(torch.int16 if t.element_size() == 2 else torch.int32) for t in tensors], opt
 
 
 ADAMW = lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, fused=True)  # noqa: E731
@@ -67,5 +67,17 @@ def test_a_channels_last_weight_steps_as_a_contiguous_one(fused, master):
 def test_another_optimizer_steps_a_channels_last_weight_as_a_contiguous_one(master):
     expected, _ = run(None, master, SGD, channels_last=False)
     got, _ = run(None, master, SGD, channels_last=True)
+    for a, b in zip(got, expected, strict=True):
+        assert torch.equal(a, b), a.shape
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("fused", ["torch", False, "compiled", "triton"])
+@pytest.mark.parametrize("master", ["stochastic", "bf16_split"])
+def test_on_cuda_a_channels_last_weight_steps_as_a_contiguous_one(fused, master):
+    if fused == "triton":
+        pytest.importorskip("triton")
+    expected, _ = run("torch", master, ADAMW, channels_last=False, device="cuda")
+    got, _ = run(fused, master, ADAMW, channels_last=True, device="cuda")
     for a, b in zip(got, expected, strict=True):
         assert torch.equal(a, b), a.shape
