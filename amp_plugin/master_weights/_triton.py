@@ -183,7 +183,8 @@ def _kernel(name: str, device: torch.device) -> Any:
 
 def _block_table(numels: tuple[int, ...], device: torch.device) -> torch.Tensor:
     """``[tensor, start]`` of every :data:`BLOCK` of ``numels``, int64 on ``device``, kept for the
-    last 32 patterns of sizes (a model has one or two per group)."""
+    last 128 patterns of sizes (a model has one per slab of its groups' steps; the slabs that hold one
+    whole piece of ``SLAB_ELEMENTS`` share one; a table is at most 256 KiB)."""
     key = (device, numels)
     table = _blocks.get(key)
     if table is None:
@@ -193,7 +194,7 @@ def _block_table(numels: tuple[int, ...], device: torch.device) -> torch.Tensor:
         start = (torch.arange(int(counts.sum())) - torch.repeat_interleave(first, counts)) * BLOCK
         table = torch.stack([tensor, start], 1).reshape(-1).to(device)
         _blocks[key] = table
-        if len(_blocks) > 32:
+        if len(_blocks) > 128:
             _blocks.popitem(last=False)
     _blocks.move_to_end(key)
     return table
