@@ -171,8 +171,16 @@ def _with_passes(passes: Passes, name: str) -> Callable[[StepCall], bool]:
     return run
 
 
+def _sparse(call: StepCall) -> bool:
+    """Whether a gradient of the step is sparse (a master's, or an FP32 parameter's own)."""
+    own = (p.grad for g in call.optimizer.param_groups for p in g["params"] if id(p) not in call.index_of)
+    return any(g is not None and g.is_sparse for g in (*call.grads, *own))
+
+
 @torch.no_grad()
 def _run_torch(call: StepCall, passes: Passes | None = None) -> bool:
+    if _sparse(call):  # declined: the optimizer's own step refuses sparse gradients in torch's words
+        return False
     _multi_tensor.torch_adam_step(
         call.optimizer,
         call.grads,

@@ -157,3 +157,23 @@ def test_parameters_off_the_cpu_select_the_multi_tensor_path(monkeypatch):
     opt._chosen = None
     opt.param_groups[0]["fused"] = False  # the user chose foreach/for-loop Adam: its own step
     assert names() == []
+
+
+@pytest.mark.parametrize("fused", [None, "torch", "compiled", False])
+@pytest.mark.parametrize("master", ["bf16_split", "stochastic", "fp32"])
+def test_a_sparse_gradient_gets_torchs_own_refusal_on_every_path(fused, master):
+    """torch's Adam refuses sparse gradients ("consider SparseAdam"); the fused paths decline them to the
+    optimizer's own step, which says so, rather than failing inside a kernel with a message about backends."""
+    emb = torch.nn.Embedding(20, 4, sparse=True).to(torch.bfloat16)
+    opt = MasterWeightOptimizer(
+        torch.optim.Adam(emb.parameters(), lr=1e-2, fused=True),
+        master=master,
+        moments_dtype=torch.bfloat16,
+        fused=fused,
+        sr_seed=1,
+    )
+    before = emb.weight.detach().clone()
+    emb(torch.tensor([1, 2, 2])).float().sum().backward()
+    with pytest.raises(RuntimeError, match="Adam does not support sparse gradients"):
+        opt.step()
+    assert torch.equal(emb.weight.detach(), before)
