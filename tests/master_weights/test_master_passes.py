@@ -1,6 +1,6 @@
 """The passes' step (``fused="compiled"``, ``"triton"``): a group worked through in slabs of pieces of its
 tensors, each slab's FP32 copies made, updated by torch's fused Adam and stored before the next, with the bits
-of one pass over whole tensors; strided parameters (channels_last) paired by their logical index."""
+of one pass over whole tensors (strided parameters: ``test_master_layouts.py``)."""
 
 from __future__ import annotations
 
@@ -37,10 +37,36 @@ def test_slabs_cut_each_tensor_at_multiples_of_the_limit_and_cover_it_once(limit
         assert sum(y - x for _, x, y in slab) + b - a > limit
 
 
-def test_the_slab_sizes_keep_torchs_cpu_tail_where_one_pass_has_it():
-    # torch's fused CPU Adam rounds the last numel % 8 elements of a call otherwise: a cut at a multiple of 8
-    # leaves that tail where a call over the whole tensor has it
+def _fused_adamw(n: int, cuts: list[int], threads: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    p, g = torch.randn(n, generator=gen), torch.randn(n, generator=gen) * 1e-3
+    m, v = torch.randn(n, generator=gen) * 1e-3, torch.rand(n, generator=gen) * 1e-6
+    step = torch.tensor(5.0)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for a, b in itertools.pairwise([0, *cuts, n]):
+            torch._fused_adamw_(
+                [p[a:b]], [g[a:b]], [m[a:b]], [v[a:b]], [], [step],
+                amsgrad=False, lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=0.01, eps=1e-8, maximize=False,
+            )  # fmt: skip
+    finally:
+        torch.set_num_threads(before)
+    return [t.view(torch.int32) for t in (p, m, v)]
+
+
+def test_torchs_fused_adam_gives_each_element_its_bits_wherever_a_tensor_is_cut_at_a_multiple_of_8():
+    """What the slabs rest on: torch's fused CPU Adam rounds the last ``numel % 8`` elements of a call otherwise
+    than the rest (its scalar tail), whatever the thread count, so calls over pieces cut at multiples of 8 give
+    one call's bits. A torch that changes this fails here, not silently in the lean step."""
     assert _multi_tensor.SLAB_ELEMENTS % 8 == 0
+    n = 100_003  # a tail of 3
+    whole = _fused_adamw(n, [], 1)
+    for cuts, threads in [([], 2), ([8 * 1001, 8 * 5003], 1), ([8 * 1001, 8 * 5003], 2), ([64 * 1000], 2)]:
+        for a, b in zip(_fused_adamw(n, cuts, threads), whole, strict=True):
+            assert torch.equal(a, b), (cuts, threads)
+    # calls of 15 elements, seven of them each call's tail: other bits (the test sees what it guards against)
+    assert not all(torch.equal(a, b) for a, b in zip(_fused_adamw(n, list(range(15, n, 15)), 1), whole, strict=True))
 
 
 @pytest.mark.parametrize("device", compiled_tests.DEVICES)
