@@ -10,12 +10,12 @@ update rounds differently (:func:`foreach_refusal`).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.optim import Optimizer
 
-__all__ = ["as_float", "foreach_refusal", "init_state"]
+__all__ = ["as_float", "foreach_refusal", "fused_adam_update", "init_state"]
 
 
 def init_state(optimizer: Optimizer, p: torch.Tensor, moments_dtype: torch.dtype = torch.float32) -> dict[str, Any]:
@@ -47,3 +47,44 @@ def foreach_refusal(optimizer: Optimizer) -> str | None:
                 "foreach unset"
             )
     return None
+
+
+def fused_adam_update(group: dict[str, Any], optimizer: Optimizer, lists: list[list[Any]], increment: bool) -> None:
+    """torch's fused Adam/AdamW (``decoupled_weight_decay``, else AdamW for an ``optimizer`` of that class) with
+    ``group``'s hyperparameters over ``lists`` (values, gradients, exp_avgs, exp_avg_sqs, step counters; FP32,
+    any devices: one call per device, as ``torch.optim.Adam(fused=True)``), the counters first increased by one
+    if ``increment``."""
+    if not lists[0]:
+        return
+    grouped = cast(  # its lists hold no None: every list given has a tensor at every index
+        "dict[tuple[torch.device, torch.dtype], tuple[list[list[torch.Tensor]], list[int]]]",
+        Optimizer._group_tensors_by_device_and_dtype(lists),  # one C++ call, as torch's fused Adam
+    )
+    beta1, beta2 = group["betas"]
+    decoupled = bool(group.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW)))
+    kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
+    lr = group["lr"]
+    for (device, _), ((d_params, d_grads, d_exp_avgs, d_exp_avg_sqs, d_steps), _) in grouped.items():
+        if increment:
+            torch._foreach_add_(d_steps, 1)
+        # as torch's fused Adam: a tensor lr moves to a CUDA device, a CPU one stays
+        d_lr: Any = (
+            lr.to(device) if isinstance(lr, torch.Tensor) and lr.device.type != "cpu" and lr.device != device else lr
+        )
+        kernel(
+            d_params,
+            d_grads,
+            d_exp_avgs,
+            d_exp_avg_sqs,
+            [],
+            d_steps,
+            amsgrad=False,
+            lr=d_lr,
+            beta1=as_float(beta1),
+            beta2=as_float(beta2),
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            maximize=group["maximize"],
+            grad_scale=None,
+            found_inf=None,
+        )

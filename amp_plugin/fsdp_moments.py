@@ -33,7 +33,7 @@ from typing_extensions import override
 
 from amp_plugin._delegating import DelegatingOptimizer
 from amp_plugin._dtensor import is_dtensor
-from amp_plugin.adam_rule import as_float, foreach_refusal
+from amp_plugin.adam_rule import foreach_refusal, fused_adam_update
 from amp_plugin.master_weights import (
     SRGenerator,
     check_moments_rounding,
@@ -138,7 +138,6 @@ class Bf16MomentsAdam(DelegatingOptimizer, Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        adamw_default = isinstance(self.optimizer, torch.optim.AdamW)
         keys = self._step_keys()
         position = 0
         for group in self.param_groups:
@@ -169,27 +168,7 @@ class Bf16MomentsAdam(DelegatingOptimizer, Optimizer):
                 steps.append(state["step"])
             if not params:
                 continue
-            beta1, beta2 = group["betas"]
-            decoupled = bool(group.get("decoupled_weight_decay", adamw_default))
-            kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
-            torch._foreach_add_(steps, 1)
-            kernel(
-                params,
-                grads,
-                exp_avgs,
-                exp_avg_sqs,
-                [],
-                steps,
-                amsgrad=False,
-                lr=group["lr"],
-                beta1=as_float(beta1),
-                beta2=as_float(beta2),
-                weight_decay=group["weight_decay"],
-                eps=group["eps"],
-                maximize=group["maximize"],
-                grad_scale=None,
-                found_inf=None,
-            )
+            fused_adam_update(group, self.optimizer, [params, grads, exp_avgs, exp_avg_sqs, steps], increment=True)
             for m, v, j, at, p in low:
                 if keys is None:
                     m.copy_(exp_avgs[j])

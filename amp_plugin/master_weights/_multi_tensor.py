@@ -42,7 +42,7 @@ from typing import Any, cast
 import torch
 from torch.optim import Optimizer
 
-from amp_plugin.adam_rule import as_float, init_state
+from amp_plugin.adam_rule import fused_adam_update, init_state
 from amp_plugin.master_weights import _compiled
 from amp_plugin.master_weights._parameter import Record
 from amp_plugin.master_weights._passes import Passes
@@ -108,14 +108,14 @@ def torch_adam_step(
             handled = {j for target in targets for j in target.js}
             rest = [j for j in range(len(params)) if j not in handled]
             lists = [values, group_grads, exp_avgs, exp_avg_sqs, [s["step"] for s in states]]
-            _update(group, optimizer, [[x[j] for j in rest] for x in lists], increment=True)
+            fused_adam_update(group, optimizer, [[x[j] for j in rest] for x in lists], increment=True)
             for target in targets:
                 target.step(group, optimizer, lists, cast("list", keys), sr_moments)
             continue
         for j in low:  # BF16 moments: computed in FP32, rounded once when stored
             exp_avgs[j] = exp_avgs[j].float()
             exp_avg_sqs[j] = exp_avg_sqs[j].float()
-        _update(
+        fused_adam_update(
             group, optimizer, [values, group_grads, exp_avgs, exp_avg_sqs, [s["step"] for s in states]], increment=True
         )
         for j in low:
@@ -130,46 +130,6 @@ def torch_adam_step(
             for value, i in zip(values, indices):
                 if i is not None:
                     kind.store(cast("list", models)[i], cast("list", records)[i], value, cast("list", keys)[i])
-
-
-def _update(group: dict[str, Any], optimizer: Optimizer, lists: list[list[Any]], increment: bool) -> None:
-    """torch's fused Adam/AdamW with ``group``'s hyperparameters over ``lists`` (values, gradients, exp_avgs,
-    exp_avg_sqs, step counters; FP32, any devices: one call per device), the counters first increased by
-    one if ``increment``."""
-    if not lists[0]:
-        return
-    grouped = cast(  # its lists hold no None: every list given has a tensor at every index
-        "dict[tuple[torch.device, torch.dtype], tuple[list[list[torch.Tensor]], list[int]]]",
-        Optimizer._group_tensors_by_device_and_dtype(lists),  # one C++ call, as torch's fused Adam
-    )
-    beta1, beta2 = group["betas"]
-    decoupled = bool(group.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW)))
-    kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
-    lr = group["lr"]
-    for (device, _), ((d_params, d_grads, d_exp_avgs, d_exp_avg_sqs, d_steps), _) in grouped.items():
-        if increment:
-            torch._foreach_add_(d_steps, 1)
-        # as torch's fused Adam: a tensor lr moves to a CUDA device, a CPU one stays
-        d_lr: Any = (
-            lr.to(device) if isinstance(lr, torch.Tensor) and lr.device.type != "cpu" and lr.device != device else lr
-        )
-        kernel(
-            d_params,
-            d_grads,
-            d_exp_avgs,
-            d_exp_avg_sqs,
-            [],
-            d_steps,
-            amsgrad=False,
-            lr=d_lr,
-            beta1=as_float(beta1),
-            beta2=as_float(beta2),
-            weight_decay=group["weight_decay"],
-            eps=group["eps"],
-            maximize=group["maximize"],
-            grad_scale=None,
-            found_inf=None,
-        )
 
 
 SLAB_ELEMENTS = 1 << 24
@@ -250,9 +210,9 @@ class _Targets:
         with FP32 copies of one slab at a time, never of a whole group."""
         written: list[tuple[torch.Tensor, torch.Tensor]] = []  # (a strided tensor the step writes, its copy)
         values, grads, exp_avgs, exp_avg_sqs, steps = ([x[j] for j in self.js] for x in lists)
-        dense = [_dense(t, written) for t in (values, exp_avgs, exp_avg_sqs)]
+        values, exp_avgs, exp_avg_sqs = (_dense(x, written) for x in (values, exp_avgs, exp_avg_sqs))
         weights, remainders = (None if x is None else _dense(x, written) for x in (self.weights, self.remainders))
-        mine = [dense[0], _dense(grads, None), dense[1], dense[2], steps]
+        mine = [values, _dense(grads, None), exp_avgs, exp_avg_sqs, steps]
         torch._foreach_add_(steps, 1)
         for slab in slabs([g.numel() for g in grads], SLAB_ELEMENTS):
             self._step_slab(slab, group, optimizer, mine, weights, remainders, keys, sr_moments)
@@ -284,7 +244,7 @@ class _Targets:
         new_values, m32s, v32s = self.passes.prepare(w, r, (m, v) if self.bf16_moments else None)
         slab_values = new_values if new_values is not None else cut(values)
         m32, v32 = (m, v) if m32s is None or v32s is None else (m32s, v32s)
-        _update(group, optimizer, [slab_values, g, m32, v32, [steps[n] for n, _, _ in slab]], increment=False)
+        fused_adam_update(group, optimizer, [slab_values, g, m32, v32, [steps[n] for n, _, _ in slab]], increment=False)
         rows = [
             (offset_key(keys[self.indices[n]], a), offset_key(moments_key(keys[self.indices[n]]), a))
             for n, a, _ in slab
