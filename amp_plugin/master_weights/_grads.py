@@ -38,6 +38,7 @@ __all__ = [
     "clear_grads",
     "eager_unscale",
     "end_session",
+    "one_on",
     "take_sum",
     "unscaled_copy",
     "warn_grads_changed",
@@ -108,20 +109,21 @@ def eager_unscale(
       an exact upcast that allocates every output in one op, so no per-tensor allocation or
       view is dispatched from Python: host work on a GPU), then
       ``torch._amp_foreach_non_finite_check_and_unscale_``. On the CPU this mixed-dtype
-      multiply runs torch's unvectorised casting loop: several times slower than a copy.
+      multiply runs torch's unvectorised casting loop, several times slower than a copy, and first
+      copies each input into a temporary FP32 tensor (kept: CI runs here what a GPU runs).
     """
     device = grads[0].device
     if found is None:
         found = torch.zeros((), dtype=torch.float32, device=device)
     if ops is not None and device.type == "cpu" and all(g.is_contiguous() for g in grads):
-        return list(ops.unscale_copy(grads, found, (inv_scale if inv_scale is not None else _one(device)).float()))
-    out = list(torch._foreach_mul(grads, [_one(device, 1)] * len(grads)))
+        return list(ops.unscale_copy(grads, found, (inv_scale if inv_scale is not None else one_on(device)).float()))
+    out = list(torch._foreach_mul(grads, [one_on(device, 1)] * len(grads)))
     if inv_scale is not None:
         torch._amp_foreach_non_finite_check_and_unscale_(out, found, inv_scale)
     return out
 
 
-def _one(device: torch.device, dims: int = 0) -> torch.Tensor:
+def one_on(device: torch.device, dims: int = 0) -> torch.Tensor:
     """A cached FP32 one on ``device``: 0-dim, or (``dims=1``) of shape ``(1,)``."""
     key = (device, dims)
     one = _ONES.get(key)

@@ -49,6 +49,7 @@ class StepCall:
     sr_moments: bool  # BF16 moments rounded stochastically (moment keys from `keys`), else to nearest
     ops: Any  # amp_plugin's kernels, or None
     fused: bool | str | None = None  # the wrapper's fused= (a kernel named there may not fall back)
+    inv_on: Callable[[torch.device], torch.Tensor | None] | None = None  # the unscale factor on a device
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,8 @@ class StepKernel:
         ineligible: why an optimizer (options, parameters) cannot take it, or ``None``; the
             flag: its half-precision parameters are not yet replaced by masters.
         run: the step; ``False`` means it declined and changed nothing.
-        needs_half_grads_in_fp32: the half gradients must be FP32 master gradients first.
+        reads_half_grad: which of the model's half gradients (dense, contiguous) it reads as they are, times
+            the unscale factor; the others are made FP32 master gradients first. ``None``: none.
     """
 
     name: str
@@ -76,7 +78,7 @@ class StepKernel:
     automatic_on_cpu: bool
     ineligible: Callable[[Optimizer, bool], str | None]
     run: Callable[[StepCall], bool]
-    needs_half_grads_in_fp32: bool
+    reads_half_grad: Callable[[torch.Tensor], bool] | None
     only_named_on_cpu: bool = False
 
 
@@ -192,6 +194,7 @@ def _run_torch(call: StepCall, passes: Passes | None = None) -> bool:
         call.moments_dtype,
         call.sr_moments,
         passes,
+        call.inv_on,
     )
     if call.kind.has_fp32_tensor:
         pairs = [(call.models[i], r.master) for i, r in enumerate(call.records) if call.grads[i] is not None]
@@ -210,7 +213,7 @@ register_kernel(
         automatic_on_cpu=True,
         ineligible=lambda opt, to_come: _adam.adam_ineligible(opt, to_come, device_type="cpu"),
         run=_run_amp_plugin,
-        needs_half_grads_in_fp32=False,
+        reads_half_grad=lambda grad: grad.is_cpu,
     )
 )
 for _name, _passes in (("triton", _triton), ("compiled", _compiled)):  # most preferred first
@@ -223,7 +226,7 @@ for _name, _passes in (("triton", _triton), ("compiled", _compiled)):  # most pr
             automatic_on_cpu=False,
             ineligible=lambda opt, to_come: _adam.adam_ineligible(opt, to_come, device_type=None),
             run=_with_passes(_passes, _name),
-            needs_half_grads_in_fp32=True,
+            reads_half_grad=lambda grad: True,  # upcast a slab at a time (_multi_tensor._Targets.step)
             only_named_on_cpu=True,
         )
     )
@@ -236,6 +239,6 @@ register_kernel(
         automatic_on_cpu=False,
         ineligible=lambda opt, to_come: _adam.adam_ineligible(opt, to_come, device_type=None),
         run=_run_torch,
-        needs_half_grads_in_fp32=True,
+        reads_half_grad=None,
     )
 )

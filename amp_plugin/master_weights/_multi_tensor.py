@@ -20,7 +20,9 @@ weight upcast), then store the results their way (split, or rounded stochastical
 moments are upcast for the kernel and rounded back into their BF16 tensors (stochastically with
 the moments' key of :func:`~amp_plugin.master_weights._stochastic.moments_key`, the CPU kernel's
 bits, or to nearest). With the fused passes (``passes``) these FP32 copies are made for one slab of at
-most :data:`SLAB_ELEMENTS` elements at a time (:meth:`_Targets.step`), with the torch ops for one group.
+most :data:`SLAB_ELEMENTS` elements at a time (:meth:`_Targets.step`), with the torch ops for one group;
+and so are the FP32 gradients of the half ones the step is handed as they are (no loss scaler, or one
+whose ``unscale_`` left them to the step): step 1 runs per slab, over its pieces.
 
 The FP32 gradients are dropped when the step ends. Python only gathers references (the
 gradients, the state tensors) into lists: no per-parameter tensor op, no host sync. (The
@@ -35,7 +37,7 @@ into FP32 is needed anyway, so the unscale happens there.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -43,7 +45,9 @@ import torch
 from torch.optim import Optimizer
 
 from amp_plugin.adam_rule import fused_adam_update, init_state
+from amp_plugin.dtypes import HALF_DTYPES
 from amp_plugin.master_weights import _compiled
+from amp_plugin.master_weights._grads import eager_unscale
 from amp_plugin.master_weights._parameter import Record
 from amp_plugin.master_weights._passes import Passes
 from amp_plugin.master_weights._stochastic import moments_key, offset_key, round_stochastic
@@ -64,6 +68,7 @@ def torch_adam_step(
     moments_dtype: torch.dtype = torch.float32,
     sr_moments: bool = False,
     passes: Passes | None = None,
+    inv_on: Callable[[torch.device], torch.Tensor | None] | None = None,
 ) -> None:
     """One Adam/AdamW step of ``optimizer`` over FP32 masters with torch's fused kernel.
 
@@ -76,7 +81,9 @@ def torch_adam_step(
     ``sr_moments``: BF16 moments rounded stochastically with the moment keys of ``keys[i]``.
     ``passes``: the joins and stores of the lean kinds and BF16 moments run as fused passes
     (:mod:`amp_plugin.master_weights._compiled`: one per tensor, :mod:`~amp_plugin.master_weights._triton`:
-    one per group), the same bits.
+    one per group), the same bits. With ``passes`` a gradient may also be the model's half one (dense,
+    contiguous), ``grad.float() * inv_on(device)`` in FP32 (``inv_on`` ``None``: not scaled), upcast a slab
+    at a time.
     """
     lean = kind is not None and not kind.has_fp32_tensor
     for group in optimizer.param_groups:
@@ -108,9 +115,11 @@ def torch_adam_step(
             handled = {j for target in targets for j in target.js}
             rest = [j for j in range(len(params)) if j not in handled]
             lists = [values, group_grads, exp_avgs, exp_avg_sqs, [s["step"] for s in states]]
-            fused_adam_update(group, optimizer, [[x[j] for j in rest] for x in lists], increment=True)
+            rest_lists = [[x[j] for j in rest] for x in lists]
+            rest_lists[1] = _fp32_grads(rest_lists[1], inv_on)  # FP32 masters' half gradients, whole
+            fused_adam_update(group, optimizer, rest_lists, increment=True)
             for target in targets:
-                target.step(group, optimizer, lists, cast("list", keys), sr_moments)
+                target.step(group, optimizer, lists, cast("list", keys), sr_moments, inv_on)
             continue
         for j in low:  # BF16 moments: computed in FP32, rounded once when stored
             exp_avgs[j] = exp_avgs[j].float()
@@ -162,6 +171,21 @@ def _piece(t: torch.Tensor, start: int, stop: int) -> torch.Tensor:
     return t.detach().view(-1)[start:stop]
 
 
+def _fp32_grads(grads: list[Any], inv_on: Callable[[torch.device], torch.Tensor | None] | None) -> list[Any]:
+    """``grads`` with each half one (dense, contiguous) replaced by ``grad.float() * inv_on(device)`` in FP32,
+    one multi-tensor copy and unscale per device (``eager_unscale``; ``inv_on`` ``None``: not scaled)."""
+    half = [k for k, g in enumerate(grads) if g.dtype in HALF_DTYPES]
+    if not half:
+        return grads
+    out = list(grads)
+    for device in {grads[k].device for k in half}:
+        index = [k for k in half if grads[k].device == device]
+        factor = None if inv_on is None else inv_on(device)
+        for k, copy in zip(index, eager_unscale([grads[k] for k in index], factor, None)):
+            out[k] = copy
+    return out
+
+
 def _dense(tensors: list[Any], written: list[tuple[torch.Tensor, torch.Tensor]] | None) -> list[Any]:
     """``tensors`` (``None`` entries kept) with a contiguous copy in place of each strided one (a channels_last
     weight, its gradient): the passes pair elements, and hash them, by their index in the tensor's logical
@@ -200,9 +224,11 @@ class _Targets:
         lists: list[list[Any]],
         keys: list[int],
         sr_moments: bool,
+        inv_on: Callable[[torch.device], torch.Tensor | None] | None = None,
     ) -> None:
         """The update of these tensors (``lists``: the group's values, gradients, moments and step counters)
-        slab by slab (:func:`slabs`): the passes build a slab's FP32 values and moments, torch's fused Adam
+        slab by slab (:func:`slabs`): the passes build a slab's FP32 values and moments (and FP32 gradients,
+        where the model's half ones come: upcast and unscaled with ``inv_on``), torch's fused Adam
         updates them, the passes store them. torch's fused Adam computes each element alike wherever a
         tensor is cut (on the CPU: its scalar tail is the last ``numel % 8`` elements of each call, and the
         cuts fall on multiples of the slab size, so only a tensor's last piece has one, the same elements),
@@ -216,7 +242,7 @@ class _Targets:
         mine = [values, _dense(grads, None), exp_avgs, exp_avg_sqs, steps]
         torch._foreach_add_(steps, 1)
         for slab in slabs([g.numel() for g in grads], SLAB_ELEMENTS):
-            self._step_slab(slab, group, optimizer, mine, weights, remainders, keys, sr_moments)
+            self._step_slab(slab, group, optimizer, mine, weights, remainders, keys, sr_moments, inv_on)
         for tensor, copy in written:
             tensor.copy_(copy)
 
@@ -230,6 +256,7 @@ class _Targets:
         remainders: L | None,
         keys: list[int],
         sr_moments: bool,
+        inv_on: Callable[[torch.device], torch.Tensor | None] | None,
     ) -> None:
         """The pieces ``slab`` of these tensors (``lists``, ``weights``, ``remainders``: theirs, in :attr:`js`'s
         order, contiguous) prepared, updated and stored; the FP32 copies are freed on return, before the next
@@ -241,8 +268,9 @@ class _Targets:
 
         w = None if weights is None else cut(weights)
         r = None if remainders is None else cut(remainders)
-        g, m, v = cut(grads), cut(exp_avgs), cut(exp_avg_sqs)
+        m, v = cut(exp_avgs), cut(exp_avg_sqs)
         new_values, m32s, v32s = self.passes.prepare(w, r, (m, v) if self.bf16_moments else None)
+        g = _fp32_grads(cut(grads), inv_on)
         slab_values = new_values if new_values is not None else cut(values)
         m32, v32 = (m, v) if m32s is None or v32s is None else (m32s, v32s)
         fused_adam_update(group, optimizer, [slab_values, g, m32, v32, [steps[n] for n, _, _ in slab]], increment=False)

@@ -332,8 +332,10 @@ class MasterWeightOptimizer(Optimizer):
         place. Called by a loss scaler's ``unscale_``. Returns one found-inf tensor per device.
 
         Contiguous CPU half gradients are only read (amp_plugin's inf-check kernel); the FP32
-        master gradient is materialized if read, and the fused step reads the half gradient.
-        The others (another device, ``fused=False`` or ``"torch"``) are copied into FP32 and
+        master gradient is materialized if read, and the fused step reads the half gradient. So
+        are those the step's fused passes read on any device (``fused="triton"``, ``"compiled"``:
+        checked by torch's check-and-unscale op with a factor of one, upcast a slab at a time in
+        the step). The others (another device, ``fused=False`` or ``"torch"``) are copied into FP32 and
         unscaled with torch's multi-tensor ops (two per device), freed after the step; sparse
         or strided ones one by one (sparse ones upcast and coalesced first). No host sync.
         With ``amax`` given, the largest magnitude of the still scaled gradients is folded into

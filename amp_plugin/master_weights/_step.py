@@ -12,6 +12,7 @@ the wrapped optimizer's own ``step()`` over the masters' FP32 values
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -40,8 +41,8 @@ def run_step(opt: MasterWeightOptimizer, session: GradSession, kwargs: dict[str,
     # one draw per step whichever path runs, so every path (and a resumed run) rounds alike
     keys = opt._sr.keys(list(range(len(models)))) if opt._sr is not None else [0] * len(models)
     for kernel in kernels:
-        to_fp32(session, grads, pending, only_unreadable=not kernel.needs_half_grads_in_fp32)
-        inv = session.inv_on(torch.device("cpu")) if not kernel.needs_half_grads_in_fp32 else None
+        to_fp32(session, grads, pending, kernel.reads_half_grad)
+        inv = session.inv_on(torch.device("cpu")) if kernel.device_type == "cpu" else None  # the CPU kernel's
         call = StepCall(
             opt.optimizer,
             grads,
@@ -55,6 +56,7 @@ def run_step(opt: MasterWeightOptimizer, session: GradSession, kwargs: dict[str,
             opt.sr_moments,
             opt._kernel_ops(),
             opt.fused,
+            session.inv_on,
         )
         if kernel.run(call):
             # what an LR scheduler's step tracking records (torch's private flag, not in the stubs)
@@ -140,11 +142,14 @@ def step_grads(opt: MasterWeightOptimizer, session: GradSession) -> tuple[list[t
 
 
 def to_fp32(
-    session: GradSession, grads: list[torch.Tensor | None], pending: list[int], only_unreadable: bool = False
+    session: GradSession,
+    grads: list[torch.Tensor | None],
+    pending: list[int],
+    reads: Callable[[torch.Tensor], bool] | None = None,
 ) -> None:
     """Replace the pending half gradients in ``grads`` by FP32 master gradients: one
     multi-tensor copy (and unscale) per device, sparse or strided ones one by one
-    (``only_unreadable``: just those the CPU kernel cannot read)."""
+    (``reads``: a kernel's :attr:`~._kernels.StepKernel.reads_half_grad`, just those it cannot read)."""
     batch: list[int] = []
     present = cast("list[torch.Tensor]", grads)  # the same list: not None at the indices in pending
     for i in pending:
@@ -153,10 +158,10 @@ def to_fp32(
             grad.is_sparse
             or not grad.is_contiguous()
             or grad.dtype not in HALF_DTYPES
-            or (only_unreadable and not grad.is_cpu)
+            or (reads is not None and not reads(grad))
         ):
             grads[i] = unscaled_copy(grad, session.inv_on(grad.device), session.ops)
-        elif not only_unreadable:
+        elif reads is None:
             batch.append(i)
     for device in {present[i].device for i in batch}:
         index = [i for i in batch if present[i].device == device]

@@ -27,7 +27,10 @@ def bits(t):
     return t.view(torch.int32) if t.dtype is torch.float32 else t
 
 
-def train(fused, master, moments, rounding, steps=4, device="cpu"):
+def train(fused, master, moments, rounding, steps=4, device="cpu", scaled=True, shown=True):
+    """``steps`` steps of AdamW over BF16 parameters of ``SIZES`` (``scaled``: through a dynamic loss scaler, else
+    ``opt.step()`` on the gradients as they are; ``shown``: ``unscaled_model_grads``); the weights', remainders' and
+    moments' bits, and the optimizer."""
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(n).to(device, BF16)) for n in SIZES]
     seeded = master == "stochastic" or (moments is BF16 and rounding == "stochastic")
@@ -40,12 +43,16 @@ def train(fused, master, moments, rounding, steps=4, device="cpu"):
             moments_rounding=rounding,
             fused=fused,
             sr_seed=5 if seeded else None,
+            unscaled_model_grads=shown,
         )
-    scaler = DynamicLossScaler(init_scale=2.0**10)
+    scaler = DynamicLossScaler(init_scale=2.0**10) if scaled else None
     gen = torch.Generator().manual_seed(1)
     for _ in range(steps):
         for p in params:
             p.grad = (torch.randn(p.shape, generator=gen) * 2.0**10).to(device, BF16)
+        if scaler is None:
+            opt.step()
+            continue
         scaler.unscale_(opt)
         scaler.step(opt)
         scaler.update()

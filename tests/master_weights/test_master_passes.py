@@ -10,6 +10,7 @@ import weakref
 import pytest
 import torch
 
+from amp_plugin import DynamicLossScaler, MasterWeightOptimizer
 from amp_plugin.master_weights import _compiled, _multi_tensor
 from amp_plugin.master_weights._step import step_kernels
 from tests.master_weights import test_master_compiled as compiled_tests
@@ -87,6 +88,80 @@ def test_a_step_in_small_slabs_gives_the_bits_of_the_torch_ops(monkeypatch, devi
     assert [k.name for k in step_kernels(opt, {})] == [fused]
     for a, b in zip(got, expected, strict=True):
         assert torch.equal(a, b), a.shape
+
+
+@pytest.mark.parametrize("device", compiled_tests.DEVICES)
+@pytest.mark.parametrize("scaled", [False, True], ids=["no_scaler", "scaler"])
+@pytest.mark.parametrize(
+    "master, moments", [("bf16_split", BF16), ("stochastic", BF16), ("fp32", BF16), ("fp32", None)]
+)
+def test_the_bf16_gradients_are_upcast_a_slab_at_a_time(monkeypatch, device, scaled, master, moments):
+    """The step is handed the model's BF16 gradients (no loss scaler, the lean presets' default; or a scaler's
+    ``unscale_`` that only checked them; built as the plugin builds it, ``unscaled_model_grads=False``) and
+    makes their FP32 copies, unscaled, one slab at a time (each freed before the next slab's are made), where
+    the torch ops copy the whole group first; the same bits (FP32 masters with FP32 moments: their gradients
+    upcast whole)."""
+    expected, _ = train("torch", master, moments, "stochastic", steps=3, device=device, scaled=scaled, shown=False)
+    monkeypatch.setattr(_multi_tensor, "SLAB_ELEMENTS", 520)
+    seen: list[weakref.ref] = []
+    update = _multi_tensor.fused_adam_update
+
+    def recording(group, optimizer, lists, increment):
+        grads = lists[1]
+        assert all(g.dtype is torch.float32 for g in grads)
+        if not increment:  # a slab's update
+            assert all(ref() is None for ref in seen), "an earlier slab's FP32 gradients are still alive"
+            assert all(g.untyped_storage().nbytes() <= 4 * 520 for g in grads), "a piece of a larger FP32 gradient"
+            seen.extend(weakref.ref(g) for g in grads)
+        return update(group, optimizer, lists, increment)
+
+    monkeypatch.setattr(_multi_tensor, "fused_adam_update", recording)
+    got, _ = train("compiled", master, moments, "stochastic", steps=3, device=device, scaled=scaled, shown=False)
+    assert len(seen) > 3 * len(SIZES) or moments is None
+    for a, b in zip(got, expected, strict=True):
+        assert torch.equal(a, b), a.shape
+
+
+@pytest.mark.parametrize("master", ["bf16_split", "stochastic", "fp32"])
+def test_an_inf_clipping_and_a_frozen_layer_through_the_passes_give_the_torch_ops_bits(master):
+    """The scaler's ``unscale_`` only checks the gradients the passes read (torch's check, a factor of one: the
+    model's gradients keep their bits), and leaves them pending: an inf skips its step and backs the scale off,
+    master gradients read for clipping are made then, a layer without gradients is left out; every weight, remainder
+    and moment as on the torch ops, which copy and unscale every gradient in ``unscale_``."""
+
+    def run(fused):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 8), torch.nn.Linear(8, 8)).to(BF16)
+        opt = MasterWeightOptimizer(
+            torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, fused=True),
+            master=master, moments_dtype=BF16, fused=fused, sr_seed=3, unscaled_model_grads=False,
+        )  # fmt: skip
+        scaler = DynamicLossScaler(init_scale=2.0**10, growth_interval=3)
+        for i in range(7):
+            x = torch.randn(12, 16, generator=torch.Generator().manual_seed(i)).to(BF16)
+            model[2].requires_grad_(i != 5)
+            scaler.scale(model(x).float().pow(2).mean()).backward()
+            if i == 3:
+                model[0].weight.grad[1, 1] = float("inf")
+            before = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+            scaler.unscale_(opt)
+            after = [p.grad for p in model.parameters() if p.grad is not None]
+            assert all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(before, after))
+            torch.nn.utils.clip_grad_norm_(opt.master_params()[:2], 0.5)
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+        assert scaler.skipped_steps == 1
+        state = [s[k] for s in opt.state_dict()["state"].values() for k in ("exp_avg", "exp_avg_sq")]
+        extra = [r.remainder for r in opt._records if r.remainder is not None]
+        return [*model.parameters(), *extra, *state], scaler.get_scale(), opt
+
+    expected, scale, _ = run("torch")
+    got, got_scale, opt = run("compiled")
+    assert [k.name for k in step_kernels(opt, {})] == ["compiled"]
+    assert got_scale == scale
+    for a, b in zip(got, expected, strict=True):
+        assert torch.equal(a.detach(), b.detach())
 
 
 def test_the_step_holds_the_fp32_copies_of_one_slab_at_a_time(monkeypatch):
