@@ -24,7 +24,8 @@ CPU time, which the other jobs on a shared machine disturb less):
              compiled by torch.compile, ``fused="compiled"``: compiled during the warm-up, not timed;
              off the CPU also with it in two Triton kernels per group, ``fused="triton"``, what
              ``fused=None`` runs there). The BF16 presets run without a loss scaler by default:
-             ``bf16_lean`` and ``bf16_sr`` also as the step alone (no inf check over the grads).
+             ``bf16_lean`` and ``bf16_sr`` also as the step alone (no inf check over the grads), on
+             amp_plugin's kernel, compiled, and off the CPU with Triton.
 - lightning: Lightning `16-mixed`'s path: torch.amp.GradScaler + default AdamW (foreach) on
              N FP32 params: unscale_, step, update.
 
@@ -46,6 +47,9 @@ its ``grad_scale``/``found_inf`` arguments), and amp_plugin's kernels (the two p
 those); then ``bf16_lean``'s compiled step (``fused="compiled"``) as the optimizer runs it under
 ``torch.profiler``, its operators' time gathered into its five stages (the gradients' upcast and
 unscale, the compiled join, torch's fused AdamW, the compiled stores).
+``--memory`` adds each path's peak tensor memory in one step, beyond what it holds before
+(``_step_memory.py``: ``torch.profiler``'s memory events on the CPU, ``max_memory_allocated`` on a GPU):
+the FP32 copies a step makes, which the lean kinds' passes make one slab at a time.
 ``--compiled-prototype`` adds a prototype of the whole path fused by
 ``torch.compile`` (not what ``MasterWeightOptimizer`` does).
 """
@@ -58,6 +62,7 @@ import time
 import warnings
 
 import torch
+from _step_memory import step_peak_bytes
 from _step_stages import stage_breakdown
 
 from amp_plugin import DynamicLossScaler, MasterWeightOptimizer
@@ -136,6 +141,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch.set_num_threads")
     parser.add_argument("--device", default="cpu", help="cpu, or cuda to time the same paths on a GPU")
     parser.add_argument("--stages", action="store_true", help="also time each stage of our path (CPU only)")
+    parser.add_argument("--memory", action="store_true", help="also the peak tensor memory of one step per path")
     parser.add_argument(
         "--compiled-prototype",
         action="store_true",
@@ -228,6 +234,12 @@ def main() -> None:
         'ours bf16_sr, compiled (fused="compiled")': master_weight_path(
             "compiled", master="stochastic", moments=torch.bfloat16
         ),
+        "ours bf16_lean, compiled, no loss scaler (the preset's default)": master_weight_path(
+            "compiled", master="bf16_split", moments=torch.bfloat16, scaled=False
+        ),
+        "ours bf16_sr, compiled, no loss scaler (the preset's default)": master_weight_path(
+            "compiled", master="stochastic", moments=torch.bfloat16, scaled=False
+        ),
         "Lightning 16-mixed path": lightning,
     }
     if device != "cpu":  # on the CPU Triton's interpreter runs them: numerics only, far too slow to time
@@ -237,6 +249,10 @@ def main() -> None:
         paths['ours bf16_sr, Triton (fused="triton")'] = master_weight_path(
             "triton", master="stochastic", moments=torch.bfloat16
         )
+        for preset, master in (("bf16_lean", "bf16_split"), ("bf16_sr", "stochastic")):  # what the presets run there
+            paths[f"ours {preset}, Triton, no loss scaler (the preset's default)"] = master_weight_path(
+                "triton", master=master, moments=torch.bfloat16, scaled=False
+            )
     for fn in paths.values():  # warm up: allocate state
         fn()
     times: dict[str, list[float]] = {name: [] for name in paths}
@@ -268,6 +284,7 @@ def main() -> None:
         f"command: python benchmarks/bench_step.py --params {args.params:g} --chunks {args.chunks} "
         f"--repeats {args.repeats} --threads {args.threads}{'' if device == 'cpu' else ' --device ' + device}"
         f"{' --mix' if args.mix else ''}{' --stages' if args.stages else ''}"
+        f"{' --memory' if args.memory else ''}"
         f"{' --compiled-prototype' if args.compiled_prototype else ''}\n"
     )
     print("| path | ms/step | vs floor | CPU ms/step | CPU vs floor |")
@@ -290,6 +307,13 @@ def main() -> None:
     )
     ratio = medians["ours (FP16 + FP32 masters)"] / medians["Lightning 16-mixed path"]
     print(f"\nours / Lightning 16-mixed path: {ratio:.2f}x")
+    if args.memory:
+        print("\n# Peak tensor memory of one step beyond what the path holds before it (benchmarks/_step_memory.py)\n")
+        print("| path | MB | bytes/param |")
+        print("|---|---:|---:|")
+        for name, fn in paths.items():
+            peak = step_peak_bytes(fn, device)
+            print(f"| {name} | {peak / 2**20:.1f} | {peak / numel:.2f} |")
     if args.stages:
         stage_breakdown(sizes, args.repeats, args.compiled_prototype)
 

@@ -9,9 +9,10 @@
 #   triton    the Triton step's CUDA tests alone (1 min)
 #   gpu       gpu.py: tokens/s and peak memory of ours bf16, bf16_lean and bf16_sr against
 #             Lightning's bf16-mixed on char_gpt (19M parameters, 78 tensors) (4 min)
-#   step      bench_step.py --device cuda: every step path against fused FP32 AdamW, 16M
-#             parameters in 16 tensors (2 min)
-#   mix       the same over a transformer's mix of 60 tensors, 64M parameters (2.5 min)
+#   step      bench_step.py --device cuda --memory: every step path against fused FP32 AdamW, 16M
+#             parameters in 16 tensors, and each path's peak memory in one step (2 min)
+#   mix       the same over a transformer's mix of 60 tensors, 64M parameters: four slabs of the
+#             passes' step (2.5 min)
 #   combo     mix with Inductor's combo kernels (TORCHINDUCTOR_COMBO_KERNELS=1: a batch of
 #             tensors in one launch) (2.5 min)
 #   profile   one round of bf16_lean and bf16_sr in gpu.py with torch.profiler tables (host and
@@ -50,8 +51,8 @@ for name in $parts; do
         tests/master_weights/test_master_triton.py ;;
     gpu) part gpu 240 python3 benchmarks/gpu.py --warmup 15 --steps 100 --rounds 3 --budget-s 170 \
         --configs "ours bf16" "ours bf16_lean" "ours bf16_sr" "Lightning bf16-mixed" ;;
-    step) part step 120 python3 benchmarks/bench_step.py --device cuda --params 16 --chunks 16 --repeats 15 ;;
-    mix) part mix 150 python3 benchmarks/bench_step.py --device cuda --params 64 --mix --repeats 15 ;;
+    step) part step 120 python3 benchmarks/bench_step.py --device cuda --params 16 --chunks 16 --repeats 15 --memory ;;
+    mix) part mix 150 python3 benchmarks/bench_step.py --device cuda --params 64 --mix --repeats 15 --memory ;;
     combo) part combo 150 env TORCHINDUCTOR_COMBO_KERNELS=1 \
         python3 benchmarks/bench_step.py --device cuda --params 64 --mix --repeats 15 ;;
     profile) part profile 150 python3 benchmarks/gpu.py --warmup 15 --steps 100 --rounds 1 --budget-s 60 \

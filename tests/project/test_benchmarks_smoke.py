@@ -60,10 +60,13 @@ def table_rows(text: str) -> list[list[str]]:
 
 
 @pytest.mark.slow
-def test_bench_step_prints_the_paths_the_traffic_floor_and_the_stages():
-    out = run("bench_step.py", "--params", "0.2", "--chunks", "4", "--repeats", "2", "--threads", "1", "--stages")
-    names = [row[0] for row in table_rows(out)]
-    assert names[:16] == [
+def test_bench_step_prints_the_paths_the_traffic_floor_the_memory_and_the_stages():
+    out = run(
+        "bench_step.py", "--params", "0.2", "--chunks", "4", "--repeats", "2", "--threads", "1", "--stages", "--memory"
+    )
+    rows = table_rows(out)
+    names = [row[0] for row in rows]
+    paths = [
         "floor (fused AdamW, FP32)",
         "ours (FP16 + FP32 masters)",
         "ours, unscaled grads shown in the model (torch's AMP recipe)",
@@ -79,9 +82,18 @@ def test_bench_step_prints_the_paths_the_traffic_floor_and_the_stages():
         'ours bf16_lean, torch multi-tensor (fused="torch")',
         'ours bf16_lean, compiled (fused="compiled")',
         'ours bf16_sr, compiled (fused="compiled")',
+        "ours bf16_lean, compiled, no loss scaler (the preset's default)",
+        "ours bf16_sr, compiled, no loss scaler (the preset's default)",
         "Lightning 16-mixed path",
     ]
+    assert names[: len(paths)] == paths
     assert sum(name.startswith("memory-traffic floor") for name in names) == 3
+    # the peak tensor memory of one step, per path: nothing beyond its state for the fused FP32 AdamW and
+    # amp_plugin's CPU kernel; 4 bytes per parameter of FP32 gradients and more for the compiled lean step
+    memory = {row[0]: float(row[2]) for row in rows[len(paths) + 3 : 2 * len(paths) + 3]}
+    assert list(memory) == paths
+    assert memory["floor (fused AdamW, FP32)"] == 0 and memory["ours bf16_lean (+ BF16 moments, 10 B/param)"] == 0
+    assert memory['ours bf16_lean, compiled (fused="compiled")'] >= 16  # FP32 values, moments, gradients
     assert re.search(r"ours / Lightning 16-mixed path: [0-9.]+x", out)
     stages = [name for name in names if name[0].isdigit()]
     assert len(stages) == 5 and "sum of stages 1-5" in names
