@@ -122,8 +122,9 @@ def test_the_bf16_gradients_are_upcast_a_slab_at_a_time(monkeypatch, device, sca
         assert torch.equal(a, b), a.shape
 
 
+@pytest.mark.parametrize("fused", ["compiled", pytest.param("triton", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("master", ["bf16_split", "stochastic", "fp32"])
-def test_an_inf_clipping_and_a_frozen_layer_through_the_passes_give_the_torch_ops_bits(master):
+def test_an_inf_clipping_and_a_frozen_layer_through_the_passes_give_the_torch_ops_bits(master, fused):
     """The scaler's ``unscale_`` only checks the gradients the passes read (torch's check, a factor of one: the
     model's gradients keep their bits), and leaves them pending: an inf skips its step and backs the scale off,
     master gradients read for clipping are made then, a layer without gradients is left out; every weight, remainder
@@ -156,9 +157,11 @@ def test_an_inf_clipping_and_a_frozen_layer_through_the_passes_give_the_torch_op
         extra = [r.remainder for r in opt._records if r.remainder is not None]
         return [*model.parameters(), *extra, *state], scaler.get_scale(), opt
 
+    if fused == "triton":
+        pytest.importorskip("triton")  # on the CPU: its interpreter
     expected, scale, _ = run("torch")
-    got, got_scale, opt = run("compiled")
-    assert [k.name for k in step_kernels(opt, {})] == ["compiled"]
+    got, got_scale, opt = run(fused)
+    assert [k.name for k in step_kernels(opt, {})] == [fused]
     assert got_scale == scale
     for a, b in zip(got, expected, strict=True):
         assert torch.equal(a.detach(), b.detach())
