@@ -105,6 +105,37 @@ class TinyClassifier:
 _RUN_ROOT = tempfile.TemporaryDirectory(prefix="amp_plugin_tests_")
 
 
+class TwoSchedules:
+    """Manual optimization with two optimizers and a StepLR(step_size=1, gamma=0.5) each, stepped by the user
+    after their optimizer (Lightning's manual-optimization scheduler test with two optimizers); A's gradient
+    overflows at the iterations in ``overflow_at``."""
+
+    def __init__(self, overflow_at: tuple[int, ...] = ()):
+        super().__init__()
+        self.automatic_optimization = False
+        self.a, self.b = torch.nn.Linear(8, 2), torch.nn.Linear(8, 2)
+        self.overflow_at = set(overflow_at)
+        self.iteration = 0
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        for net, opt, sch in zip((self.a, self.b), self.optimizers(), self.lr_schedulers()):
+            opt.zero_grad()
+            self.manual_backward(F.cross_entropy(net(x).float(), y))
+            if net is self.a and self.iteration in self.overflow_at:
+                net.weight.grad[0, 0] = math.inf
+            opt.step()
+            sch.step()
+        self.iteration += 1
+
+    def configure_optimizers(self):
+        opts = [torch.optim.SGD(net.parameters(), lr=0.1) for net in (self.a, self.b)]
+        return opts, [torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5) for o in opts]
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(tiny_data(32), batch_size=8)
+
+
 def quiet_trainer(pl: ModuleType, **kwargs):
     defaults = dict(
         default_root_dir=_RUN_ROOT.name,

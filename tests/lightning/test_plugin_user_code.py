@@ -4,12 +4,10 @@ gradients, several schedules under manual optimization, schedules of frequency n
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 import torch.nn.functional as F
-from _models import TinyClassifier, as_lightning, quiet_trainer, tiny_data
+from _models import TinyClassifier, TwoSchedules, as_lightning, quiet_trainer
 
 from amp_plugin import (
     DynamicLossScaler,
@@ -183,38 +181,6 @@ def test_the_bf16_split_preset_keeps_masters_as_weight_plus_extension(pl):
         assert torch.equal(weight[~ties], master[~ties].to(torch.bfloat16))
     with pytest.raises(ValueError, match="master_weights=False contradicts precision='bf16_split'.*bf16_pure"):
         MixedPrecisionPlugin("bf16_split", master_weights=False)
-
-
-class TwoSchedules:
-    """Manual optimization, two optimizers with a StepLR(step_size=1, gamma=0.5) each, stepped by the
-    user after their optimizer; A's gradient overflows at the iterations in ``overflow_at``."""
-
-    def __init__(self, overflow_at: tuple[int, ...] = ()):
-        super().__init__()
-        self.automatic_optimization = False
-        self.a = torch.nn.Linear(8, 2)
-        self.b = torch.nn.Linear(8, 2)
-        self.overflow_at = set(overflow_at)
-        self.iteration = 0
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        (opt_a, opt_b), (sch_a, sch_b) = self.optimizers(), self.lr_schedulers()
-        for net, opt, sch in ((self.a, opt_a, sch_a), (self.b, opt_b, sch_b)):
-            opt.zero_grad()
-            self.manual_backward(F.cross_entropy(net(x).float(), y))
-            if net is self.a and self.iteration in self.overflow_at:
-                self.a.weight.grad[0, 0] = math.inf
-            opt.step()
-            sch.step()
-        self.iteration += 1
-
-    def configure_optimizers(self):
-        opts = [torch.optim.SGD(net.parameters(), lr=0.1) for net in (self.a, self.b)]
-        return opts, [torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5) for o in opts]
-
-    def train_dataloader(self):
-        return torch.utils.data.DataLoader(tiny_data(32), batch_size=8)
 
 
 @pytest.mark.parametrize("preset", ["fp16", "fp16_autocast", "fp16_pure"])

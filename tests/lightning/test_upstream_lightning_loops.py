@@ -10,13 +10,12 @@ and pins the plugin's behaviour (docs/lightning_differences.md).
 from __future__ import annotations
 
 import logging
-import math
 import pickle
 
 import pytest
 import torch
 import torch.nn.functional as F
-from _models import PicklableClassifier, as_lightning, quiet_trainer, tiny_data
+from _models import PicklableClassifier, TwoSchedules, as_lightning, quiet_trainer, tiny_data
 from torch import nn
 
 from amp_plugin import DynamicLossScaler, MasterWeightOptimizer, MixedPrecisionPlugin
@@ -141,42 +140,12 @@ def test_unfreezing_parameters_the_optimizer_has_warns_and_adds_no_group(pl, pre
 
 
 # ---------------------------------------------------------------------- manual optimization schedulers
-class ManualSchedules:
-    """Two optimizers with a StepLR each, stepped by the user (Lightning's manual-optimization
-    scheduler test with two optimizers); A's gradient overflows at the iterations in ``overflow_at``."""
-
-    def __init__(self, overflow_at=()):
-        super().__init__()
-        self.automatic_optimization = False
-        self.a, self.b = nn.Linear(8, 2), nn.Linear(8, 2)
-        self.overflow_at = set(overflow_at)
-        self.iteration = 0
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        for net, opt, sch in zip((self.a, self.b), self.optimizers(), self.lr_schedulers()):
-            opt.zero_grad()
-            self.manual_backward(F.cross_entropy(net(x).float(), y))
-            if net is self.a and self.iteration in self.overflow_at:
-                net.weight.grad[0, 0] = math.inf
-            opt.step()
-            sch.step()
-        self.iteration += 1
-
-    def configure_optimizers(self):
-        opts = [torch.optim.SGD(net.parameters(), lr=0.1) for net in (self.a, self.b)]
-        return opts, [torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5) for o in opts]
-
-    def train_dataloader(self):
-        return torch.utils.data.DataLoader(tiny_data(32), batch_size=8)
-
-
 def manual_schedule_steps(pl, precision, overflow_at=()):
     kwargs = precision_kwargs(precision)
     if precision == "fp16":
         kwargs = dict(plugins=[MixedPrecisionPlugin("fp16", scaler=DynamicLossScaler(init_scale=2.0**8))])
     trainer = quiet_trainer(pl, max_epochs=1, **kwargs)
-    trainer.fit(as_lightning(pl, ManualSchedules)(overflow_at=overflow_at))
+    trainer.fit(as_lightning(pl, TwoSchedules)(overflow_at=overflow_at))
     assert [c.interval for c in trainer.lr_scheduler_configs] == ["epoch", "epoch"]  # Lightning's manual configs
     return [c.scheduler.last_epoch for c in trainer.lr_scheduler_configs]
 
