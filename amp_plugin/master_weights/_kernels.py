@@ -38,18 +38,18 @@ class StepCall:
     """What one step hands a kernel. Indices are positions among the half-precision parameters."""
 
     optimizer: Optimizer
-    grads: list[torch.Tensor | None]  # FP32 master gradients, or the model's half ones (times inv_scale)
+    grads: list[torch.Tensor | None]  # FP32 master gradients, or the model's half ones (times the unscale factor)
     index_of: dict[int, int]  # id(master) -> index
     models: list[torch.Tensor]
     records: list[Record]
     kind: Any  # the MasterKind
     keys: list[int]  # stochastic rounding keys by index (zeros for the other kinds)
-    inv_scale: float | None  # the unscale factor of the half gradients (None: not scaled)
     moments_dtype: torch.dtype
     sr_moments: bool  # BF16 moments rounded stochastically (moment keys from `keys`), else to nearest
     ops: Any  # amp_plugin's kernels, or None
     fused: bool | str | None = None  # the wrapper's fused= (a kernel named there may not fall back)
-    inv_on: Callable[[torch.device], torch.Tensor | None] | None = None  # the unscale factor on a device
+    inv_on: Callable[[torch.device], torch.Tensor | None] | None = None  # the half gradients' unscale factor
+    # on a device (None, or returning None: not scaled)
 
 
 @dataclass(frozen=True)
@@ -125,7 +125,8 @@ _ADAM = (torch.optim.Adam, torch.optim.AdamW)
 
 @torch.no_grad()
 def _run_amp_plugin(call: StepCall) -> bool:
-    inv = 1.0 if call.inv_scale is None else call.inv_scale
+    factor = None if call.inv_on is None else call.inv_on(torch.device("cpu"))
+    inv = 1.0 if factor is None else float(factor)
     if call.kind.has_fp32_tensor:
         unwritten = _adam.adam_step(
             call.ops,

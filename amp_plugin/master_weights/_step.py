@@ -42,7 +42,6 @@ def run_step(opt: MasterWeightOptimizer, session: GradSession, kwargs: dict[str,
     keys = opt._sr.keys(list(range(len(models)))) if opt._sr is not None else [0] * len(models)
     for kernel in kernels:
         to_fp32(session, grads, pending, kernel.reads_half_grad)
-        inv = session.inv_on(torch.device("cpu")) if kernel.device_type == "cpu" else None  # the CPU kernel's
         call = StepCall(
             opt.optimizer,
             grads,
@@ -51,7 +50,6 @@ def run_step(opt: MasterWeightOptimizer, session: GradSession, kwargs: dict[str,
             opt._records,
             opt._kind,
             keys,
-            None if inv is None else float(inv),
             opt.moments_dtype,
             opt.sr_moments,
             opt._kernel_ops(),

@@ -157,7 +157,7 @@ def test_on_the_cpu_only_fused_compiled_selects_it():
 
 
 def _call(opt, fused):
-    return StepCall(opt.optimizer, [], {}, [], [], None, [], None, torch.float32, False, None, fused)
+    return StepCall(opt.optimizer, [], {}, [], [], None, [], torch.float32, False, None, fused)
 
 
 def test_a_failure_to_compile_falls_back_to_the_torch_ops_or_raises_when_named(monkeypatch, capsys):

@@ -130,7 +130,7 @@ def test_on_the_cpu_only_fused_triton_selects_it():
 
 
 def _call(opt, fused):
-    return StepCall(opt.optimizer, [], {}, [], [], None, [], None, torch.float32, False, None, fused)
+    return StepCall(opt.optimizer, [], {}, [], [], None, [], torch.float32, False, None, fused)
 
 
 def test_without_triton_the_next_kernel_runs_or_a_named_one_raises(monkeypatch):
