@@ -66,6 +66,16 @@ def pytest_sessionfinish(session, exitstatus) -> None:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
+@pytest.fixture(autouse=True)
+def _compiled_step_state_kept(monkeypatch):
+    """The compiled lean step's process-wide switch to its uncompiled functions (taken when a batch fails to
+    compile, e.g. at Dynamo's recompile limit, which the tests' many small slabs reach) left as each test found
+    it: a later test in the same worker that times compiling still compiles, whatever ran before it."""
+    from amp_plugin.master_weights import _compiled
+
+    monkeypatch.setitem(_compiled._state, "eager", _compiled._state["eager"])
+
+
 @pytest.fixture
 def compose_config():
     """``configs/train.yaml`` composed as on the command line: ``compose_config(*overrides, output_dir=...)``.
