@@ -216,7 +216,7 @@ def test_each_new_graph_counts_as_build_time_not_step_time():
     from amp_plugin import fused
 
     assert _compiled.available(torch.device("cpu"), True)
-    values = [torch.randn(5 + k) for k in range(16)]  # a batch of 16: no other test here compiles one
+    values = [torch.randn(5 + 2 * k) for k in range(16)]  # odd sizes, one batch of 16: no other test compiles one
     weights = [v.to(BF16) for v in values]
     remainders = [torch.zeros(v.shape, dtype=torch.int16) for v in values]
     m16s, v16s = [v.to(BF16) for v in values], [v.abs().to(BF16) for v in values]
