@@ -52,6 +52,9 @@ unscale, the compiled join, torch's fused AdamW, the compiled stores).
 the FP32 copies a step makes, which the lean kinds' passes make one slab at a time.
 ``--compiled-prototype`` adds a prototype of the whole path fused by
 ``torch.compile`` (not what ``MasterWeightOptimizer`` does).
+``--late`` times the steps of a long run: every path's step counters set to 20,000 after the
+warm-up, where the bias correction's square root is 1.0f (amp_plugin's CPU kernels then leave out
+the division by it; torch's kernels divide at every step).
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ import argparse
 import statistics
 import time
 import warnings
+from typing import Any
 
 import torch
 from _step_memory import step_peak_bytes
@@ -67,6 +71,8 @@ from _step_stages import stage_breakdown
 
 from amp_plugin import DynamicLossScaler, MasterWeightOptimizer
 from amp_plugin.master_weights import FrozenMomentWarning
+
+LATE_STEP = 20_000
 
 
 def tensor_sizes(numel: int, chunks: int, mix: bool = False) -> list[int]:
@@ -143,6 +149,11 @@ def main() -> None:
     parser.add_argument("--stages", action="store_true", help="also time each stage of our path (CPU only)")
     parser.add_argument("--memory", action="store_true", help="also the peak tensor memory of one step per path")
     parser.add_argument(
+        "--late",
+        action="store_true",
+        help=f"time steps as a long run takes them: every step counter set to {LATE_STEP} after the warm-up",
+    )
+    parser.add_argument(
         "--compiled-prototype",
         action="store_true",
         help="with --stages: also time a torch.compile'd fused update (needs a C++ compiler)",
@@ -159,6 +170,7 @@ def main() -> None:
 
     floor_params = make_params(sizes, torch.float32, device)
     floor_opt = torch.optim.AdamW(floor_params, lr=1e-3, fused=True)
+    optimizers: list[Any] = [floor_opt]  # for --late
 
     def master_weight_path(
         fused, adamw_fused=True, master="fp32", moments=None, rounding="stochastic", shown=False, scaled=True
@@ -177,6 +189,7 @@ def main() -> None:
                 moments_rounding=rounding,
                 unscaled_model_grads=shown,  # False: as MixedPrecisionPlugin builds it
             )
+        optimizers.append(opt)
         if not scaled:  # no loss scaler: no inf check, the step alone
             return opt.step
         scaler = DynamicLossScaler(init_scale=2.0**10)
@@ -190,6 +203,7 @@ def main() -> None:
 
     light_params = make_params(sizes, torch.float32, device)
     light_opt = torch.optim.AdamW(light_params, lr=1e-3)
+    optimizers.append(light_opt)
     scaler_device = "cuda" if device.startswith("cuda") else "cpu"
     light_scaler = torch.amp.GradScaler(scaler_device, init_scale=1.0)  # scale 1: grads stay the same each repeat
     light_scaler.scale(torch.ones((), device=device))
@@ -255,6 +269,11 @@ def main() -> None:
             )
     for fn in paths.values():  # warm up: allocate state
         fn()
+    if args.late:
+        for opt in optimizers:
+            for state in opt.state.values():
+                if "step" in state:
+                    state["step"].fill_(LATE_STEP)
     times: dict[str, list[float]] = {name: [] for name in paths}
     cpu_times: dict[str, list[float]] = {name: [] for name in paths}
     for _ in range(args.repeats):
@@ -284,7 +303,7 @@ def main() -> None:
         f"command: python benchmarks/bench_step.py --params {args.params:g} --chunks {args.chunks} "
         f"--repeats {args.repeats} --threads {args.threads}{'' if device == 'cpu' else ' --device ' + device}"
         f"{' --mix' if args.mix else ''}{' --stages' if args.stages else ''}"
-        f"{' --memory' if args.memory else ''}"
+        f"{' --memory' if args.memory else ''}{' --late' if args.late else ''}"
         f"{' --compiled-prototype' if args.compiled_prototype else ''}\n"
     )
     print("| path | ms/step | vs floor | CPU ms/step | CPU vs floor |")

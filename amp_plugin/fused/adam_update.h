@@ -189,7 +189,7 @@ struct MomentsBF16 {
 // The vectorised update over [i, limit), two vectors at a time where V::kPaired (the model's
 // 16-bit weights of both go out in one store), then one; returns where it stopped. The policies
 // come by value: their pointers then live in registers, where no store can alias them.
-template <class V, bool kL2, class Grad, class Master, class Moments>
+template <class V, bool kL2, bool kUnitBc2, class Grad, class Master, class Moments>
 int64_t adam_vectors(int64_t i, int64_t limit, const Grad grad, const Master master, const Moments mom,
                      const AdamConstants& c) {
   using F = typename V::F;
@@ -211,7 +211,7 @@ int64_t adam_vectors(int64_t i, int64_t limit, const Grad grad, const Master mas
     const F mo = mom.template load_m<V>(j);
     const F mi = V::fma(lerp, V::sub(g, mo), from_avg ? mo : g);
     const F vi = V::fma(V::mul(sq, g), g, V::mul(mom.template load_v<V>(j), beta2));
-    const F denom = V::add(V::div(V::sqrt(vi), bc2), eps);
+    const F denom = kUnitBc2 ? V::add(V::sqrt(vi), eps) : V::add(V::div(V::sqrt(vi), bc2), eps);
     mom.template store<V>(j, mi, vi);
     return V::sub(p, V::div(V::mul(step_size, mi), denom));
   };
@@ -255,6 +255,22 @@ constexpr int64_t kTorchVectorWidth = 8;
 // the FP32 arrays, and 16-byte-aligned stores into an aligned model tensor.
 constexpr int64_t kUnit = 64;
 
+// Late in training the bias correction's square root rounds to exactly 1.0f (with torch's default
+// beta2 = 0.999 after some 16,600 steps; 1 - beta2**step then lies within 2**-24 of one), and
+// sqrt(v) / 1.0f is sqrt(v) for every v, NaN included: the widest loops then skip that division,
+// one of the three divider operations per element. (kUnitBc2 is instantiated for the loop that does
+// the bulk of an update only: the narrower ones after it see fewer than a vector's elements.)
+template <class V, bool kL2, bool kMayBeUnit, class Grad, class Master, class Moments>
+int64_t adam_bulk(bool unit_bc2, int64_t i, int64_t limit, const Grad& grad, const Master& master, const Moments& mom,
+                  const AdamConstants& c) {
+  if constexpr (kMayBeUnit) {
+    if (unit_bc2) {
+      return adam_vectors<V, kL2, true>(i, limit, grad, master, mom, c);
+    }
+  }
+  return adam_vectors<V, kL2, false>(i, limit, grad, master, mom, c);
+}
+
 // One span of a tensor: the widest vectors first, then narrower ones, then single elements
 // with the vector roundings, and torch's tail roundings on the tensor's last numel % 8.
 template <bool kL2, class Grad, class Master, class Moments>
@@ -262,18 +278,24 @@ void adam_span(int64_t begin, int64_t end, int64_t numel, const Grad& grad, cons
                const AdamConstants& c) {
   const int64_t vector_end = numel - numel % kTorchVectorWidth;
   const int64_t limit = std::min(end, vector_end);
+  const bool unit = c.bias_correction2_sqrt == 1.0f;
+  // the paired loop does the bulk of an all-16-bit update, the plain one of the others
+  constexpr bool k16 = kAll16Bit<Grad, Master, Moments>;
   int64_t i = begin;
 #if defined(AMP_PLUGIN_AVX512)
-  if constexpr (kAll16Bit<Grad, Master, Moments>) {
-    i = adam_vectors<V16P, kL2>(i, limit, grad, master, mom, c);
+  constexpr bool kEightWide = false;
+  if constexpr (k16) {
+    i = adam_bulk<V16P, kL2, true>(unit, i, limit, grad, master, mom, c);
   }
-  i = adam_vectors<V16, kL2>(i, limit, grad, master, mom, c);
+  i = adam_bulk<V16, kL2, !k16>(unit, i, limit, grad, master, mom, c);
+#elif defined(AMP_PLUGIN_SIMD)
+  constexpr bool kEightWide = true;
 #endif
 #if defined(AMP_PLUGIN_SIMD)
-  if constexpr (kAll16Bit<Grad, Master, Moments>) {
-    i = adam_vectors<V8P, kL2>(i, limit, grad, master, mom, c);
+  if constexpr (k16) {
+    i = adam_bulk<V8P, kL2, kEightWide>(unit, i, limit, grad, master, mom, c);
   }
-  i = adam_vectors<V8, kL2>(i, limit, grad, master, mom, c);
+  i = adam_bulk<V8, kL2, kEightWide && !k16>(unit, i, limit, grad, master, mom, c);
 #endif
   adam_scalars<kL2, false>(i, limit, grad, master, mom, c);
   adam_scalars<kL2, true>(std::max(begin, limit), end, grad, master, mom, c);

@@ -141,6 +141,46 @@ def test_adam_step_equals_torch_fused_adam_on_every_element_tail_included(
         torch.set_num_threads(previous)
 
 
+LATE_STEP = 20_000  # 1 - beta2**step within 2**-24 of one for each beta2 of ADAM_CONFIGS
+
+
+@pytest.mark.parametrize("adamw,betas,weight_decay,maximize", ADAM_CONFIGS)
+def test_late_in_training_the_step_skips_a_division_by_one_and_keeps_torch_s_bits(
+    ops, adamw, betas, weight_decay, maximize
+):
+    """Once the bias correction's square root rounds to 1.0f the kernel's vector loops leave out
+    the division by it (sqrt(v) / 1.0f is sqrt(v)): torch's fused Adam, which still divides, gives
+    the same bits, tails, a NaN and an inf gradient included. The early steps (the division kept) are
+    test_adam_step_matches_torch_fused_adam_and_writes_the_rounded_weight's."""
+    assert torch.tensor((1 - betas[1] ** (LATE_STEP + 1)) ** 0.5, dtype=torch.float32).item() == 1.0
+    assert torch.tensor((1 - betas[1] ** 10) ** 0.5, dtype=torch.float32).item() != 1.0
+    for numel in (37, 1000, (1 << 16) + 5):
+        g = torch.Generator().manual_seed(numel)
+        master = torch.randn(numel, generator=g) * 0.02
+        m0, v0 = torch.randn(numel, generator=g) * 1e-3, torch.rand(numel, generator=g) * 1e-5
+        grads = [torch.randn(numel, generator=g) * 1e-2 for _ in range(3)]
+        grads[1][5], grads[1][numel - 2] = float("nan"), float("inf")  # NaN/inf masters, in a vector and the tail
+        p = master.clone().requires_grad_()
+        opt = (torch.optim.AdamW if adamw else torch.optim.Adam)(
+            [p], lr=1e-3, betas=betas, weight_decay=weight_decay, maximize=maximize, fused=True
+        )
+        opt.state[p] = {"step": torch.tensor(float(LATE_STEP)), "exp_avg": m0.clone(), "exp_avg_sq": v0.clone()}
+        m, v, step = m0.clone(), v0.clone(), torch.tensor(float(LATE_STEP))
+        for grad in grads:
+            p.grad = grad.clone()
+            opt.step()
+            ops.adam_step_(
+                [master], [grad], [m], [v], [step], [None], 1e-3, *betas, weight_decay, 1e-8, adamw, maximize
+            )
+        for name, ours, theirs in (
+            ("param", master, p.detach()),
+            ("exp_avg", m, opt.state[p]["exp_avg"]),
+            ("exp_avg_sq", v, opt.state[p]["exp_avg_sq"]),
+        ):
+            differ = (ours.view(torch.int32) != theirs.view(torch.int32)).nonzero().flatten().tolist()
+            assert not differ, f"numel={numel}: {name} differs from torch at {differ[:10]}"
+
+
 @pytest.mark.parametrize("dtype", HALF)
 def test_nonfinite_check_flags_any_inf_or_nan_and_only_reads(ops, dtype):
     """The inf check of the step decision reads the half gradients and nothing else: every

@@ -111,11 +111,14 @@ def test_stochastic_adam_step_equals_the_torch_ops_rounding(ops):
 @pytest.mark.parametrize("master", ["stochastic", "bf16_split"])
 @pytest.mark.parametrize("rounding", ["stochastic", "nearest"])
 @pytest.mark.parametrize("adamw,maximize", [(True, False), (False, True)])
-def test_all_16_bit_steps_give_the_torch_ops_bits_at_every_width(master, rounding, adamw, maximize):
+@pytest.mark.parametrize("late", [False, True], ids=["early", "late"])
+def test_all_16_bit_steps_give_the_torch_ops_bits_at_every_width(master, rounding, adamw, maximize, late):
     """A BF16 gradient, a lean master and BF16 moments: every stream 16-bit, the kernel's own loops
     (thirty-two elements at a time with AVX-512, sixteen with AVX2, in 16-bit unpack order; then
     the narrower vectors and the tails). Sizes cover each width and every remainder below 64; the
-    torch multi-tensor path (oracle-tested in tests/master_weights) computes the same bits."""
+    torch multi-tensor path (oracle-tested in tests/master_weights) computes the same bits. ``late``:
+    from step 20,000 on, where the bias correction's square root is 1.0f and the kernel's widest
+    loops leave out the division by it."""
 
     def run(fused_mode):
         sizes = [*range(1, 130), 4099, (1 << 16) + 77]
@@ -135,6 +138,9 @@ def test_all_16_bit_steps_give_the_torch_ops_bits_at_every_width(master, roundin
             )
         scaler = DynamicLossScaler(init_scale=2.0**4)
         for step in range(3):
+            if late and step == 1:  # the state exists from the first step on
+                for q in opt.master_params():
+                    opt.state[q]["step"].fill_(20_000.0)
             for i, p in enumerate(params):
                 g = torch.randn(p.shape, generator=torch.Generator().manual_seed(1000 * step + i))
                 p.grad = (g * 2.0**4 * 1e-2).bfloat16()

@@ -62,8 +62,10 @@ def table_rows(text: str) -> list[list[str]]:
 @pytest.mark.slow
 def test_bench_step_prints_the_paths_the_traffic_floor_the_memory_and_the_stages():
     out = run(
-        "bench_step.py", "--params", "0.2", "--chunks", "4", "--repeats", "2", "--threads", "1", "--stages", "--memory"
-    )
+        "bench_step.py", "--params", "0.2", "--chunks", "4", "--repeats", "2", "--threads", "1", "--stages", "--memory",
+        "--late",
+    )  # fmt: skip
+    assert "--stages --memory --late" in out  # the command line printed says the steps are a long run's
     rows = table_rows(out)
     names = [row[0] for row in rows]
     paths = [
