@@ -52,9 +52,10 @@ unscale, the compiled join, torch's fused AdamW, the compiled stores).
 the FP32 copies a step makes, which the lean kinds' passes make one slab at a time.
 ``--compiled-prototype`` adds a prototype of the whole path fused by
 ``torch.compile`` (not what ``MasterWeightOptimizer`` does).
-``--late`` times the steps of a long run: every path's step counters set to 20,000 after the
-warm-up, where the bias correction's square root is 1.0f (amp_plugin's CPU kernels then leave out
-the division by it; torch's kernels divide at every step).
+
+The rows "late in training" time the presets' step with its step counters at 20,000, as a long run
+takes it: the bias correction's square root is 1.0f there, and amp_plugin's CPU kernels leave out the
+division by it (torch's kernels, the floor's among them, divide at every step).
 """
 
 from __future__ import annotations
@@ -63,7 +64,6 @@ import argparse
 import statistics
 import time
 import warnings
-from typing import Any
 
 import torch
 from _step_memory import step_peak_bytes
@@ -149,11 +149,6 @@ def main() -> None:
     parser.add_argument("--stages", action="store_true", help="also time each stage of our path (CPU only)")
     parser.add_argument("--memory", action="store_true", help="also the peak tensor memory of one step per path")
     parser.add_argument(
-        "--late",
-        action="store_true",
-        help=f"time steps as a long run takes them: every step counter set to {LATE_STEP} after the warm-up",
-    )
-    parser.add_argument(
         "--compiled-prototype",
         action="store_true",
         help="with --stages: also time a torch.compile'd fused update (needs a C++ compiler)",
@@ -170,10 +165,16 @@ def main() -> None:
 
     floor_params = make_params(sizes, torch.float32, device)
     floor_opt = torch.optim.AdamW(floor_params, lr=1e-3, fused=True)
-    optimizers: list[Any] = [floor_opt]  # for --late
 
     def master_weight_path(
-        fused, adamw_fused=True, master="fp32", moments=None, rounding="stochastic", shown=False, scaled=True
+        fused,
+        adamw_fused=True,
+        master="fp32",
+        moments=None,
+        rounding="stochastic",
+        shown=False,
+        scaled=True,
+        late=False,
     ):
         params = make_params(sizes, torch.float16 if master == "fp32" else torch.bfloat16, device)
         for p in params:
@@ -189,7 +190,16 @@ def main() -> None:
                 moments_rounding=rounding,
                 unscaled_model_grads=shown,  # False: as MixedPrecisionPlugin builds it
             )
-        optimizers.append(opt)
+        if late:  # the first call (the warm-up) makes the state; then it is a long run's
+            assert not scaled
+
+            def late_step() -> None:
+                fresh = not opt.state
+                opt.step()
+                for state in opt.state.values() if fresh else ():
+                    state["step"].fill_(LATE_STEP)
+
+            return late_step
         if not scaled:  # no loss scaler: no inf check, the step alone
             return opt.step
         scaler = DynamicLossScaler(init_scale=2.0**10)
@@ -203,7 +213,6 @@ def main() -> None:
 
     light_params = make_params(sizes, torch.float32, device)
     light_opt = torch.optim.AdamW(light_params, lr=1e-3)
-    optimizers.append(light_opt)
     scaler_device = "cuda" if device.startswith("cuda") else "cpu"
     light_scaler = torch.amp.GradScaler(scaler_device, init_scale=1.0)  # scale 1: grads stay the same each repeat
     light_scaler.scale(torch.ones((), device=device))
@@ -239,6 +248,12 @@ def main() -> None:
         "ours bf16_sr, no loss scaler (the preset's default)": master_weight_path(
             None, master="stochastic", moments=torch.bfloat16, scaled=False
         ),
+        f"ours bf16_lean, no loss scaler, late in training (step {LATE_STEP:,})": master_weight_path(
+            None, master="bf16_split", moments=torch.bfloat16, scaled=False, late=True
+        ),
+        f"ours bf16_sr, no loss scaler, late in training (step {LATE_STEP:,})": master_weight_path(
+            None, master="stochastic", moments=torch.bfloat16, scaled=False, late=True
+        ),
         'ours bf16_lean, torch multi-tensor (fused="torch")': master_weight_path(
             "torch", master="bf16_split", moments=torch.bfloat16
         ),
@@ -269,11 +284,6 @@ def main() -> None:
             )
     for fn in paths.values():  # warm up: allocate state
         fn()
-    if args.late:
-        for opt in optimizers:
-            for state in opt.state.values():
-                if "step" in state:
-                    state["step"].fill_(LATE_STEP)
     times: dict[str, list[float]] = {name: [] for name in paths}
     cpu_times: dict[str, list[float]] = {name: [] for name in paths}
     for _ in range(args.repeats):
@@ -303,7 +313,7 @@ def main() -> None:
         f"command: python benchmarks/bench_step.py --params {args.params:g} --chunks {args.chunks} "
         f"--repeats {args.repeats} --threads {args.threads}{'' if device == 'cpu' else ' --device ' + device}"
         f"{' --mix' if args.mix else ''}{' --stages' if args.stages else ''}"
-        f"{' --memory' if args.memory else ''}{' --late' if args.late else ''}"
+        f"{' --memory' if args.memory else ''}"
         f"{' --compiled-prototype' if args.compiled_prototype else ''}\n"
     )
     print("| path | ms/step | vs floor | CPU ms/step | CPU vs floor |")
