@@ -194,33 +194,39 @@ def _joined(weights: L, remainders: L) -> L:
 
 
 def prepare(
-    weights: L | None, remainders: L | None, moments: tuple[L, L] | None
-) -> tuple[L | None, L | None, L | None]:
+    weights: L | None,
+    remainders: L | None,
+    moments: tuple[L, L] | None,
+    grads: L | None = None,
+    inv: torch.Tensor | None = None,
+) -> tuple[L | None, L | None, L | None, None]:
     """The FP32 values a step updates, one fused pass per tensor: the weights' (joined with their
     ``remainders``, or upcast; ``None``: the caller has FP32 masters) and the BF16 ``moments``
-    ``(m16s, v16s)`` upcast (``None``: FP32 moments, used as they are). Tensors of one device."""
+    ``(m16s, v16s)`` upcast (``None``: FP32 moments, used as they are). Tensors of one device.
+    The gradients' FP32 copies are left to the caller (the last item ``None``; ``grads`` and ``inv``
+    unread): torch's multi-tensor upcast and unscale make them, in two launches a group on the CPU."""
     shapes = [t.shape for t in (weights if weights is not None else cast("tuple", moments)[0])]
 
     def shaped(flat: list[T]) -> L:
         return [t.view(shape) for t, shape in zip(flat, shapes)]
 
     if weights is None and moments is None:
-        return None, None, None
+        return None, None, None, None
     w = None if weights is None else _flat(weights)
     r = None if remainders is None else _flat(remainders)
     if moments is None:
         w = cast("L", w)  # weights and moments are not both None
-        return shaped(_joined(w, r) if r is not None else _run("up_weight", [w])), None, None
+        return shaped(_joined(w, r) if r is not None else _run("up_weight", [w])), None, None, None
     m16, v16 = _flat(moments[0]), _flat(moments[1])
     if w is None:
         m32, v32 = zip(*_run("up_moments", [m16, v16]))
-        return None, shaped(list(m32)), shaped(list(v32))
+        return None, shaped(list(m32)), shaped(list(v32)), None
     if r is None:
         triples = _run("up", [w, m16, v16])
     else:
         triples = _run_laid_out("join_up", [w, r, m16, v16], [_I32, _I32, None, None])
     value, m32, v32 = zip(*triples)
-    return shaped([_as_float(v) for v in value]), shaped(list(m32)), shaped(list(v32))
+    return shaped([_as_float(v) for v in value]), shaped(list(m32)), shaped(list(v32)), None
 
 
 def store(

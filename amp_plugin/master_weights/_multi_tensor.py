@@ -260,7 +260,8 @@ class _Targets:
     ) -> None:
         """The pieces ``slab`` of these tensors (``lists``, ``weights``, ``remainders``: theirs, in :attr:`js`'s
         order, contiguous) prepared, updated and stored; the FP32 copies are freed on return, before the next
-        slab's are made."""
+        slab's are made. The FP32 gradients of half ones: from the passes' prepare where it makes them (the
+        Triton kernels), else upcast and unscaled by torch's multi-tensor ops (:func:`_fp32_grads`)."""
         values, grads, exp_avgs, exp_avg_sqs, steps = lists
 
         def cut(tensors: Sequence[Any]) -> L:
@@ -269,8 +270,13 @@ class _Targets:
         w = None if weights is None else cut(weights)
         r = None if remainders is None else cut(remainders)
         m, v = cut(exp_avgs), cut(exp_avg_sqs)
-        new_values, m32s, v32s = self.passes.prepare(w, r, (m, v) if self.bf16_moments else None)
-        g = _fp32_grads(cut(grads), inv_on)
+        g = cut(grads)
+        half = all(x.dtype in HALF_DTYPES for x in g)  # else FP32 ones among them: the passes leave them all
+        inv = None if inv_on is None or not half else inv_on(self.device)
+        new_values, m32s, v32s, g32s = self.passes.prepare(
+            w, r, (m, v) if self.bf16_moments else None, g if half else None, inv
+        )
+        g = g32s if g32s is not None else _fp32_grads(g, inv_on)
         slab_values = new_values if new_values is not None else cut(values)
         m32, v32 = (m, v) if m32s is None or v32s is None else (m32s, v32s)
         fused_adam_update(group, optimizer, [slab_values, g, m32, v32, [steps[n] for n, _, _ in slab]], increment=False)

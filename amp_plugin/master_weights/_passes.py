@@ -1,7 +1,8 @@
 """What a fused implementation of the lean step's bit handling provides (:mod:`._compiled`, :mod:`._triton`).
 
 The multi-tensor step (``_multi_tensor.py``) runs torch's fused Adam on FP32 values: ``prepare``
-builds them from the lean kinds' BF16 weights (joined with their remainders) and BF16 moments,
+builds them from the lean kinds' BF16 weights (joined with their remainders) and BF16 moments
+(and, in the Triton kernels, the FP32 gradients from the model's half ones),
 ``store`` writes the stepped values back (split, or rounded stochastically) and rounds the
 moments into their BF16 tensors, both with the bits of the torch ops in ``_split.py`` and
 ``_stochastic.py``.
@@ -20,10 +21,17 @@ L = list[torch.Tensor]
 
 class Passes(Protocol):
     def prepare(
-        self, weights: L | None, remainders: L | None, moments: tuple[L, L] | None
-    ) -> tuple[L | None, L | None, L | None]:
+        self,
+        weights: L | None,
+        remainders: L | None,
+        moments: tuple[L, L] | None,
+        grads: L | None = None,
+        inv: torch.Tensor | None = None,
+    ) -> tuple[L | None, L | None, L | None, L | None]:
         """The FP32 values of ``weights`` (joined with ``remainders``; ``None``: FP32 masters) and of
-        the BF16 ``moments`` ``(m16s, v16s)`` (``None``: FP32 moments), tensors of one device."""
+        the BF16 ``moments`` ``(m16s, v16s)`` (``None``: FP32 moments), tensors of one device; and
+        the FP32 copies of the half ``grads`` times ``inv`` (``None``: not scaled), the bits of
+        ``_grads.eager_unscale``, where the passes make them (``None``: the caller does)."""
         ...
 
     def keys_tensor(self, keys: list[tuple[int, int]], device: torch.device) -> Any:

@@ -1,7 +1,9 @@
 """The bit handling of the lean step as two Triton kernels per group (``fused="triton"``; automatic on CUDA).
 
 The same two passes as :mod:`amp_plugin.master_weights._compiled` around torch's fused Adam,
-:func:`prepare` (weight + remainder -> FP32, BF16 moments -> FP32) and :func:`store` (the stepped
+:func:`prepare` (weight + remainder -> FP32, BF16 moments -> FP32, and the half gradients upcast and
+unscaled into FP32, which the compiled passes leave to torch's multi-tensor ops: one launch per tensor
+for the upcast, one more pass for the unscale) and :func:`store` (the stepped
 FP32 value into the weight and its remainder or stochastically rounded, the FP32 moments into
 their BF16 tensors), but each is one launch for every tensor of a group and device, where
 Inductor's code launches one kernel per tensor (about 40 us of host time apiece on an H200's
@@ -53,26 +55,45 @@ if triton is not None:  # the hash's constants as int32 (a kernel reads only con
     _MIX1 = tl.constexpr(as_int32(MIX1))
     _MIX2 = tl.constexpr(as_int32(MIX2))
 # The rows of a table, one column per tensor: 0 numel; the addresses of 1 the FP32 value, 2 exp_avg and
-# 3 exp_avg_sq in FP32, 4 the BF16 weight, 5 its remainder, 6 exp_avg and 7 exp_avg_sq in BF16; and (a
-# store's) 8 the weight's and 9 the moments' rounding keys. A prepare writes rows 1-3 from 4-7, a store
-# the reverse.
+# 3 exp_avg_sq in FP32, 4 the BF16 weight, 5 its remainder, 6 exp_avg and 7 exp_avg_sq in BF16; then a
+# store's 8 the weight's and 9 the moments' rounding keys, or a prepare's 8 the half gradient and 9 its
+# FP32 copy. A prepare writes rows 1-3 from 4-7 (and 9 from 8), a store the reverse.
+GRAD_KINDS = {torch.bfloat16: 1, torch.float16: 2}
+"""A prepare's ``GRADS``: the half gradients' dtype (0: none)."""
 
 
 def _prepare_kernel(
     table,
     blocks,
     n,
+    inv,
     WEIGHTS: tl.constexpr,
     REMAINDERS: tl.constexpr,
     MOMENTS: tl.constexpr,
+    GRADS: tl.constexpr,
+    SCALED: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     """Program ``p``: the block ``blocks[2p + 1]`` elements into tensor ``blocks[2p]``; ``table[r * n + t]``:
-    row ``r`` of tensor ``t``."""
+    row ``r`` of tensor ``t``. ``GRADS`` (:data:`GRAD_KINDS`): the half gradients upcast (exact), times
+    ``inv[0]`` if ``SCALED``, as torch's unscale multiplies (a factor of one leaves a value as it is)."""
     pid = tl.program_id(0)
     t = tl.load(blocks + 2 * pid)
     offs = tl.load(blocks + 2 * pid + 1) + tl.arange(0, BLOCK)
     mask = offs < tl.load(table + t)
+    if GRADS:
+        if GRADS == 1:  # BF16: its bits are the FP32 value's high half
+            half = tl.load(table + 8 * n + t).to(tl.pointer_type(tl.int16))
+            grad_bits = (tl.load(half + offs, mask=mask).to(tl.int32) & 0xFFFF) << 16
+            grad = grad_bits.to(tl.float32, bitcast=True)
+        else:
+            half16 = tl.load(table + 8 * n + t).to(tl.pointer_type(tl.float16))
+            grad = tl.load(half16 + offs, mask=mask).to(tl.float32)
+        if SCALED:
+            factor = tl.load(inv)
+            grad = tl.where(factor == 1.0, grad, grad * factor)
+        grad32 = tl.load(table + 9 * n + t).to(tl.pointer_type(tl.float32))
+        tl.store(grad32 + offs, grad, mask=mask)
     if WEIGHTS:
         weight = tl.load(table + 4 * n + t).to(tl.pointer_type(tl.int16))
         bits = (tl.load(weight + offs, mask=mask).to(tl.int32) & 0xFFFF) << 16
@@ -212,7 +233,9 @@ def _addresses(tensors: L | None, n: int) -> list[int]:
     return [0] * n if tensors is None else [t.data_ptr() for t in tensors]
 
 
-def _launch(name: str, rows: list[list[int]], numels: tuple[int, ...], device: torch.device, **flags: bool) -> None:
+def _launch(
+    name: str, rows: list[list[int]], numels: tuple[int, ...], device: torch.device, *args: Any, **flags: Any
+) -> None:
     if not any(numels):
         return
     blocks = _block_table(numels, device)
@@ -220,26 +243,45 @@ def _launch(name: str, rows: list[list[int]], numels: tuple[int, ...], device: t
     grid = (blocks.numel() // 2,)
     if device.type == "cuda":  # Triton launches on the current device: the tensors' one
         with torch.cuda.device(device):
-            _kernel(name, device)[grid](table, blocks, len(numels), BLOCK=BLOCK, **flags)
+            _kernel(name, device)[grid](table, blocks, len(numels), *args, BLOCK=BLOCK, **flags)
     else:
-        _kernel(name, device)[grid](table, blocks, len(numels), BLOCK=BLOCK, **flags)
+        _kernel(name, device)[grid](table, blocks, len(numels), *args, BLOCK=BLOCK, **flags)
+
+
+def grads_kind(grads: L | None, inv: torch.Tensor | None) -> int:
+    """The ``GRADS`` of a prepare over ``grads`` (dense, of the prepare's device) unscaled by ``inv``: their
+    half dtype's, or 0 (the caller makes the FP32 gradients) for none, a mix of dtypes, or an unscale factor
+    that is not one FP32 value."""
+    if not grads or len({g.dtype for g in grads}) != 1:
+        return 0
+    if inv is not None and (inv.dtype is not torch.float32 or inv.numel() != 1 or inv.device != grads[0].device):
+        return 0
+    return GRAD_KINDS.get(grads[0].dtype, 0)
 
 
 def prepare(
-    weights: L | None, remainders: L | None, moments: tuple[L, L] | None
-) -> tuple[L | None, L | None, L | None]:
-    """:func:`amp_plugin.master_weights._compiled.prepare` in one launch: the FP32 values are views of
-    one new buffer. Tensors contiguous, of one device."""
+    weights: L | None,
+    remainders: L | None,
+    moments: tuple[L, L] | None,
+    grads: L | None = None,
+    inv: torch.Tensor | None = None,
+) -> tuple[L | None, L | None, L | None, L | None]:
+    """:func:`amp_plugin.master_weights._compiled.prepare` in one launch, and the FP32 gradients with
+    them: ``grads`` (half, of one dtype: :func:`grads_kind`) upcast and times ``inv`` (``None``: not
+    scaled), the bits of ``_grads.eager_unscale``. The FP32 tensors are views of one new buffer.
+    Tensors contiguous, of one device."""
     if weights is None and moments is None:
-        return None, None, None
+        return None, None, None, None
     like = weights if weights is not None else moments[0]  # type: ignore[index]
     numels = tuple(t.numel() for t in like)
     shapes = [t.shape for t in like]
-    parts = (weights is not None) + 2 * (moments is not None)
+    kind = grads_kind(grads, inv)
+    parts = (weights is not None) + 2 * (moments is not None) + (kind != 0)
     flat = torch.empty(parts, sum(numels), dtype=torch.float32, device=like[0].device)
     views = [[t.view(shape) for t, shape in zip(part.split(numels), shapes)] for part in flat.unbind(0)]
     n = len(numels)
     values = views.pop(0) if weights is not None else None
+    g32s = views.pop() if kind else None
     m32s, v32s = views if moments is not None else (None, None)
     rows = [
         list(numels),
@@ -250,10 +292,19 @@ def prepare(
         _addresses(remainders, n),
         _addresses(moments[0] if moments is not None else None, n),
         _addresses(moments[1] if moments is not None else None, n),
+        _addresses(grads if kind else None, n),
+        _addresses(g32s, n),
     ]
-    flags = dict(WEIGHTS=weights is not None, REMAINDERS=remainders is not None, MOMENTS=moments is not None)
-    _launch("prepare", rows, numels, like[0].device, **flags)
-    return values, m32s, v32s
+    flags = dict(
+        WEIGHTS=weights is not None,
+        REMAINDERS=remainders is not None,
+        MOMENTS=moments is not None,
+        GRADS=kind,
+        SCALED=kind != 0 and inv is not None,
+    )
+    factor = inv if kind and inv is not None else flat  # a pointer the kernel leaves unread without SCALED
+    _launch("prepare", rows, numels, like[0].device, factor, **flags)
+    return values, m32s, v32s, g32s
 
 
 def keys_tensor(keys: list[tuple[int, int]], device: torch.device) -> list[tuple[int, int]]:
@@ -336,8 +387,10 @@ def available(device: torch.device, strict: bool) -> bool:
 
 def _probe(device: torch.device) -> None:
     """Every variant of both kernels on three tensors (one element, a few, past a block), each checked
-    bit for bit against the torch ops on ``device``: kernels that compute otherwise are not used."""
+    bit for bit against the torch ops on ``device`` (the gradients' copies against ``eager_unscale``'s):
+    kernels that compute otherwise are not used."""
     from amp_plugin.master_weights import _split
+    from amp_plugin.master_weights._grads import eager_unscale
     from amp_plugin.master_weights._stochastic import round_stochastic
 
     gen = torch.Generator().manual_seed(0)
@@ -387,7 +440,7 @@ def _probe(device: torch.device) -> None:
                         v2[i].copy_(squares[i])
                 same(m16s, m, f"the {moments_kind} exp_avg")
                 same(v16s, v2, f"the {moments_kind} exp_avg_sq")
-            joined, m32s, v32s = prepare(weights, remainders, (m16s, v16s) if moments_kind else None)
+            joined, m32s, v32s, _ = prepare(weights, remainders, (m16s, v16s) if moments_kind else None)
             if joined is not None and weights is not None:
                 rems: list[Any] = remainders if remainders is not None else [None] * len(sizes)
                 up = [w.float() if r is None else _split.join(w, r) for w, r in zip(weights, rems)]
@@ -395,3 +448,11 @@ def _probe(device: torch.device) -> None:
             if m32s is not None and v32s is not None:
                 same(m32s, [m.float() for m in m16s], "the FP32 exp_avg")
                 same(v32s, [v.float() for v in v16s], "the FP32 exp_avg_sq")
+    moments16 = (new(torch.bfloat16), new(torch.bfloat16))
+    for dtype in GRAD_KINDS:
+        grads = [v.to(dtype) for v in values]
+        for inv in (None, torch.full((1,), 2.0**-7 * 3, device=device), torch.ones((), device=device)):
+            *_, grads32 = prepare(None, None, moments16, grads, inv)
+            if grads32 is None:
+                raise RuntimeError(f"the Triton prepare left the {dtype} gradients to the caller")
+            same(grads32, eager_unscale(grads, inv, None), f"the {dtype} gradients' FP32 copies")

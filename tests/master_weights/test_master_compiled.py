@@ -215,6 +215,11 @@ def test_each_new_graph_counts_as_build_time_not_step_time():
     build's (left out of steps/s), whichever of them is new."""
     from amp_plugin import fused
 
+    # a fresh start: in a process whose earlier tests compiled many batches, the functions' recompile limit
+    # would switch them to eager (no compile, no build time), whatever order the tests run in
+    torch._dynamo.reset()
+    _compiled._compiled.clear()
+    _compiled._seen.clear()
     assert _compiled.available(torch.device("cpu"), True)
     values = [torch.randn(5 + 2 * k) for k in range(16)]  # odd sizes, one batch of 16: no other test compiles one
     weights = [v.to(BF16) for v in values]
@@ -272,6 +277,6 @@ def test_pairs_and_lanes_give_the_torch_ops_bits_on_every_kind_of_value(offset):
     assert torch.equal(bits(m16s[0]), bits(m_ref)) and torch.equal(bits(v16s[0]), bits(v_ref))
     round_stochastic(value, w_ref, 13)
     assert torch.equal(bits(weights[1]), bits(w_ref))
-    joined, m32, v32 = _compiled.prepare(weights[:1], remainders[:1], (m16s[:1], v16s[:1]))
+    joined, m32, v32, _ = _compiled.prepare(weights[:1], remainders[:1], (m16s[:1], v16s[:1]))
     assert torch.equal(bits(joined[0]), bits(value))  # every pattern back, NaN payloads included
     assert torch.equal(bits(m32[0]), bits(m_ref.float())) and torch.equal(bits(v32[0]), bits(v_ref.float()))

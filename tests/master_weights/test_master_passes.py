@@ -91,32 +91,44 @@ def test_a_step_in_small_slabs_gives_the_bits_of_the_torch_ops(monkeypatch, devi
 
 
 @pytest.mark.parametrize("device", compiled_tests.DEVICES)
+@pytest.mark.parametrize("fused", ["compiled", pytest.param("triton", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("scaled", [False, True], ids=["no_scaler", "scaler"])
 @pytest.mark.parametrize(
     "master, moments", [("bf16_split", BF16), ("stochastic", BF16), ("fp32", BF16), ("fp32", None)]
 )
-def test_the_bf16_gradients_are_upcast_a_slab_at_a_time(monkeypatch, device, scaled, master, moments):
+def test_the_bf16_gradients_are_upcast_a_slab_at_a_time(monkeypatch, device, fused, scaled, master, moments):
     """The step is handed the model's BF16 gradients (no loss scaler, the lean presets' default; or a scaler's
     ``unscale_`` that only checked them; built as the plugin builds it, ``unscaled_model_grads=False``) and
     makes their FP32 copies, unscaled, one slab at a time (each freed before the next slab's are made), where
     the torch ops copy the whole group first; the same bits (FP32 masters with FP32 moments: their gradients
-    upcast whole)."""
+    upcast whole). The Triton kernels make a slab's in their prepare's launch, not with torch's ops."""
+    if fused == "triton":
+        pytest.importorskip("triton")  # on the CPU: its interpreter
     expected, _ = train("torch", master, moments, "stochastic", steps=3, device=device, scaled=scaled, shown=False)
     monkeypatch.setattr(_multi_tensor, "SLAB_ELEMENTS", 520)
     seen: list[weakref.ref] = []
     update = _multi_tensor.fused_adam_update
+    by_torch_ops = _multi_tensor._fp32_grads
+
+    def counted(grads, inv_on):
+        if fused == "triton" and moments is not None:  # a slab's half gradients: the prepare's
+            assert not any(g.dtype is BF16 for g in grads), "a slab's BF16 gradients upcast by torch's ops"
+        return by_torch_ops(grads, inv_on)
+
+    monkeypatch.setattr(_multi_tensor, "_fp32_grads", counted)
 
     def recording(group, optimizer, lists, increment):
         grads = lists[1]
         assert all(g.dtype is torch.float32 for g in grads)
         if not increment:  # a slab's update
             assert all(ref() is None for ref in seen), "an earlier slab's FP32 gradients are still alive"
-            assert all(g.untyped_storage().nbytes() <= 4 * 520 for g in grads), "a piece of a larger FP32 gradient"
+            parts = 4 if fused == "triton" else 1  # the Triton prepare's one buffer: values, moments and gradients
+            assert all(g.untyped_storage().nbytes() <= 4 * 520 * parts for g in grads), "a larger FP32 gradient's"
             seen.extend(weakref.ref(g) for g in grads)
         return update(group, optimizer, lists, increment)
 
     monkeypatch.setattr(_multi_tensor, "fused_adam_update", recording)
-    got, _ = train("compiled", master, moments, "stochastic", steps=3, device=device, scaled=scaled, shown=False)
+    got, _ = train(fused, master, moments, "stochastic", steps=3, device=device, scaled=scaled, shown=False)
     assert len(seen) > 3 * len(SIZES) or moments is None
     for a, b in zip(got, expected, strict=True):
         assert torch.equal(a, b), a.shape

@@ -9,6 +9,7 @@ import torch
 
 from amp_plugin import MasterWeightOptimizer
 from amp_plugin.master_weights import _split, _triton
+from amp_plugin.master_weights._grads import eager_unscale
 from amp_plugin.master_weights._kernels import KERNELS, StepCall, choose
 from amp_plugin.master_weights._step import step_kernels
 from amp_plugin.master_weights._stochastic import round_stochastic
@@ -96,7 +97,8 @@ def test_the_stores_and_prepares_match_the_torch_ops_element_by_element():
         round_stochastic(v, m, rows[i][1])
         round_stochastic(squares[i], s, rows[i][1], low=True)
         assert torch.equal(bits(m16s[i]), bits(m)) and torch.equal(bits(v16s[i]), bits(s))
-    joined, m32s, v32s = _triton.prepare(weights, remainders, (m16s, v16s))
+    joined, m32s, v32s, no_grads = _triton.prepare(weights, remainders, (m16s, v16s))
+    assert no_grads is None
     for i, v in enumerate(values):
         assert torch.equal(bits(joined[i]), bits(v))  # the master back, NaN's bits included
         assert torch.equal(bits(m32s[i]), bits(m16s[i].float())) and torch.equal(bits(v32s[i]), bits(v16s[i].float()))
@@ -108,6 +110,36 @@ def test_the_stores_and_prepares_match_the_torch_ops_element_by_element():
         finite = ~v.isnan()  # to nearest: torch's bits; NaN as c10's scalar rule writes it
         assert torch.equal(bits(m16s[i])[finite], bits(v.to(BF16))[finite])
         assert torch.all(bits(m16s[i])[~finite] == 0x7FC0)
+
+
+@pytest.mark.parametrize("dtype", [BF16, torch.float16])
+@pytest.mark.parametrize("factor", [None, 2.0**-7 * 3, 1.0], ids=["unscaled", "scaled", "one"])
+def test_the_prepare_makes_the_fp32_gradients_as_torchs_upcast_and_unscale(dtype, factor):
+    """The half gradients upcast and unscaled in the prepare's launch: the bits of ``eager_unscale`` (torch's
+    multi-tensor upcast, then its check-and-unscale op), infinities, NaN and subnormal products included."""
+    gen = torch.Generator().manual_seed(5)
+    sizes = (1, 2100, 33)
+    grads = [(torch.randn(n, generator=gen) * 100).to(dtype) for n in sizes]
+    grads[1][:5] = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0, 2.0**-14]).to(dtype)
+    m16s, v16s = ([torch.zeros(n, dtype=BF16) for n in sizes] for _ in range(2))
+    inv = None if factor is None else torch.full((1,), factor)
+    weights = [torch.zeros(n, dtype=BF16) for n in sizes]
+    _, m32s, _, g32s = _triton.prepare(weights, None, (m16s, v16s), grads, inv)
+    assert m32s is not None and g32s is not None
+    expected = eager_unscale(grads, inv, None)
+    for got, want, grad in zip(g32s, expected, grads, strict=True):
+        assert got.dtype is torch.float32 and got.shape == grad.shape
+        assert torch.equal(bits(got), bits(want))
+
+
+def test_the_prepare_leaves_mixed_or_fp32_gradients_to_the_caller():
+    weights = [torch.zeros(3, dtype=BF16), torch.zeros(4, dtype=BF16)]
+    for grads, inv in (
+        ([torch.ones(3, dtype=BF16), torch.ones(4, dtype=torch.float16)], None),  # two dtypes
+        ([torch.ones(3), torch.ones(4)], None),  # FP32 already
+        ([torch.ones(3, dtype=BF16), torch.ones(4, dtype=BF16)], torch.ones(2)),  # not one factor
+    ):
+        assert _triton.prepare(weights, None, None, grads, inv)[3] is None
 
 
 def test_the_block_table_covers_each_tensor_once():
