@@ -112,18 +112,20 @@ def test_the_stores_and_prepares_match_the_torch_ops_element_by_element():
         assert torch.all(bits(m16s[i])[~finite] == 0x7FC0)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [BF16, torch.float16])
 @pytest.mark.parametrize("factor", [None, 2.0**-7 * 3, 1.0], ids=["unscaled", "scaled", "one"])
-def test_the_prepare_makes_the_fp32_gradients_as_torchs_upcast_and_unscale(dtype, factor):
+def test_the_prepare_makes_the_fp32_gradients_as_torchs_upcast_and_unscale(device, dtype, factor):
     """The half gradients upcast and unscaled in the prepare's launch: the bits of ``eager_unscale`` (torch's
-    multi-tensor upcast, then its check-and-unscale op), infinities, NaN and subnormal products included."""
+    multi-tensor upcast, then its check-and-unscale op) on the same device, infinities, NaN and subnormal
+    products included."""
     gen = torch.Generator().manual_seed(5)
     sizes = (1, 2100, 33)
-    grads = [(torch.randn(n, generator=gen) * 100).to(dtype) for n in sizes]
-    grads[1][:5] = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0, 2.0**-14]).to(dtype)
-    m16s, v16s = ([torch.zeros(n, dtype=BF16) for n in sizes] for _ in range(2))
-    inv = None if factor is None else torch.full((1,), factor)
-    weights = [torch.zeros(n, dtype=BF16) for n in sizes]
+    grads = [(torch.randn(n, generator=gen) * 100).to(device, dtype) for n in sizes]
+    grads[1][:5] = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0, 2.0**-14]).to(device, dtype)
+    m16s, v16s = ([torch.zeros(n, dtype=BF16, device=device) for n in sizes] for _ in range(2))
+    inv = None if factor is None else torch.full((1,), factor, device=device)
+    weights = [torch.zeros(n, dtype=BF16, device=device) for n in sizes]
     _, m32s, _, g32s = _triton.prepare(weights, None, (m16s, v16s), grads, inv)
     assert m32s is not None and g32s is not None
     expected = eager_unscale(grads, inv, None)
