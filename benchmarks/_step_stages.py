@@ -50,8 +50,8 @@ def compiled_update():
 def lean_compiled_profile(sizes: list[int], repeats: int, floor_cpu: float) -> None:
     """Where ``bf16_lean``'s compiled step (``fused="compiled"``, with a dynamic scaler) spends its time:
     the step as the optimizer runs it, under ``torch.profiler``, each operator's self CPU time per step
-    gathered into the step's stages (the compiled graphs before torch's fused AdamW are the joins, those
-    after it the stores), against the floor's CPU time."""
+    gathered into the step's stages (the compiled graphs before torch's fused AdamW are the joins and the
+    gradients' upcast, those after it the stores), against the floor's CPU time."""
     from torch.profiler import ProfilerActivity, profile
 
     g = torch.Generator().manual_seed(1)
@@ -83,14 +83,14 @@ def lean_compiled_profile(sizes: list[int], repeats: int, floor_cpu: float) -> N
     joins = tuple(name for name, at in first_seen.items() if at < adam_at)  # the first step's, before its Adam
     stores = tuple(name for name, at in first_seen.items() if at > adam_at)
     stages = {
-        "1. upcast the BF16 grads (new FP32 tensors)": (
+        "1. upcast the BF16 grads with torch's ops (where the passes leave them)": (
             "aten::_foreach_mul",
             "aten::mul",
             "aten::_to_copy",
             "aten::copy_",
         ),
-        "2. unscale + inf check": ("aten::_amp_foreach_non_finite_check_and_unscale_",),
-        "3. join weights, upcast moments (compiled)": joins,
+        "2. the scaler's inf check": ("aten::_amp_foreach_non_finite_check_and_unscale_",),
+        "3. join weights, upcast moments and grads (compiled)": joins,
         "4. torch's fused AdamW on the FP32 values": ("aten::_fused_adamw_",),
         "5. split weights, round moments (compiled)": stores,
     }

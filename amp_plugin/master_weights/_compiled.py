@@ -47,6 +47,7 @@ import torch.fx.experimental._config as fx_config
 
 from amp_plugin.fused import counted_as_build
 from amp_plugin.master_weights._compiled_bits import FUNCTIONS, pairable
+from amp_plugin.master_weights._passes import half_grads_dtype
 from amp_plugin.master_weights._stochastic import as_int32
 
 __all__ = ["available", "join", "keys_tensor", "prepare", "store"]
@@ -199,12 +200,13 @@ def prepare(
     moments: tuple[L, L] | None,
     grads: L | None = None,
     inv: torch.Tensor | None = None,
-) -> tuple[L | None, L | None, L | None, None]:
+) -> tuple[L | None, L | None, L | None, L | None]:
     """The FP32 values a step updates, one fused pass per tensor: the weights' (joined with their
     ``remainders``, or upcast; ``None``: the caller has FP32 masters) and the BF16 ``moments``
-    ``(m16s, v16s)`` upcast (``None``: FP32 moments, used as they are). Tensors of one device.
-    The gradients' FP32 copies are left to the caller (the last item ``None``; ``grads`` and ``inv``
-    unread): torch's multi-tensor upcast and unscale make them, in two launches a group on the CPU."""
+    ``(m16s, v16s)`` upcast (``None``: FP32 moments, used as they are); and the FP32 copies of the half
+    ``grads`` times ``inv`` (``None``: not scaled) in a pass of their own, where
+    :func:`~._passes.half_grads_dtype` allows (else the last item is ``None``: the caller makes them).
+    Tensors of one device."""
     shapes = [t.shape for t in (weights if weights is not None else cast("tuple", moments)[0])]
 
     def shaped(flat: list[T]) -> L:
@@ -212,21 +214,36 @@ def prepare(
 
     if weights is None and moments is None:
         return None, None, None, None
+    values, m32s, v32s = _prepare_values(weights, remainders, moments, shaped)
+    if half_grads_dtype(grads, inv) is None:
+        return values, m32s, v32s, None
+    flat = _flat(cast("L", grads))
+    if inv is None:
+        grads32 = _run("up_grads", [flat])
+    else:  # one row per tensor, as the keys: batches cut it with the tensors
+        grads32 = _run("up_grads_scaled", [flat], inv.reshape(1).expand(len(flat)))
+    return values, m32s, v32s, shaped(grads32)
+
+
+def _prepare_values(
+    weights: L | None, remainders: L | None, moments: tuple[L, L] | None, shaped: Any
+) -> tuple[L | None, L | None, L | None]:
+    """:func:`prepare`'s FP32 values and moments (``weights`` and ``moments`` not both ``None``)."""
     w = None if weights is None else _flat(weights)
     r = None if remainders is None else _flat(remainders)
     if moments is None:
         w = cast("L", w)  # weights and moments are not both None
-        return shaped(_joined(w, r) if r is not None else _run("up_weight", [w])), None, None, None
+        return shaped(_joined(w, r) if r is not None else _run("up_weight", [w])), None, None
     m16, v16 = _flat(moments[0]), _flat(moments[1])
     if w is None:
         m32, v32 = zip(*_run("up_moments", [m16, v16]))
-        return None, shaped(list(m32)), shaped(list(v32)), None
+        return None, shaped(list(m32)), shaped(list(v32))
     if r is None:
         triples = _run("up", [w, m16, v16])
     else:
         triples = _run_laid_out("join_up", [w, r, m16, v16], [_I32, _I32, None, None])
     value, m32, v32 = zip(*triples)
-    return shaped([_as_float(v) for v in value]), shaped(list(m32)), shaped(list(v32)), None
+    return shaped([_as_float(v) for v in value]), shaped(list(m32)), shaped(list(v32))
 
 
 def store(
@@ -301,9 +318,10 @@ def available(device: torch.device, strict: bool) -> bool:
 
 
 def _probe(device: torch.device) -> None:
-    """Compile the stores and the join on a tensor of 16 elements (in pairs, on the CPU) and one of 17 (one
-    element per lane), and check them against the torch ops."""
+    """Compile the stores, the join and the gradients' upcast on a tensor of 16 elements (in pairs, on the CPU)
+    and one of 17 (one element per lane), and check them against the torch ops."""
     from amp_plugin.master_weights import _split
+    from amp_plugin.master_weights._grads import eager_unscale
     from amp_plugin.master_weights._stochastic import round_stochastic
 
     gen = torch.Generator().manual_seed(0)
@@ -323,3 +341,9 @@ def _probe(device: torch.device) -> None:
         _split.split_into(value[i], weight[i], remainder[i])
         if not torch.equal(join(weight[i], remainder[i]), value[i]):
             raise RuntimeError("the compiled join does not give the master back")
+    grads = [v.to(torch.bfloat16) for v in value]
+    for inv in (None, torch.full((1,), 2.0**-7 * 3, device=device)):
+        made: L = prepare(None, None, (m16, v16), grads, inv)[3] or []
+        expected_grads = eager_unscale(grads, inv, None)
+        if len(made) != len(grads) or not all(torch.equal(a, b) for a, b in zip(made, expected_grads)):
+            raise RuntimeError("the compiled upcast of the gradients differs from torch's")

@@ -168,6 +168,21 @@ def _up_moments_all(m16s: L, v16s: L) -> list[tuple[T, T]]:
     return [(m.float(), v.float()) for m, v in zip(m16s, v16s)]
 
 
+# The FP32 gradients of half ones: upcast (exact), and times the unscale factor (``invs[i]``: tensor i's, a
+# view of one value) as torch's unscale multiplies, a factor of one leaving a value as it is. Two functions,
+# so that each has its own graphs and recompile budget.
+def _up_grads_all(grads: L) -> L:
+    return [g.float() for g in grads]
+
+
+def _up_grads_scaled_all(grads: L, invs: T) -> L:
+    out = []
+    for i, g in enumerate(grads):
+        value = g.float()
+        out.append(torch.where(invs[i] == 1, value, value * invs[i]))
+    return out
+
+
 # Stores: the weight split or rounded stochastically, with or without the BF16 moments, in one
 # kernel per tensor; ``keys`` row i holds tensor i's (weight, moments) rounding keys.
 def _split_all(values: L, weights: L, remainders: L, keys: T) -> None:
@@ -244,6 +259,8 @@ FUNCTIONS: dict[str, Callable[..., Any]] = {
     "up_weight": _up_weight_all,
     "up": _up_all,
     "up_moments": _up_moments_all,
+    "up_grads": _up_grads_all,
+    "up_grads_scaled": _up_grads_scaled_all,
     "split": _split_all,
     "split_pairs": _split_pairs,
     "split_moments": _split_moments_all,

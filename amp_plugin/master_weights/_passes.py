@@ -14,9 +14,20 @@ from typing import Any, Protocol
 
 import torch
 
-__all__ = ["Passes"]
+__all__ = ["Passes", "half_grads_dtype"]
 
 L = list[torch.Tensor]
+
+
+def half_grads_dtype(grads: L | None, inv: torch.Tensor | None) -> torch.dtype | None:
+    """The dtype of ``grads`` (dense, of one device) when a prepare can make their FP32 copies times ``inv``:
+    FP16 or BF16, one dtype for all, and ``inv`` ``None`` or one FP32 value on their device; else ``None``
+    (the caller makes them with torch's ops)."""
+    if not grads or len({g.dtype for g in grads}) != 1 or grads[0].dtype not in (torch.float16, torch.bfloat16):
+        return None
+    if inv is not None and (inv.dtype is not torch.float32 or inv.numel() != 1 or inv.device != grads[0].device):
+        return None
+    return grads[0].dtype
 
 
 class Passes(Protocol):

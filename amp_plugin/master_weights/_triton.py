@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from amp_plugin.fused import counted_as_build
+from amp_plugin.master_weights._passes import half_grads_dtype
 from amp_plugin.master_weights._stochastic import INDEX_MULTIPLIER, MIX1, MIX2, as_int32
 
 try:
@@ -59,7 +60,7 @@ if triton is not None:  # the hash's constants as int32 (a kernel reads only con
 # store's 8 the weight's and 9 the moments' rounding keys, or a prepare's 8 the half gradient and 9 its
 # FP32 copy. A prepare writes rows 1-3 from 4-7 (and 9 from 8), a store the reverse.
 GRAD_KINDS = {torch.bfloat16: 1, torch.float16: 2}
-"""A prepare's ``GRADS``: the half gradients' dtype (0: none)."""
+"""A prepare's ``GRADS``: the half gradients' dtype (0, absent: none; the caller makes them)."""
 
 
 def _prepare_kernel(
@@ -248,17 +249,6 @@ def _launch(
         _kernel(name, device)[grid](table, blocks, len(numels), *args, BLOCK=BLOCK, **flags)
 
 
-def grads_kind(grads: L | None, inv: torch.Tensor | None) -> int:
-    """The ``GRADS`` of a prepare over ``grads`` (dense, of the prepare's device) unscaled by ``inv``: their
-    half dtype's, or 0 (the caller makes the FP32 gradients) for none, a mix of dtypes, or an unscale factor
-    that is not one FP32 value."""
-    if not grads or len({g.dtype for g in grads}) != 1:
-        return 0
-    if inv is not None and (inv.dtype is not torch.float32 or inv.numel() != 1 or inv.device != grads[0].device):
-        return 0
-    return GRAD_KINDS.get(grads[0].dtype, 0)
-
-
 def prepare(
     weights: L | None,
     remainders: L | None,
@@ -266,16 +256,17 @@ def prepare(
     grads: L | None = None,
     inv: torch.Tensor | None = None,
 ) -> tuple[L | None, L | None, L | None, L | None]:
-    """:func:`amp_plugin.master_weights._compiled.prepare` in one launch, and the FP32 gradients with
-    them: ``grads`` (half, of one dtype: :func:`grads_kind`) upcast and times ``inv`` (``None``: not
-    scaled), the bits of ``_grads.eager_unscale``. The FP32 tensors are views of one new buffer.
+    """:func:`amp_plugin.master_weights._compiled.prepare` in one launch, the FP32 gradients with them
+    (``grads`` upcast and times ``inv``, ``None``: not scaled, where :func:`~._passes.half_grads_dtype`
+    allows; the bits of ``_grads.eager_unscale``). The FP32 tensors are views of one new buffer.
     Tensors contiguous, of one device."""
     if weights is None and moments is None:
         return None, None, None, None
     like = weights if weights is not None else moments[0]  # type: ignore[index]
     numels = tuple(t.numel() for t in like)
     shapes = [t.shape for t in like]
-    kind = grads_kind(grads, inv)
+    grads_dtype = half_grads_dtype(grads, inv)
+    kind = 0 if grads_dtype is None else GRAD_KINDS[grads_dtype]
     parts = (weights is not None) + 2 * (moments is not None) + (kind != 0)
     flat = torch.empty(parts, sum(numels), dtype=torch.float32, device=like[0].device)
     views = [[t.view(shape) for t, shape in zip(part.split(numels), shapes)] for part in flat.unbind(0)]

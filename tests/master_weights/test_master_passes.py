@@ -90,18 +90,24 @@ def test_a_step_in_small_slabs_gives_the_bits_of_the_torch_ops(monkeypatch, devi
         assert torch.equal(a, b), a.shape
 
 
+LEAN_KINDS = (("bf16_split", BF16), ("stochastic", BF16))
+
+
 @pytest.mark.parametrize("device", compiled_tests.DEVICES)
-@pytest.mark.parametrize("fused", ["compiled", pytest.param("triton", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("scaled", [False, True], ids=["no_scaler", "scaler"])
 @pytest.mark.parametrize(
-    "master, moments", [("bf16_split", BF16), ("stochastic", BF16), ("fp32", BF16), ("fp32", None)]
+    "fused, master, moments",
+    [
+        *(("compiled", *kind) for kind in (*LEAN_KINDS, ("fp32", BF16), ("fp32", None))),
+        *(pytest.param("triton", *kind, marks=pytest.mark.slow) for kind in LEAN_KINDS),
+    ],
 )
 def test_the_bf16_gradients_are_upcast_a_slab_at_a_time(monkeypatch, device, fused, scaled, master, moments):
     """The step is handed the model's BF16 gradients (no loss scaler, the lean presets' default; or a scaler's
     ``unscale_`` that only checked them; built as the plugin builds it, ``unscaled_model_grads=False``) and
     makes their FP32 copies, unscaled, one slab at a time (each freed before the next slab's are made), where
     the torch ops copy the whole group first; the same bits (FP32 masters with FP32 moments: their gradients
-    upcast whole). The Triton kernels make a slab's in their prepare's launch, not with torch's ops."""
+    upcast whole). The passes' prepare makes a slab's (the Triton kernels in its launch), not torch's ops."""
     if fused == "triton":
         pytest.importorskip("triton")  # on the CPU: its interpreter
     expected, _ = train("torch", master, moments, "stochastic", steps=3, device=device, scaled=scaled, shown=False)
@@ -111,7 +117,7 @@ def test_the_bf16_gradients_are_upcast_a_slab_at_a_time(monkeypatch, device, fus
     by_torch_ops = _multi_tensor._fp32_grads
 
     def counted(grads, inv_on):
-        if fused == "triton" and moments is not None:  # a slab's half gradients: the prepare's
+        if moments is not None:  # a slab's half gradients: the prepare's
             assert not any(g.dtype is BF16 for g in grads), "a slab's BF16 gradients upcast by torch's ops"
         return by_torch_ops(grads, inv_on)
 
@@ -188,7 +194,7 @@ def test_the_step_holds_the_fp32_copies_of_one_slab_at_a_time(monkeypatch):
         assert all(ref() is None for ref in made), "an earlier slab's FP32 copies are still alive"
         out = prepare(*args)
         copies = [t for x in out if x is not None for t in x]
-        assert sum(t.numel() for t in copies) <= 3 * 520  # the values, exp_avg and exp_avg_sq of one slab
+        assert sum(t.numel() for t in copies) <= 4 * 520  # the values, exp_avg, exp_avg_sq and gradients of one slab
         made.extend(weakref.ref(t) for t in copies)
         return out
 
