@@ -271,11 +271,9 @@ class _Targets:
         r = None if remainders is None else cut(remainders)
         m, v = cut(exp_avgs), cut(exp_avg_sqs)
         g = cut(grads)
-        half = all(x.dtype in HALF_DTYPES for x in g)  # else FP32 ones among them: the passes leave them all
-        inv = None if inv_on is None or not half else inv_on(self.device)
-        new_values, m32s, v32s, g32s = self.passes.prepare(
-            w, r, (m, v) if self.bf16_moments else None, g if half else None, inv
-        )
+        inv = None if inv_on is None else inv_on(self.device)
+        # the passes leave a slab's gradients to torch's ops unless all are half, of one dtype (half_grads_dtype)
+        new_values, m32s, v32s, g32s = self.passes.prepare(w, r, (m, v) if self.bf16_moments else None, g, inv)
         g = g32s if g32s is not None else _fp32_grads(g, inv_on)
         slab_values = new_values if new_values is not None else cut(values)
         m32, v32 = (m, v) if m32s is None or v32s is None else (m32s, v32s)
