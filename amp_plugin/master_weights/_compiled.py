@@ -26,11 +26,13 @@ the tensors of an even size go through them in pairs of elements (int32 and int6
 Inductor vectorizes; int16 it does not), the others one element per lane.
 
 The first call compiles (tens of seconds on a small CPU; Inductor caches the generated code on disk,
-so a later process loads it): said once on stderr, and the time is counted apart from training's
-(:func:`amp_plugin.fused.counted_as_build`). :func:`available` compiles on small tensors before
-a step changes anything, so a failure to compile sends the step down the torch-ops path; a batch
-that fails to compile later (a length not seen by the probe) runs the same functions uncompiled
-(the same bits, slower), with a warning, once.
+so a later process loads it, keyed by the CPU's vector width too: :func:`_isa_options`): said once on
+stderr, and the time is counted apart from training's (:func:`amp_plugin.fused.counted_as_build`).
+:func:`available` compiles on small tensors before a step changes anything, so a failure to compile
+sends the step down the torch-ops path. Each graph's first call is checked against the same function
+uncompiled (:func:`_first_call`); a batch that fails to compile later (a length not seen by the probe),
+or whose graph gives other bits, runs the same functions uncompiled from then on (the same bits,
+slower), with a warning, once.
 """
 
 from __future__ import annotations
@@ -74,8 +76,20 @@ def _no_duck_shapes() -> Iterator[None]:
 
 def _fn(name: str) -> Any:
     if name not in _compiled:
-        _compiled[name] = torch.compile(FUNCTIONS[name], dynamic=True, fullgraph=True)
+        _compiled[name] = torch.compile(FUNCTIONS[name], dynamic=True, fullgraph=True, options=_isa_options())
     return _compiled[name]
+
+
+def _isa_options() -> dict[str, Any]:
+    """The vector width Inductor generates C++ for here, named in the compile options, which are part of the key
+    of Inductor's on-disk graph cache. In torch 2.13 that key leaves out the vector ISA picked (from the CPU, or
+    ``ATEN_CPU_CAPABILITY``), so a cache shared by runs or machines of different ISAs hands code generated for one
+    to a compile for another: after an AVX-512 run, an AVX2 run's upcast left 16 FP32 values of every 32 wrong,
+    and ``ATEN_CPU_CAPABILITY=default`` failed to compile. The width keys them apart (and picks the same
+    ISA: the first this CPU has of that width)."""
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    return {"cpp.simdlen": pick_vec_isa().bit_width()}
 
 
 def batches(n: int, start: int = 0) -> Iterator[slice]:
@@ -159,8 +173,8 @@ def _call(name: str, length: int, args: list[Any]) -> Any:
             with _no_duck_shapes(), torch.no_grad():
                 if graph in _seen:
                     return _fn(name)(*args)
-                with counted_as_build():  # the first call of a kind compiles
-                    result = _fn(name)(*args)
+                with counted_as_build():  # the first call of a kind compiles, and is checked
+                    result = _first_call(name, args)
             _seen.add(graph)
             return result
         except Exception as err:  # the same functions run uncompiled: the same bits
@@ -175,6 +189,33 @@ def _call(name: str, length: int, args: list[Any]) -> Any:
             )
     with torch.no_grad():
         return FUNCTIONS[name](*args)
+
+
+def _first_call(name: str, args: list[Any]) -> Any:
+    """A graph's first call: compiled, and checked against the same function run uncompiled first, on copies of
+    the tensors (a store writes into its arguments): what it returns and what it writes must have the same bits,
+    or it raises (and the caller runs this batch and the later ones uncompiled). Code generated wrong, or loaded
+    from a cache for other hardware, is caught at its first use on the step's own tensors, before the step
+    goes on with it; once per graph, counted as build time (the copies, one batch's, are freed on return)."""
+    copies = [[t.clone() for t in a] if isinstance(a, list) else a for a in args]
+    wanted = FUNCTIONS[name](*copies)
+    made = _fn(name)(*args)
+    lists = [(a, c) for a, c in zip(args, copies) if isinstance(a, list)]
+    if not (_same_bits(_tensors(made), _tensors(wanted)) and all(_same_bits(a, c) for a, c in lists)):
+        raise RuntimeError(f"the compiled {name!r} gives other bits than the same function uncompiled")
+    return made
+
+
+def _tensors(result: Any) -> L:
+    """The tensors a function returned: a list of tensors or of tuples of them (``None``: none)."""
+    return [t for item in result or [] for t in (item if isinstance(item, tuple) else (item,))]
+
+
+def _same_bits(made: L, wanted: L) -> bool:
+    """Whether two lists of flat tensors hold the same bytes (NaN payloads included)."""
+    return len(made) == len(wanted) and all(
+        a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(made, wanted)
+    )
 
 
 def _flat(tensors: Sequence[torch.Tensor]) -> L:
@@ -318,14 +359,15 @@ def available(device: torch.device, strict: bool) -> bool:
 
 
 def _probe(device: torch.device) -> None:
-    """Compile the stores, the join and the gradients' upcast on a tensor of 16 elements (in pairs, on the CPU)
-    and one of 17 (one element per lane), and check them against the torch ops."""
+    """Compile the stores, the join and the gradients' upcast on a tensor of 80 elements (in pairs, on the CPU)
+    and one of 81 (one element per lane), past two of the widest vectors (32 BF16 values with AVX-512) with a
+    tail, and check them against the torch ops."""
     from amp_plugin.master_weights import _split
     from amp_plugin.master_weights._grads import eager_unscale
     from amp_plugin.master_weights._stochastic import round_stochastic
 
     gen = torch.Generator().manual_seed(0)
-    sizes = (16, 17)
+    sizes = (80, 81)
     value = [torch.randn(n, generator=gen).to(device) for n in sizes]
     weight, m16, v16 = ([torch.empty(n, dtype=torch.bfloat16, device=device) for n in sizes] for _ in range(3))
     remainder = [torch.empty(n, dtype=torch.int16, device=device) for n in sizes]

@@ -280,3 +280,78 @@ def test_pairs_and_lanes_give_the_torch_ops_bits_on_every_kind_of_value(offset):
     joined, m32, v32, _ = _compiled.prepare(weights[:1], remainders[:1], (m16s[:1], v16s[:1]))
     assert torch.equal(bits(joined[0]), bits(value))  # every pattern back, NaN payloads included
     assert torch.equal(bits(m32[0]), bits(m_ref.float())) and torch.equal(bits(v32[0]), bits(v_ref.float()))
+
+
+_ISA_CHILD = """
+import torch
+from amp_plugin.master_weights import _compiled, _split
+
+gen = torch.Generator().manual_seed(0)
+value = torch.randn(80, generator=gen)
+weight, remainder = torch.empty(80, dtype=torch.bfloat16), torch.empty(80, dtype=torch.int16)
+_split.split_into(value, weight, remainder)
+grads = [value.to(torch.bfloat16), value[:77].to(torch.bfloat16)]
+upcast = _compiled._run("up_grads", [grads])
+ok = all(torch.equal(a, g.float()) for a, g in zip(upcast, grads))
+print("same bits" if ok and torch.equal(_compiled.join(weight, remainder), value) else "other bits")
+"""
+
+
+@pytest.mark.slow
+def test_runs_of_other_vector_isas_sharing_inductors_cache_each_compile_their_own_code(tmp_path):
+    """Inductor's on-disk graph cache (torch 2.13) keys a graph without the vector ISA its C++ was generated for;
+    the compiled functions name their vector width in the compile options (``_isa_options``), so runs of
+    different ISAs sharing a cache each get code for their own. A run with the CPU's own ISA fills the cache;
+    then runs with ``ATEN_CPU_CAPABILITY`` set to each narrower ISA the CPU has, and to ``default`` (no vectors),
+    compile and upcast and join with torch's bits. Without the width, an AVX2 run after an AVX-512 one upcast
+    16 of every 32 values wrong, silently, and a ``default`` one failed to compile."""
+    import os
+    import subprocess
+    import sys
+
+    from torch._inductor.cpu_vec_isa import pick_vec_isa, valid_vec_isa_list
+
+    best = pick_vec_isa()
+    narrower = [c for c in ("avx2",) if any(c == str(i) for i in valid_vec_isa_list()) and c != str(best)]
+    env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
+    env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path)
+    runs = [("the CPU's own", {})] + [(c, {"ATEN_CPU_CAPABILITY": c}) for c in (*narrower, "default")]
+    for name, extra in runs:
+        done = subprocess.run(
+            [sys.executable, "-c", _ISA_CHILD], env={**env, **extra}, capture_output=True, text=True, timeout=600
+        )
+        assert done.returncode == 0 and done.stdout.strip() == "same bits", (name, done.stdout, done.stderr[-3000:])
+
+
+@pytest.mark.parametrize("name", [None, "join_up", "join_up_pairs", "up_grads", "split_moments", "split_moments_pairs"])
+def test_a_graph_giving_other_bits_is_caught_at_its_first_call_and_the_step_keeps_the_torch_ops_bits(monkeypatch, name):
+    """Each graph's first call is checked against the same function uncompiled, on copies of the step's own
+    tensors: code generated wrong (or loaded from a cache for other hardware) is warned about, and that batch and
+    the later ones run uncompiled, with the torch ops' bits. Here ``name``'s compiled code writes or returns one
+    wrong value (``None``: none does, and nothing is said)."""
+    from amp_plugin.master_weights._compiled_bits import FUNCTIONS
+
+    expected, _ = train("torch", "bf16_split", BF16, "stochastic", steps=2, scaled=False)
+    assert _compiled.available(torch.device("cpu"), True)
+    real = _compiled._fn
+
+    def wrong(*args):
+        out = FUNCTIONS[name](*args)
+        written = [a for a in args if isinstance(a, list)][-1][:1]  # a store's last list: exp_avg_sq
+        for t in _compiled._tensors(out) or written:
+            t.view(-1)[-1] += 1
+        return out
+
+    monkeypatch.setattr(_compiled, "_fn", lambda n: wrong if n == name else real(n))
+    monkeypatch.setattr(_compiled, "_seen", set())
+    monkeypatch.setitem(_compiled._state, "eager", False)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        got, _ = train("compiled", "bf16_split", BF16, "stochastic", steps=2, scaled=False)
+    caught = [str(w.message) for w in said if "gives other bits" in str(w.message)]
+    assert _compiled._state["eager"] is (name is not None)
+    assert len(caught) == (name is not None), caught
+    if name is not None:
+        assert f"the compiled {name!r} gives other bits than the same function uncompiled" in caught[0]
+    for a, b in zip(got, expected, strict=True):
+        assert torch.equal(a, b)
