@@ -191,19 +191,36 @@ def _call(name: str, length: int, args: list[Any]) -> Any:
         return FUNCTIONS[name](*args)
 
 
+CHECK_ELEMENTS = 1 << 16
+"""Of each tensor, at most this many elements (plus its size's remainder modulo 64, so the loops' tails run as on
+the whole) go through a graph's first-call check (:func:`_first_call`): a few MiB a batch, whatever its size."""
+
+
 def _first_call(name: str, args: list[Any]) -> Any:
-    """A graph's first call: compiled, and checked against the same function run uncompiled first, on copies of
-    the tensors (a store writes into its arguments): what it returns and what it writes must have the same bits,
-    or it raises (and the caller runs this batch and the later ones uncompiled). Code generated wrong, or loaded
-    from a cache for other hardware, is caught at its first use on the step's own tensors, before the step
-    goes on with it; once per graph, counted as build time (the copies, one batch's, are freed on return)."""
-    copies = [[t.clone() for t in a] if isinstance(a, list) else a for a in args]
+    """A graph's first call, checked: the compiled function and the same function uncompiled each run on copies of
+    the first :data:`CHECK_ELEMENTS` elements of the batch's tensors (a store writes into its arguments), and what
+    they return and write must have the same bits, or it raises (the caller then runs this batch and the later
+    ones uncompiled); then the compiled function runs on the tensors themselves (the same graph: sizes and
+    offsets are symbols). Code generated wrong, or loaded from a cache for other hardware, is caught at its first
+    use, before the step goes on with it; once per graph, counted as build time."""
+    checked, copies = _prefixes(args), _prefixes(args)
+    made = _fn(name)(*checked)
     wanted = FUNCTIONS[name](*copies)
-    made = _fn(name)(*args)
-    lists = [(a, c) for a, c in zip(args, copies) if isinstance(a, list)]
+    lists = [(a, c) for a, c in zip(checked, copies) if isinstance(a, list)]
     if not (_same_bits(_tensors(made), _tensors(wanted)) and all(_same_bits(a, c) for a, c in lists)):
         raise RuntimeError(f"the compiled {name!r} gives other bits than the same function uncompiled")
-    return made
+    return _fn(name)(*args)
+
+
+def _prefixes(args: list[Any]) -> list[Any]:
+    """``args`` with copies of the first elements of each tensor of a list (all of a tensor of at most
+    :data:`CHECK_ELEMENTS`; a larger one keeps its size's remainder modulo 64); other arguments as they are."""
+
+    def head(t: torch.Tensor) -> torch.Tensor:
+        n = t.numel()
+        return t[: n if n <= CHECK_ELEMENTS else CHECK_ELEMENTS + n % 64].clone()
+
+    return [[head(t) for t in a] if isinstance(a, list) else a for a in args]
 
 
 def _tensors(result: Any) -> L:

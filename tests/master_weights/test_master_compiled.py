@@ -297,6 +297,36 @@ print("same bits" if ok and torch.equal(_compiled.join(weight, remainder), value
 """
 
 
+def test_the_first_call_check_runs_on_the_heads_of_the_tensors_with_their_tails(monkeypatch):
+    """A graph's first-call check copies at most ``CHECK_ELEMENTS`` elements of each tensor, plus the size's
+    remainder modulo 64 (so the loops' tails run): its memory stays small whatever the batch's size."""
+    from amp_plugin.master_weights._compiled_bits import FUNCTIONS
+
+    assert _compiled.available(torch.device("cpu"), True)
+    for name in FUNCTIONS:  # the compiled wrappers of the real functions, before they are spied on
+        _compiled._fn(name)
+    seen: list[int] = []
+
+    def spy(real):
+        def run(*args):
+            seen.extend(t.numel() for a in args if isinstance(a, list) for t in a)
+            return real(*args)
+
+        return run
+
+    for name, real in list(FUNCTIONS.items()):
+        monkeypatch.setitem(FUNCTIONS, name, spy(real))
+    monkeypatch.setattr(_compiled, "CHECK_ELEMENTS", 100)
+    monkeypatch.setattr(_compiled, "_seen", set())
+    monkeypatch.setitem(_compiled._state, "eager", False)
+    expected, _ = train("torch", "bf16_split", BF16, "stochastic", steps=1, scaled=False)
+    got, _ = train("compiled", "bf16_split", BF16, "stochastic", steps=1, scaled=False)
+    assert not _compiled._state["eager"]
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+    assert 100 + 70001 % 64 in seen  # the head of the largest tensor (one element per lane), with its tail
+    assert all(n <= 100 or 100 < n < 164 for n in seen), sorted(set(seen))
+
+
 @pytest.mark.slow
 def test_runs_of_other_vector_isas_sharing_inductors_cache_each_compile_their_own_code(tmp_path):
     """Inductor's on-disk graph cache (torch 2.13) keys a graph without the vector ISA its C++ was generated for;
