@@ -95,70 +95,77 @@ struct GradHalf {
 // BF16 weight (high half) and its extension (low half). store2 stores two vectors at i.
 template <typename Half, bool kStream = false>
 struct MasterF32 {
+  static constexpr bool kChecksNaN = std::is_same_v<Half, BF16Bits>;  // the model's weight rounded to BF16
   float* p;
   Half* model;
   template <class V>
   AMP_INLINE typename V::F load(int64_t i) const { return V::load(p + i); }
-  template <class V>
+  template <class V, bool kNoNaN>
   AMP_INLINE static typename V::H to_half(typename V::F x) {
     if constexpr (std::is_same_v<Half, _Float16>) {
       return V::to_f16(x);
     } else {
-      return V::to_bf16(x);
+      return V::template to_bf16<kNoNaN>(x);
     }
   }
-  template <class V>
+  template <class V, bool kNoNaN = false>
   AMP_INLINE void store(int64_t i, typename V::F x) const {
     V::store(p + i, x);
     if constexpr (!std::is_void_v<Half>) {
-      V::store_h(model + i, to_half<V>(x), kStream);
+      V::store_h(model + i, to_half<V, kNoNaN>(x), kStream);
     }
   }
-  template <class V>
+  template <class V, bool kNoNaN = false>
   AMP_INLINE void store2(int64_t i, typename V::F x, typename V::F y) const {
     V::store(p + i, x);
     V::store(p + i + V::kWidth, y);
     if constexpr (!std::is_void_v<Half>) {
-      V::store_h2(model + i, to_half<V>(x), to_half<V>(y), kStream);
+      V::store_h2(model + i, to_half<V, kNoNaN>(x), to_half<V, kNoNaN>(y), kStream);
     }
   }
 };
 struct MasterRemainder {  // the BF16 weight (the master rounded) and the signed remainder
+  static constexpr bool kChecksNaN = false;
   uint16_t* hi;
   uint16_t* lo;
   template <class V>
   AMP_INLINE typename V::F load(int64_t i) const { return V::load_rem(hi + i, lo + i); }
-  template <class V>
+  template <class V, bool kNoNaN = false>  // the split is of bits: a NaN needs no handling of its own
   AMP_INLINE void store(int64_t i, typename V::F x) const { V::store_rem(hi + i, lo + i, x); }
-  template <class V>
+  template <class V, bool kNoNaN = false>
   AMP_INLINE void store2(int64_t i, typename V::F x, typename V::F y) const {
     V::store_rem(hi + i, lo + i, x);
     V::store_rem(hi + i + V::kWidth, lo + i + V::kWidth, y);
   }
 };
 struct MasterStochastic {  // no master: the BF16 weight, written back with stochastic rounding
+  static constexpr bool kChecksNaN = true;
   uint16_t* w;
   uint32_t key;
   template <class V>
   AMP_INLINE typename V::F load(int64_t i) const { return V::load_bf16(w + i); }
-  template <class V>
-  AMP_INLINE void store(int64_t i, typename V::F x) const { V::store_h(w + i, V::to_bf16_sr(x, key, i), false); }
-  template <class V>
+  template <class V, bool kNoNaN = false>
+  AMP_INLINE void store(int64_t i, typename V::F x) const {
+    V::store_h(w + i, V::template to_bf16_sr<kNoNaN>(x, key, i), false);
+  }
+  template <class V, bool kNoNaN = false>
   AMP_INLINE void store2(int64_t i, typename V::F x, typename V::F y) const {
-    V::store_h2(w + i, V::to_bf16_sr(x, key, i), V::to_bf16_sr(y, key, i + V::kWidth), false);
+    V::store_h2(w + i, V::template to_bf16_sr<kNoNaN>(x, key, i),
+                V::template to_bf16_sr<kNoNaN>(y, key, i + V::kWidth), false);
   }
 };
 
 // Moment stores: FP32, or BF16 (read into FP32, rounded once when stored: to nearest, or
 // stochastically).
 struct MomentsF32 {
+  static constexpr bool kChecksNaN = false;
   float* m;
   float* v;
   template <class V>
   AMP_INLINE typename V::F load_m(int64_t i) const { return V::load(m + i); }
   template <class V>
   AMP_INLINE typename V::F load_v(int64_t i) const { return V::load(v + i); }
-  template <class V>
+  template <class V, bool kNoNaN = false>
   AMP_INLINE void store(int64_t i, typename V::F mi, typename V::F vi) const {
     V::store(m + i, mi);
     V::store(v + i, vi);
@@ -168,6 +175,7 @@ struct MomentsF32 {
 // shrink by less than half its ulp: beta * v rounds back to v for any beta above 1 - 2**-9).
 template <bool kStochastic>
 struct MomentsBF16 {
+  static constexpr bool kChecksNaN = true;
   uint16_t* m;
   uint16_t* v;
   uint32_t key;
@@ -175,13 +183,14 @@ struct MomentsBF16 {
   AMP_INLINE typename V::F load_m(int64_t i) const { return V::load_bf16(m + i); }
   template <class V>
   AMP_INLINE typename V::F load_v(int64_t i) const { return V::load_bf16(v + i); }
-  template <class V>
+  template <class V, bool kNoNaN = false>
   AMP_INLINE void store(int64_t i, typename V::F mi, typename V::F vi) const {
     if constexpr (kStochastic) {
-      V::store_sr_pair(m + i, v + i, mi, vi, key, i);  // one hash: exp_avg its high bits, exp_avg_sq its low
+      // one hash: exp_avg takes its high bits, exp_avg_sq its low
+      V::template store_sr_pair<kNoNaN>(m + i, v + i, mi, vi, key, i);
     } else {
-      V::store_h(m + i, V::to_bf16(mi), false);
-      V::store_h(v + i, V::to_bf16(vi), false);
+      V::store_h(m + i, V::template to_bf16<kNoNaN>(mi), false);
+      V::store_h(v + i, V::template to_bf16<kNoNaN>(vi), false);
     }
   }
 };
@@ -189,6 +198,11 @@ struct MomentsBF16 {
 // The vectorised update over [i, limit), two vectors at a time where V::kPaired (the model's
 // 16-bit weights of both go out in one store), then one; returns where it stopped. The policies
 // come by value: their pointers then live in registers, where no store can alias them.
+//
+// Where no lane of the new master is NaN, no lane of the new moments is either (a NaN moment
+// makes the update, and so the master, NaN), and the stores that round to BF16 (kChecksNaN) do
+// it without their NaN handling (kNoNaN: a compare and a blend per rounded vector, six of them
+// in a bf16_sr step); a vector with a NaN takes the stores' full path. The same bits either way.
 template <class V, bool kL2, bool kUnitBc2, class Grad, class Master, class Moments>
 int64_t adam_vectors(int64_t i, int64_t limit, const Grad grad, const Master master, const Moments mom,
                      const AdamConstants& c) {
@@ -212,16 +226,30 @@ int64_t adam_vectors(int64_t i, int64_t limit, const Grad grad, const Master mas
     const F mi = V::fma(lerp, V::sub(g, mo), from_avg ? mo : g);
     const F vi = V::fma(V::mul(sq, g), g, V::mul(mom.template load_v<V>(j), beta2));
     const F denom = kUnitBc2 ? V::add(V::sqrt(vi), eps) : V::add(V::div(V::sqrt(vi), bc2), eps);
-    mom.template store<V>(j, mi, vi);
-    return V::sub(p, V::div(V::mul(step_size, mi), denom));
+    const F pi = V::sub(p, V::div(V::mul(step_size, mi), denom));
+    if (Moments::kChecksNaN && V::no_nan(pi)) {
+      mom.template store<V, Moments::kChecksNaN>(j, mi, vi);
+    } else {
+      mom.template store<V, false>(j, mi, vi);
+    }
+    return pi;
   };
   for (; V::kPaired && i + 2 * V::kWidth <= limit; i += 2 * V::kWidth) {
     const F p0 = update(i);
     const F p1 = update(i + V::kWidth);
-    master.template store2<V>(i, p0, p1);
+    if (Master::kChecksNaN && V::no_nan(p0) && V::no_nan(p1)) {
+      master.template store2<V, Master::kChecksNaN>(i, p0, p1);
+    } else {
+      master.template store2<V, false>(i, p0, p1);
+    }
   }
   for (; i + V::kWidth <= limit; i += V::kWidth) {
-    master.template store<V>(i, update(i));
+    const F pi = update(i);
+    if (Master::kChecksNaN && V::no_nan(pi)) {
+      master.template store<V, Master::kChecksNaN>(i, pi);
+    } else {
+      master.template store<V, false>(i, pi);
+    }
   }
   return i;
 }

@@ -126,7 +126,11 @@ struct V1 {
     std::memcpy(&bits, &h, sizeof bits);
     return bits;
   }
-  AMP_INLINE static H to_bf16(F x) { return float_to_bf16(x); }
+  AMP_INLINE static bool no_nan(F x) { return x == x; }
+  template <bool kNoNaN = false>  // kNoNaN: the caller knows no lane is NaN (ignored here: one branch per value)
+  AMP_INLINE static H to_bf16(F x) {
+    return float_to_bf16(x);
+  }
   AMP_INLINE static void store_h(void* p, H x, bool) { *static_cast<H*>(p) = x; }
   AMP_INLINE static void store_h2(void* p, H x, H y, bool) {
     static_cast<H*>(p)[0] = x;
@@ -147,7 +151,11 @@ struct V1 {
     *hi = static_cast<uint16_t>((u >> 16) + (low >> 15));
     *lo = static_cast<uint16_t>(low);
   }
-  AMP_INLINE static H to_bf16_sr(F x, uint32_t key, int64_t i) { return bf16_stochastic(x, sr_hash(key, i) >> 16); }
+  template <bool kNoNaN = false>
+  AMP_INLINE static H to_bf16_sr(F x, uint32_t key, int64_t i) {
+    return bf16_stochastic(x, sr_hash(key, i) >> 16);
+  }
+  template <bool kNoNaN = false>
   AMP_INLINE static void store_sr_pair(uint16_t* m, uint16_t* v, F mi, F vi, uint32_t key, int64_t i) {
     const uint32_t h = sr_hash(key, i);
     *m = bf16_stochastic(mi, h >> 16);
@@ -180,12 +188,16 @@ struct V8 {
     return _mm_packus_epi32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1));
   }
   AMP_INLINE static H to_f16(F x) { return _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  AMP_INLINE static bool no_nan(F x) { return _mm256_movemask_ps(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)) == 0; }
+  template <bool kNoNaN = false>  // kNoNaN: no lane of x is NaN, and the NaN handling is left out
   AMP_INLINE static H to_bf16(F x) {  // float_to_bf16, eight at a time
     const __m256i u = _mm256_castps_si256(x);
     const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
     __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
-    const __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
-    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), _mm256_castps_si256(nan));
+    if constexpr (!kNoNaN) {
+      const __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
+      r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), _mm256_castps_si256(nan));
+    }
     return narrow(r);
   }
   AMP_INLINE static void store_h(void* p, H x, bool stream) {
@@ -228,17 +240,24 @@ struct V8 {
     return mix(_mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(i) * kIndexMultiplier + key)),
                                 lanes));
   }
+  template <bool kNoNaN>
   AMP_INLINE static H round_sr(F x, __m256i r) {  // bf16_stochastic with the random bits r (< 2**16)
     __m256i out = _mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(x), r), 16);
-    const __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
-    out = _mm256_blendv_epi8(out, _mm256_set1_epi32(0x7fc0), _mm256_castps_si256(nan));
+    if constexpr (!kNoNaN) {
+      const __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
+      out = _mm256_blendv_epi8(out, _mm256_set1_epi32(0x7fc0), _mm256_castps_si256(nan));
+    }
     return narrow(out);
   }
-  AMP_INLINE static H to_bf16_sr(F x, uint32_t key, int64_t i) { return round_sr(x, _mm256_srli_epi32(hash(key, i), 16)); }
+  template <bool kNoNaN = false>
+  AMP_INLINE static H to_bf16_sr(F x, uint32_t key, int64_t i) {
+    return round_sr<kNoNaN>(x, _mm256_srli_epi32(hash(key, i), 16));
+  }
+  template <bool kNoNaN = false>
   AMP_INLINE static void store_sr_pair(uint16_t* m, uint16_t* v, F mi, F vi, uint32_t key, int64_t i) {
     const __m256i h = hash(key, i);
-    store_h(m, round_sr(mi, _mm256_srli_epi32(h, 16)), false);
-    store_h(v, round_sr(vi, _mm256_and_si256(h, _mm256_set1_epi32(0xffff))), false);
+    store_h(m, round_sr<kNoNaN>(mi, _mm256_srli_epi32(h, 16)), false);
+    store_h(v, round_sr<kNoNaN>(vi, _mm256_and_si256(h, _mm256_set1_epi32(0xffff))), false);
   }
 };
 #endif
@@ -285,13 +304,23 @@ struct V8P {
     return floats({_mm256_unpacklo_epi16(zero, x), _mm256_unpackhi_epi16(zero, x)});
   }
   AMP_INLINE static H narrow(I x) { return _mm256_packus_epi32(x.a, x.b); }  // lanes below 2**16, memory order
+  // no lane of either vector is NaN (an unordered compare of the two is true where either is)
+  AMP_INLINE static bool no_nan(F x) { return _mm256_movemask_ps(_mm256_cmp_ps(x.a, x.b, _CMP_UNORD_Q)) == 0; }
+  template <bool kNoNaN>
+  AMP_INLINE static __m256i nan_to_qnan(__m256 f, __m256i r) {  // r, or a quiet NaN where f is NaN
+    if constexpr (kNoNaN) {
+      return r;
+    } else {
+      return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), _mm256_castps_si256(_mm256_cmp_ps(f, f, _CMP_UNORD_Q)));
+    }
+  }
+  template <bool kNoNaN = false>
   AMP_INLINE static H to_bf16(F x) {  // float_to_bf16, sixteen at a time
-    const __m256i one = _mm256_set1_epi32(1), half = _mm256_set1_epi32(0x7fff), qnan = _mm256_set1_epi32(0x7fc0);
+    const __m256i one = _mm256_set1_epi32(1), half = _mm256_set1_epi32(0x7fff);
     auto round = [&](__m256 f) AMP_LAMBDA_INLINE {
       const __m256i u = _mm256_castps_si256(f);
       const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), one);
-      const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, half), lsb), 16);
-      return _mm256_blendv_epi8(r, qnan, _mm256_castps_si256(_mm256_cmp_ps(f, f, _CMP_UNORD_Q)));
+      return nan_to_qnan<kNoNaN>(f, _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, half), lsb), 16));
     };
     return narrow({round(x.a), round(x.b)});
   }
@@ -329,21 +358,24 @@ struct V8P {
     const __m256i lanes_b = _mm256_setr_epi32(4 * m, 5 * m, 6 * m, 7 * m, 12 * m, 13 * m, 14 * m, 15 * m);
     return {V8::mix(_mm256_add_epi32(base, lanes_a)), V8::mix(_mm256_add_epi32(base, lanes_b))};
   }
+  template <bool kNoNaN>
   AMP_INLINE static __m256i round_sr1(__m256 x, __m256i r) {  // bf16_stochastic with the random bits r (< 2**16)
-    const __m256i out = _mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(x), r), 16);
-    const __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
-    return _mm256_blendv_epi8(out, _mm256_set1_epi32(0x7fc0), _mm256_castps_si256(nan));
+    return nan_to_qnan<kNoNaN>(x, _mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(x), r), 16));
   }
+  template <bool kNoNaN = false>
   AMP_INLINE static H to_bf16_sr(F x, uint32_t key, int64_t i) {
     const I h = hash(key, i);
-    return narrow({round_sr1(x.a, _mm256_srli_epi32(h.a, 16)), round_sr1(x.b, _mm256_srli_epi32(h.b, 16))});
+    const __m256i ra = round_sr1<kNoNaN>(x.a, _mm256_srli_epi32(h.a, 16));
+    return narrow({ra, round_sr1<kNoNaN>(x.b, _mm256_srli_epi32(h.b, 16))});
   }
+  template <bool kNoNaN = false>
   AMP_INLINE static void store_sr_pair(uint16_t* m, uint16_t* v, F mi, F vi, uint32_t key, int64_t i) {
     const I h = hash(key, i);
     const __m256i mask = _mm256_set1_epi32(0xffff);
-    const __m256i ma = round_sr1(mi.a, _mm256_srli_epi32(h.a, 16)), va = round_sr1(vi.a, _mm256_and_si256(h.a, mask));
-    store_h(m, narrow({ma, round_sr1(mi.b, _mm256_srli_epi32(h.b, 16))}), false);
-    store_h(v, narrow({va, round_sr1(vi.b, _mm256_and_si256(h.b, mask))}), false);
+    const __m256i ma = round_sr1<kNoNaN>(mi.a, _mm256_srli_epi32(h.a, 16));
+    const __m256i va = round_sr1<kNoNaN>(vi.a, _mm256_and_si256(h.a, mask));
+    store_h(m, narrow({ma, round_sr1<kNoNaN>(mi.b, _mm256_srli_epi32(h.b, 16))}), false);
+    store_h(v, narrow({va, round_sr1<kNoNaN>(vi.b, _mm256_and_si256(h.b, mask))}), false);
   }
 };
 #endif
@@ -370,12 +402,16 @@ struct V16 {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(load_h(p)), 16));
   }
   AMP_INLINE static H to_f16(F x) { return _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  AMP_INLINE static bool no_nan(F x) { return _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q) == 0; }
+  template <bool kNoNaN = false>  // kNoNaN: no lane of x is NaN, and the NaN handling is left out
   AMP_INLINE static H to_bf16(F x) {  // float_to_bf16, sixteen at a time
     const __m512i u = _mm512_castps_si512(x);
     const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
     __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
-    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-    r = _mm512_mask_blend_epi32(nan, r, _mm512_set1_epi32(0x7fc0));
+    if constexpr (!kNoNaN) {
+      const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+      r = _mm512_mask_blend_epi32(nan, r, _mm512_set1_epi32(0x7fc0));
+    }
     return _mm512_cvtepi32_epi16(r);  // every lane is below 2**16: the truncation is exact
   }
   AMP_INLINE static void store_h(void* p, H x, bool stream) {
@@ -417,17 +453,24 @@ struct V16 {
     return mix(_mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(i) * kIndexMultiplier + key)),
                                 lanes));
   }
+  template <bool kNoNaN>
   AMP_INLINE static H round_sr(F x, __m512i r) {  // bf16_stochastic with the random bits r (< 2**16)
     __m512i out = _mm512_srli_epi32(_mm512_add_epi32(_mm512_castps_si512(x), r), 16);
-    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-    out = _mm512_mask_blend_epi32(nan, out, _mm512_set1_epi32(0x7fc0));
+    if constexpr (!kNoNaN) {
+      const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+      out = _mm512_mask_blend_epi32(nan, out, _mm512_set1_epi32(0x7fc0));
+    }
     return _mm512_cvtepi32_epi16(out);
   }
-  AMP_INLINE static H to_bf16_sr(F x, uint32_t key, int64_t i) { return round_sr(x, _mm512_srli_epi32(hash(key, i), 16)); }
+  template <bool kNoNaN = false>
+  AMP_INLINE static H to_bf16_sr(F x, uint32_t key, int64_t i) {
+    return round_sr<kNoNaN>(x, _mm512_srli_epi32(hash(key, i), 16));
+  }
+  template <bool kNoNaN = false>
   AMP_INLINE static void store_sr_pair(uint16_t* m, uint16_t* v, F mi, F vi, uint32_t key, int64_t i) {
     const __m512i h = hash(key, i);
-    store_h(m, round_sr(mi, _mm512_srli_epi32(h, 16)), false);
-    store_h(v, round_sr(vi, _mm512_and_si512(h, _mm512_set1_epi32(0xffff))), false);
+    store_h(m, round_sr<kNoNaN>(mi, _mm512_srli_epi32(h, 16)), false);
+    store_h(v, round_sr<kNoNaN>(vi, _mm512_and_si512(h, _mm512_set1_epi32(0xffff))), false);
   }
 };
 #endif
@@ -463,15 +506,23 @@ struct V16P {
     return floats({_mm512_unpacklo_epi16(zero, x), _mm512_unpackhi_epi16(zero, x)});
   }
   AMP_INLINE static H narrow(I x) { return _mm512_packus_epi32(x.a, x.b); }  // lanes below 2**16, memory order
-  AMP_INLINE static __m512i nan_to_qnan(__m512 f, __m512i r) {
-    return _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q), r, _mm512_set1_epi32(0x7fc0));
+  // no lane of either vector is NaN (an unordered compare of the two is true where either is)
+  AMP_INLINE static bool no_nan(F x) { return _mm512_cmp_ps_mask(x.a, x.b, _CMP_UNORD_Q) == 0; }
+  template <bool kNoNaN>
+  AMP_INLINE static __m512i nan_to_qnan(__m512 f, __m512i r) {  // r, or a quiet NaN where f is NaN
+    if constexpr (kNoNaN) {
+      return r;
+    } else {
+      return _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q), r, _mm512_set1_epi32(0x7fc0));
+    }
   }
+  template <bool kNoNaN = false>
   AMP_INLINE static H to_bf16(F x) {  // float_to_bf16, thirty-two at a time
     const __m512i one = _mm512_set1_epi32(1), half = _mm512_set1_epi32(0x7fff);
     auto round = [&](__m512 f) AMP_LAMBDA_INLINE {
       const __m512i u = _mm512_castps_si512(f);
       const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), one);
-      return nan_to_qnan(f, _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, half), lsb), 16));
+      return nan_to_qnan<kNoNaN>(f, _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, half), lsb), 16));
     };
     return narrow({round(x.a), round(x.b)});
   }
@@ -508,19 +559,24 @@ struct V16P {
     const __m512i lanes_b = _mm512_add_epi32(lanes_a, _mm512_set1_epi32(4 * m));
     return {V16::mix(_mm512_add_epi32(base, lanes_a)), V16::mix(_mm512_add_epi32(base, lanes_b))};
   }
+  template <bool kNoNaN>
   AMP_INLINE static __m512i round_sr1(__m512 x, __m512i r) {  // bf16_stochastic with the random bits r (< 2**16)
-    return nan_to_qnan(x, _mm512_srli_epi32(_mm512_add_epi32(_mm512_castps_si512(x), r), 16));
+    return nan_to_qnan<kNoNaN>(x, _mm512_srli_epi32(_mm512_add_epi32(_mm512_castps_si512(x), r), 16));
   }
+  template <bool kNoNaN = false>
   AMP_INLINE static H to_bf16_sr(F x, uint32_t key, int64_t i) {
     const I h = hash(key, i);
-    return narrow({round_sr1(x.a, _mm512_srli_epi32(h.a, 16)), round_sr1(x.b, _mm512_srli_epi32(h.b, 16))});
+    const __m512i ra = round_sr1<kNoNaN>(x.a, _mm512_srli_epi32(h.a, 16));
+    return narrow({ra, round_sr1<kNoNaN>(x.b, _mm512_srli_epi32(h.b, 16))});
   }
+  template <bool kNoNaN = false>
   AMP_INLINE static void store_sr_pair(uint16_t* m, uint16_t* v, F mi, F vi, uint32_t key, int64_t i) {
     const I h = hash(key, i);
     const __m512i mask = _mm512_set1_epi32(0xffff);
-    const __m512i ma = round_sr1(mi.a, _mm512_srli_epi32(h.a, 16)), va = round_sr1(vi.a, _mm512_and_si512(h.a, mask));
-    store_h(m, narrow({ma, round_sr1(mi.b, _mm512_srli_epi32(h.b, 16))}), false);
-    store_h(v, narrow({va, round_sr1(vi.b, _mm512_and_si512(h.b, mask))}), false);
+    const __m512i ma = round_sr1<kNoNaN>(mi.a, _mm512_srli_epi32(h.a, 16));
+    const __m512i va = round_sr1<kNoNaN>(vi.a, _mm512_and_si512(h.a, mask));
+    store_h(m, narrow({ma, round_sr1<kNoNaN>(mi.b, _mm512_srli_epi32(h.b, 16))}), false);
+    store_h(v, narrow({va, round_sr1<kNoNaN>(vi.b, _mm512_and_si512(h.b, mask))}), false);
   }
 };
 #endif

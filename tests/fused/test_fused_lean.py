@@ -154,3 +154,63 @@ def test_all_16_bit_steps_give_the_torch_ops_bits_at_every_width(master, roundin
         differ = (ours.view(torch.int16 if ours.dtype == torch.bfloat16 else torch.int32) != theirs.view(
             torch.int16 if theirs.dtype == torch.bfloat16 else torch.int32)).nonzero().flatten().tolist()  # fmt: skip
         assert not differ, f"tensor {i} ({ours.numel()} elements) differs at {differ[:10]}"
+
+
+@pytest.mark.parametrize("master", ["stochastic", "bf16_split"])
+@pytest.mark.parametrize("rounding", ["stochastic", "nearest"])
+@pytest.mark.parametrize("adamw", [True, False], ids=["adamw", "adam"])
+def test_nans_of_any_sign_and_payload_round_to_the_torch_ops_quiet_nan(master, rounding, adamw):
+    """The kernel's roundings leave out their NaN handling for vectors whose new weights hold no NaN (no NaN
+    moment then either); a vector with one takes the full path. Here weights and gradients hold NaNs of either
+    sign and with payloads (a rounding without the check would keep them, or carry into them: 0xffc0, 0x7fc1)
+    inside vectors of every width, no loss scaler, so the step runs on them (Adam's L2 term carries a NaN
+    weight into its moments): the torch ops' bits, and every NaN the kernel rounds is c10's quiet NaN 0x7fc0.
+    One difference is expected: moments rounded to nearest take torch's vectorised FP32 -> BF16 copy on the
+    torch-ops path, which writes a NaN as 0xffff; there a NaN is compared as a NaN."""
+    weights_nan = {3: 0xFFC0, 37: 0x7FC1, 70: 0xFF81}  # BF16 bit patterns: negative, payload, signalling
+    grads_nan = {10: 0xFFC3, 50: 0x7F82}
+
+    def planted(t, nans):
+        bits = t.view(torch.int16)
+        for i, b in nans.items():
+            if i < t.numel():
+                bits[i] = b - (1 << 16) if b >= 1 << 15 else b
+        return t
+
+    def run(fused_mode):
+        sizes = [40, 77, 4099]
+        params = [torch.nn.Parameter((torch.randn(n, generator=torch.Generator().manual_seed(n)) * 0.02).bfloat16())
+                  for n in sizes]  # fmt: skip
+        with torch.no_grad():
+            for p in params:
+                planted(p.data, weights_nan)
+        inner = torch.optim.AdamW if adamw else torch.optim.Adam
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # FrozenMomentWarning: "nearest" is checked on purpose
+            opt = MasterWeightOptimizer(
+                inner(params, lr=1e-3, weight_decay=0.01, fused=True),
+                fused=fused_mode,
+                master=master,
+                moments_dtype=torch.bfloat16,
+                moments_rounding=rounding,
+                sr_seed=5 if "stochastic" in (master, rounding) else None,
+            )
+        for step in range(2):
+            for i, p in enumerate(params):
+                g = torch.randn(p.shape, generator=torch.Generator().manual_seed(1000 * step + i))
+                p.grad = planted(g.bfloat16(), grads_nan)
+            opt.step()
+        state = [opt.state[q][k] for q in opt.master_params() for k in ("exp_avg", "exp_avg_sq")]
+        return [p.detach() for p in params] + state
+
+    ours, theirs = run(None), run("torch")
+    for i, (a, b) in enumerate(zip(ours, theirs, strict=True)):
+        rounded = i >= 3 or master == "stochastic"  # the split weight keeps a NaN's bits, on both paths
+        if rounded:
+            assert torch.equal(a.isnan(), b.isnan()), i
+            assert (a.view(torch.int16)[a.isnan()] == 0x7FC0).all(), i
+        if i >= 3 and rounding == "nearest":
+            a, b = a.nan_to_num(0.0), b.nan_to_num(0.0)  # torch's vectorised copy: 0xffff (above)
+        differ = (a.view(torch.int16) != b.view(torch.int16)).nonzero().flatten().tolist()
+        assert not differ, f"tensor {i} ({a.numel()} elements) differs at {differ[:10]}"
+    assert any(t.isnan().any() for t in ours[3:])  # NaN moments were rounded
