@@ -210,7 +210,7 @@ int64_t adam_vectors(int64_t i, int64_t limit, const Grad grad, const Master mas
   const F sign = V::set1(c.sign), decay = V::set1(c.decay), weight_decay = V::set1(c.weight_decay);
   const F lerp = V::set1(c.lerp_coefficient), beta2 = V::set1(c.beta2), sq = V::set1(c.sq_coefficient);
   const F bc2 = V::set1(c.bias_correction2_sqrt), eps = V::set1(c.eps), step_size = V::set1(c.step_size);
-  const bool from_avg = c.lerp_from_avg;
+  const typename V::M from_avg = V::mask(c.lerp_from_avg);  // a blend: a branch on it spilled both operands
   auto update = [&](int64_t j) AMP_LAMBDA_INLINE {  // updates the moments at j, returns the new master
     F g = grad.template load<V>(j);
     if constexpr (!Grad::kSigned) {
@@ -223,7 +223,7 @@ int64_t adam_vectors(int64_t i, int64_t limit, const Grad grad, const Master mas
       p = V::mul(p, decay);
     }
     const F mo = mom.template load_m<V>(j);
-    const F mi = V::fma(lerp, V::sub(g, mo), from_avg ? mo : g);
+    const F mi = V::fma(lerp, V::sub(g, mo), V::select(from_avg, mo, g));
     const F vi = V::fma(V::mul(sq, g), g, V::mul(mom.template load_v<V>(j), beta2));
     const F denom = kUnitBc2 ? V::add(V::sqrt(vi), eps) : V::add(V::div(V::sqrt(vi), bc2), eps);
     const F pi = V::sub(p, V::div(V::mul(step_size, mi), denom));

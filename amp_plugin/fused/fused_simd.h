@@ -127,6 +127,9 @@ struct V1 {
     return bits;
   }
   AMP_INLINE static bool no_nan(F x) { return x == x; }
+  using M = bool;  // a lane mask, all lanes alike (select)
+  AMP_INLINE static M mask(bool b) { return b; }
+  AMP_INLINE static F select(M m, F a, F b) { return m ? a : b; }
   template <bool kNoNaN = false>  // kNoNaN: the caller knows no lane is NaN (ignored here: one branch per value)
   AMP_INLINE static H to_bf16(F x) {
     return float_to_bf16(x);
@@ -189,6 +192,9 @@ struct V8 {
   }
   AMP_INLINE static H to_f16(F x) { return _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
   AMP_INLINE static bool no_nan(F x) { return _mm256_movemask_ps(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)) == 0; }
+  using M = __m256;  // a lane mask in the sign bits (select)
+  AMP_INLINE static M mask(bool b) { return _mm256_castsi256_ps(_mm256_set1_epi32(b ? -1 : 0)); }
+  AMP_INLINE static F select(M m, F a, F b) { return _mm256_blendv_ps(b, a, m); }
   template <bool kNoNaN = false>  // kNoNaN: no lane of x is NaN, and the NaN handling is left out
   AMP_INLINE static H to_bf16(F x) {  // float_to_bf16, eight at a time
     const __m256i u = _mm256_castps_si256(x);
@@ -306,6 +312,9 @@ struct V8P {
   AMP_INLINE static H narrow(I x) { return _mm256_packus_epi32(x.a, x.b); }  // lanes below 2**16, memory order
   // no lane of either vector is NaN (an unordered compare of the two is true where either is)
   AMP_INLINE static bool no_nan(F x) { return _mm256_movemask_ps(_mm256_cmp_ps(x.a, x.b, _CMP_UNORD_Q)) == 0; }
+  using M = __m256;  // a lane mask in the sign bits, for both vectors (select)
+  AMP_INLINE static M mask(bool b) { return V8::mask(b); }
+  AMP_INLINE static F select(M m, F x, F y) { return {_mm256_blendv_ps(y.a, x.a, m), _mm256_blendv_ps(y.b, x.b, m)}; }
   template <bool kNoNaN>
   AMP_INLINE static __m256i nan_to_qnan(__m256 f, __m256i r) {  // r, or a quiet NaN where f is NaN
     if constexpr (kNoNaN) {
@@ -403,6 +412,9 @@ struct V16 {
   }
   AMP_INLINE static H to_f16(F x) { return _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
   AMP_INLINE static bool no_nan(F x) { return _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q) == 0; }
+  using M = __mmask16;  // a lane mask (select)
+  AMP_INLINE static M mask(bool b) { return b ? 0xffff : 0; }
+  AMP_INLINE static F select(M m, F a, F b) { return _mm512_mask_blend_ps(m, b, a); }
   template <bool kNoNaN = false>  // kNoNaN: no lane of x is NaN, and the NaN handling is left out
   AMP_INLINE static H to_bf16(F x) {  // float_to_bf16, sixteen at a time
     const __m512i u = _mm512_castps_si512(x);
@@ -508,6 +520,11 @@ struct V16P {
   AMP_INLINE static H narrow(I x) { return _mm512_packus_epi32(x.a, x.b); }  // lanes below 2**16, memory order
   // no lane of either vector is NaN (an unordered compare of the two is true where either is)
   AMP_INLINE static bool no_nan(F x) { return _mm512_cmp_ps_mask(x.a, x.b, _CMP_UNORD_Q) == 0; }
+  using M = __mmask16;  // a lane mask, for both vectors (select)
+  AMP_INLINE static M mask(bool b) { return V16::mask(b); }
+  AMP_INLINE static F select(M m, F x, F y) {
+    return {_mm512_mask_blend_ps(m, y.a, x.a), _mm512_mask_blend_ps(m, y.b, x.b)};
+  }
   template <bool kNoNaN>
   AMP_INLINE static __m512i nan_to_qnan(__m512 f, __m512i r) {  // r, or a quiet NaN where f is NaN
     if constexpr (kNoNaN) {
