@@ -18,9 +18,11 @@ amp_plugin.fused build`` (:mod:`amp_plugin.fused.__main__`). A build killed half
 later runs, and a live one is waited for at most 20 minutes, ``AMP_PLUGIN_FUSED_BUILD_TIMEOUT``
 (:func:`build_timeout`; :mod:`amp_plugin.fused._first_build`). One build is compiled per CPU variant:
 ``avx512`` (AVX-512 F/BW/VL/DQ, 512-bit loops) where ``torch.backends.cpu.get_cpu_capability()``
-is ``"AVX512"``, ``avx2`` (AVX2, FMA, F16C) where it is ``"AVX2"``, ``generic`` elsewhere; all
-three are written to compute the same bits (``tests/fused/test_fused.py`` checks the variant of the
-CPU it runs on against the stock ops). The cache entry is named by a hash of the sources, the compiler
+is ``"AVX512"``, ``avx2`` (AVX2, FMA, F16C) where it is ``"AVX2"``, ``generic`` elsewhere; each
+computes the bits of torch's fused Adam as torch builds it for that capability: the same bits for the
+two vector variants, and for ``generic`` on x86-64 those of torch's default build, which has no fused
+multiply-adds (``tests/fused/test_fused.py`` checks the variant of the CPU it runs on against the stock
+ops, and ``tests/fused/test_fused_build.py`` the generic one under ``ATEN_CPU_CAPABILITY=default``). The cache entry is named by a hash of the sources, the compiler
 flags, the torch and Python versions and the variant (:func:`build_name`), so checkouts with
 different sources, or virtual environments (even with the same torch), sharing one cache never
 rebuild each other's entry; the sources are copied into the entry first, so identical

@@ -49,18 +49,18 @@ struct AdamConstants {
 template <bool kL2, bool kTail, bool kSigned = false>
 inline void adam_scalar(float& p, float g, float& m, float& v, const AdamConstants& c) {
   if constexpr (!kSigned) {
-    g = g * c.sign;
+    g = times_sign_as_torch(g, c.sign);
   }
   if constexpr (kL2) {
-    g = std::fma(p, c.weight_decay, g);
+    g = fma_as_torch(p, c.weight_decay, g);
   } else {
     p = p * c.decay;
   }
   // exp_avg.lerp_(grad, 1 - beta1) as one fused multiply-add from the nearer end
   const float diff = g - m;
-  const float mi = std::fma(c.lerp_coefficient, diff, c.lerp_from_avg ? m : g);
-  const float vi = kTail ? std::fma(v, c.beta2, (c.sq_coefficient * g) * g)
-                         : std::fma(c.sq_coefficient * g, g, v * c.beta2);
+  const float mi = fma_as_torch(c.lerp_coefficient, diff, c.lerp_from_avg ? m : g);
+  const float vi = kTail ? fma_as_torch(v, c.beta2, (c.sq_coefficient * g) * g)
+                         : fma_as_torch(c.sq_coefficient * g, g, v * c.beta2);
   const float denom = std::sqrt(vi) / c.bias_correction2_sqrt + c.eps;
   p = p - (c.step_size * mi) / denom;
   m = mi;

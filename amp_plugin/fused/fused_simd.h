@@ -46,6 +46,29 @@ AMP_INLINE float bf16_to_float(BF16Bits b) {
   return f;
 }
 
+// a * b + c where torch's fused Adam has a fused multiply-add: its builds for FMA CPUs (and the
+// compiler's contractions in them, which its scalar tails get too) round once; its x86-64 default
+// build, for CPUs without FMA (and ATEN_CPU_CAPABILITY=default), has none and rounds the product
+// first. amp_plugin's generic variant is built for such CPUs (no -mfma): so is the rounding.
+AMP_INLINE float fma_as_torch(float a, float b, float c) {
+#if defined(__x86_64__) && !defined(__FMA__)
+  return a * b + c;
+#else
+  return std::fma(a, b, c);
+#endif
+}
+
+// g times maximize's sign (1 or -1). The same number either way; a NaN keeps its sign through the
+// product but not through a negation, which is what torch's x86-64 default build runs (its compiler
+// turns the product by the constant -1 into one).
+AMP_INLINE float times_sign_as_torch(float g, float sign) {
+#if defined(__x86_64__) && !defined(__FMA__)
+  return sign < 0 ? -g : g;
+#else
+  return g * sign;
+#endif
+}
+
 // Round to nearest even, as c10::BFloat16 does; NaN stays NaN.
 AMP_INLINE BF16Bits float_to_bf16(float f) {
   uint32_t u;
@@ -117,7 +140,7 @@ struct V1 {
   AMP_INLINE static F mul(F a, F b) { return a * b; }
   AMP_INLINE static F div(F a, F b) { return a / b; }
   AMP_INLINE static F sqrt(F a) { return std::sqrt(a); }
-  AMP_INLINE static F fma(F a, F b, F c) { return std::fma(a, b, c); }
+  AMP_INLINE static F fma(F a, F b, F c) { return fma_as_torch(a, b, c); }
   AMP_INLINE static F load_f16(const _Float16* p) { return static_cast<float>(*p); }
   AMP_INLINE static F load_bf16(const uint16_t* p) { return bf16_to_float(*p); }
   AMP_INLINE static H to_f16(F x) {

@@ -364,3 +364,26 @@ def test_python_m_amp_plugin_fused_status_of_an_empty_cache(tmp_path):
         AMP_PLUGIN_FUSED_BUILD_TIMEOUT="nan",
     )
     assert result.returncode == 2 and "AMP_PLUGIN_FUSED_BUILD_TIMEOUT='nan' is not allowed" in result.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    os.uname().machine != "x86_64", reason="the default build's roundings are those of x86-64 without FMA"
+)
+def test_the_generic_variant_gives_the_bits_of_torchs_default_build():
+    """Where torch's CPU capability is DEFAULT (an x86-64 CPU without AVX2, or ``ATEN_CPU_CAPABILITY=default``),
+    torch's fused Adam is its default build, which has no fused multiply-adds and negates for ``maximize``,
+    and amp_plugin builds its generic variant: the kernel tests run in a process where that is so, against
+    torch's kernel in that process (before, a weight decay's and a moment's product rounded once where torch's
+    rounds twice)."""
+    tests = Path(__file__).parent
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore::pytest.PytestWarning"]
+        + [str(tests / name) for name in ("test_fused.py", "test_fused_lean.py")]
+        + [str(tests / "test_fused_build.py::test_this_cpu_loads_its_variant")],
+        env={**os.environ, "ATEN_CPU_CAPABILITY": "default"},
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
+    assert done.returncode == 0 and " passed" in done.stdout, done.stdout[-4000:] + done.stderr[-2000:]
