@@ -22,12 +22,12 @@ is ``"AVX512"``, ``avx2`` (AVX2, FMA, F16C) where it is ``"AVX2"``, ``generic`` 
 computes the bits of torch's fused Adam as torch builds it for that capability: the same bits for the
 two vector variants, and for ``generic`` on x86-64 those of torch's default build, which has no fused
 multiply-adds (``tests/fused/test_fused.py`` checks the variant of the CPU it runs on against the stock
-ops, and ``tests/fused/test_fused_build.py`` the generic one under ``ATEN_CPU_CAPABILITY=default``). The cache entry is named by a hash of the sources, the compiler
-flags, the torch and Python versions and the variant (:func:`build_name`), so checkouts with
-different sources, or virtual environments (even with the same torch), sharing one cache never
-rebuild each other's entry; the sources are copied into the entry first, so identical
-sources from different checkouts share one build. Without a C++ compiler, or with
-``AMP_PLUGIN_FUSED=0`` in the environment, :func:`kernels` returns ``None`` and
+ops, and ``tests/fused/test_fused_build.py`` the generic one under ``ATEN_CPU_CAPABILITY=default``).
+The cache entry is named by a hash of the sources, the compiler flags, the torch and Python versions and
+the variant (:func:`build_name`), so checkouts with different sources, or virtual environments (even
+with the same torch), sharing one cache never rebuild each other's entry; the sources are copied into
+the entry first, so identical sources from different checkouts share one build. Without a C++ compiler,
+or with ``AMP_PLUGIN_FUSED=0`` in the environment, :func:`kernels` returns ``None`` and
 ``MasterWeightOptimizer`` uses stock torch ops (the same update, about 1.4x slower on CPU)
 and ``CpuHalfEmulation`` its Python kernels (the same results, some 50 us more per matmul).
 """
