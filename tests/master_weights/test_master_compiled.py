@@ -282,21 +282,6 @@ def test_pairs_and_lanes_give_the_torch_ops_bits_on_every_kind_of_value(offset):
     assert torch.equal(bits(m32[0]), bits(m_ref.float())) and torch.equal(bits(v32[0]), bits(v_ref.float()))
 
 
-_ISA_CHILD = """
-import torch
-from amp_plugin.master_weights import _compiled, _split
-
-gen = torch.Generator().manual_seed(0)
-value = torch.randn(80, generator=gen)
-weight, remainder = torch.empty(80, dtype=torch.bfloat16), torch.empty(80, dtype=torch.int16)
-_split.split_into(value, weight, remainder)
-grads = [value.to(torch.bfloat16), value[:77].to(torch.bfloat16)]
-upcast = _compiled._run("up_grads", [grads])
-ok = all(torch.equal(a, g.float()) for a, g in zip(upcast, grads))
-print("same bits" if ok and torch.equal(_compiled.join(weight, remainder), value) else "other bits")
-"""
-
-
 def test_the_first_call_check_runs_on_the_heads_of_the_tensors_with_their_tails(monkeypatch):
     """A graph's first-call check copies at most ``CHECK_ELEMENTS`` elements of each tensor, plus the size's
     remainder modulo 64 (so the loops' tails run): its memory stays small whatever the batch's size."""
@@ -327,6 +312,21 @@ def test_the_first_call_check_runs_on_the_heads_of_the_tensors_with_their_tails(
     assert all(n <= 100 or 100 < n < 164 for n in seen), sorted(set(seen))
 
 
+_ISA_CHILD = """
+import torch
+from amp_plugin.master_weights import _compiled, _split
+
+gen = torch.Generator().manual_seed(0)
+value = torch.randn(80, generator=gen)
+weight, remainder = torch.empty(80, dtype=torch.bfloat16), torch.empty(80, dtype=torch.int16)
+_split.split_into(value, weight, remainder)
+grads = [value.to(torch.bfloat16), value[:77].to(torch.bfloat16)]
+upcast = _compiled._run("up_grads", [grads])
+ok = all(torch.equal(a, g.float()) for a, g in zip(upcast, grads))
+print("same bits" if ok and torch.equal(_compiled.join(weight, remainder), value) else "other bits")
+"""
+
+
 @pytest.mark.slow
 def test_runs_of_other_vector_isas_sharing_inductors_cache_each_compile_their_own_code(tmp_path):
     """Inductor's on-disk graph cache (torch 2.13) keys a graph without the vector ISA its C++ was generated for;
@@ -334,7 +334,7 @@ def test_runs_of_other_vector_isas_sharing_inductors_cache_each_compile_their_ow
     different ISAs sharing a cache each get code for their own. A run with the CPU's own ISA fills the cache;
     then runs with ``ATEN_CPU_CAPABILITY`` set to each narrower ISA the CPU has, and to ``default`` (no vectors),
     compile and upcast and join with torch's bits. Without the width, an AVX2 run after an AVX-512 one upcast
-    16 of every 32 values wrong, silently, and a ``default`` one failed to compile."""
+    16 of every 32 values wrong, and a ``default`` one failed to compile."""
     import os
     import subprocess
     import sys
@@ -355,8 +355,8 @@ def test_runs_of_other_vector_isas_sharing_inductors_cache_each_compile_their_ow
 
 @pytest.mark.parametrize("name", [None, "join_up", "join_up_pairs", "up_grads", "split_moments", "split_moments_pairs"])
 def test_a_graph_giving_other_bits_is_caught_at_its_first_call_and_the_step_keeps_the_torch_ops_bits(monkeypatch, name):
-    """Each graph's first call is checked against the same function uncompiled, on copies of the step's own
-    tensors: code generated wrong (or loaded from a cache for other hardware) is warned about, and that batch and
+    """Each graph's first call is checked against the same function uncompiled, on copies of the heads of the
+    step's tensors: code generated wrong (or loaded from a cache for other hardware) is warned about, and that batch and
     the later ones run uncompiled, with the torch ops' bits. Here ``name``'s compiled code writes or returns one
     wrong value (``None``: none does, and nothing is said)."""
     from amp_plugin.master_weights._compiled_bits import FUNCTIONS
