@@ -107,7 +107,8 @@ def eager_unscale(
     - on the CPU with amp_plugin's kernels (``ops``): ``unscale_copy``, one pass;
     - otherwise torch's: ``torch._foreach_mul`` by a one-element FP32 tensor (type promotion:
       an exact upcast that allocates every output in one op, so no per-tensor allocation or
-      view is dispatched from Python: host work on a GPU), then
+      view is dispatched from Python: host work on a GPU; a 0-dim gradient's product, of shape
+      ``(1,)``, is viewed back as 0-dim), then
       ``torch._amp_foreach_non_finite_check_and_unscale_``. On the CPU this mixed-dtype
       multiply runs torch's unvectorised casting loop, several times slower than a copy, and first
       copies each input into a temporary FP32 tensor (kept: CI runs here what a GPU runs).
@@ -118,6 +119,9 @@ def eager_unscale(
     if ops is not None and device.type == "cpu" and all(g.is_contiguous() for g in grads):
         return list(ops.unscale_copy(grads, found, (inv_scale if inv_scale is not None else one_on(device)).float()))
     out = list(torch._foreach_mul(grads, [one_on(device, 1)] * len(grads)))
+    for i, g in enumerate(grads):
+        if g.dim() == 0:  # broadcast against the (1,)-shaped one: back to the gradient's shape
+            out[i] = out[i].view(())
     if inv_scale is not None:
         torch._amp_foreach_non_finite_check_and_unscale_(out, found, inv_scale)
     return out

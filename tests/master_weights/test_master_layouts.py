@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from amp_plugin import MasterWeightOptimizer
+from amp_plugin import DynamicLossScaler, MasterWeightOptimizer
 from amp_plugin.master_weights._step import step_kernels
 
 BF16 = torch.bfloat16
@@ -81,3 +81,44 @@ def test_on_cuda_a_channels_last_weight_steps_as_a_contiguous_one(fused, master)
     got, _ = run(fused, master, ADAMW, channels_last=True, device="cuda")
     for a, b in zip(got, expected, strict=True):
         assert torch.equal(a, b), a.shape
+
+
+def scalar_run(fused, master, shape, scaled, steps=3):
+    """A learnable scalar (``shape`` ``()``, or ``(1,)`` for the oracle) beside a vector, stepped as the
+    user's loop steps it: with a dynamic scaler, ``unscale_`` and clipping on the FP32 masters, or plainly."""
+    gen = torch.Generator().manual_seed(0)
+    scalar = torch.nn.Parameter(torch.tensor(1.5).reshape(shape).to(BF16))
+    vector = torch.nn.Parameter(torch.randn(5, generator=gen).to(BF16))
+    opt = MasterWeightOptimizer(
+        ADAMW([scalar, vector]), master=master, fused=fused, sr_seed=3 if master == "stochastic" else None
+    )
+    scaler = DynamicLossScaler(init_scale=4.0) if scaled else None
+    for _ in range(steps):
+        loss = (scalar * vector * torch.randn(5, generator=gen).to(BF16)).sum().float()
+        if scaler is None:
+            loss.backward()
+            opt.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(opt.master_params(), 1.0)
+            scaler.step(opt)
+            scaler.update()
+        opt.zero_grad()
+    assert scalar.shape == shape
+    return [t.reshape(-1) for t in [scalar.detach(), vector.detach(), *opt.fp32_masters()]]
+
+
+@pytest.mark.parametrize("scaled", [False, True])
+@pytest.mark.parametrize("fused", PATHS)
+@pytest.mark.parametrize("master", ["stochastic", "bf16_split", "fp32"])
+def test_a_0_dim_parameter_steps_as_a_one_element_one(fused, master, scaled):
+    """A 0-dim weight (a learnable temperature or gate) on every path: the torch-ops paths upcast
+    gradients by a ``(1,)``-shaped one, whose broadcast made a 0-dim gradient's FP32 copy ``(1,)`` and
+    failed the step ("attempting to assign a gradient of size '[1]' to a tensor of size '[]'")."""
+    if fused == "triton":
+        pytest.importorskip("triton")
+    expected = scalar_run("torch", master, (1,), scaled)
+    got = scalar_run(fused, master, (), scaled)
+    for a, b in zip(got, expected, strict=True):
+        assert torch.equal(a, b)
