@@ -33,10 +33,11 @@ def derived(base: type, inner: type) -> type:
 
 
 def restore(base: type, inner: type, state: dict[str, Any]) -> MasterWeightOptimizer:
-    """A wrapper from :meth:`~amp_plugin.MasterWeightOptimizer.__reduce__`'s state."""
+    """A wrapper from :meth:`~amp_plugin.MasterWeightOptimizer.__reduce__`'s state: its masters made
+    masters of its model parameters again (:func:`~amp_plugin.master_weights._adopt.readopt`)."""
+    from amp_plugin.master_weights._adopt import readopt
+
     obj: MasterWeightOptimizer = object.__new__(derived(base, inner))
     obj.__dict__.update(state)
-    for model_p, record in zip(obj._half_models, obj._records):
-        # the copied parameters are new tensors (version 0, another address): in sync with their masters
-        record.version, record.ptr = model_p._version, model_p.data_ptr()
+    readopt(obj)
     return obj

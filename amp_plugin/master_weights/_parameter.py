@@ -67,7 +67,8 @@ class MasterParameter(torch.nn.Parameter):
       parameters freezes the model.
 
     Copies (``copy.deepcopy``, pickling) are plain ``torch.nn.Parameter``s holding the master's
-    values. Do not build one yourself.
+    values; a copy of the :class:`~amp_plugin.MasterWeightOptimizer` holding it makes them masters of
+    the copied model parameters again. Do not build one yourself.
     """
 
     _amp_model: Any  # weakref.ref to the model parameter
@@ -81,12 +82,7 @@ class MasterParameter(torch.nn.Parameter):
         data = torch.empty(model_param.shape, dtype=torch.float32, device=model_param.device)
         with torch.no_grad():
             data.copy_(model_param)
-        master = torch.Tensor._make_subclass(MasterParameter, data, model_param.requires_grad)
-        master._amp_model = weakref.ref(model_param)
-        master._amp_owner = _nobody
-        master._amp_pending = None
-        master._amp_grad = None
-        return master
+        return MasterParameter.over(data, model_param)
 
     @staticmethod
     def placeholder(model_param: torch.Tensor) -> MasterParameter:
@@ -94,8 +90,13 @@ class MasterParameter(torch.nn.Parameter):
         like ``model_param``, one NaN element broadcast (4 bytes). It is the optimizer state's
         key and carries the FP32 master gradient."""
         data = torch.full((1,), float("nan"), dtype=torch.float32, device=model_param.device)
-        view = data.as_strided(tuple(model_param.shape), (0,) * model_param.dim())
-        master = torch.Tensor._make_subclass(MasterParameter, view, model_param.requires_grad)
+        return MasterParameter.over(data.as_strided(tuple(model_param.shape), (0,) * model_param.dim()), model_param)
+
+    @staticmethod
+    def over(data: torch.Tensor, model_param: torch.Tensor) -> MasterParameter:
+        """The master of ``model_param`` over ``data`` as it is (its values, or a placeholder's broadcast
+        element): also how a copy of a wrapper makes its masters again from their plain copies."""
+        master = torch.Tensor._make_subclass(MasterParameter, data, model_param.requires_grad)
         master._amp_model = weakref.ref(model_param)
         master._amp_owner = _nobody
         master._amp_pending = None
@@ -168,9 +169,10 @@ class MasterParameter(torch.nn.Parameter):
     # ------------------------------------------------------------------ copies
     def __deepcopy__(self, memo: dict) -> torch.nn.Parameter:
         if id(self) not in memo:
-            memo[id(self)] = torch.nn.Parameter(
-                self.data.clone(memory_format=torch.preserve_format), REQUIRES_GRAD_SLOT.__get__(self)
-            )
+            data = self.data  # its storage copied and viewed alike: a placeholder stays one element
+            storage = data.untyped_storage().clone()
+            copy = data.new_empty(0).set_(storage, data.storage_offset(), data.shape, data.stride())
+            memo[id(self)] = torch.nn.Parameter(copy, REQUIRES_GRAD_SLOT.__get__(self))
         return memo[id(self)]
 
     def __reduce_ex__(self, proto: SupportsIndex) -> tuple:
