@@ -17,11 +17,19 @@ import torch
 from torch.optim import Optimizer
 
 from amp_plugin.master_weights._grads import end_session
+from amp_plugin.master_weights._stochastic import SRGenerator
 
 if TYPE_CHECKING:
     from amp_plugin.master_weights._optimizer import MasterWeightOptimizer
 
-__all__ = ["MasterRoundingWarning", "load_state_dict", "restore_moments", "state_dict", "warn_rounded"]
+__all__ = [
+    "MasterRoundingWarning",
+    "check_loadable",
+    "load_state_dict",
+    "restore_moments",
+    "state_dict",
+    "warn_rounded",
+]
 
 
 class MasterRoundingWarning(UserWarning):
@@ -81,16 +89,16 @@ def state_dict(opt: MasterWeightOptimizer) -> dict[str, Any]:
 
 
 def load_state_dict(opt: MasterWeightOptimizer, state_dict: dict[str, Any]) -> None:
-    """What :meth:`~amp_plugin.MasterWeightOptimizer.load_state_dict` does."""
+    """What :meth:`~amp_plugin.MasterWeightOptimizer.load_state_dict` does. What this module checks
+    (the masters, the kind, the rounding's generator) and what the wrapped optimizer's
+    ``load_state_dict`` checks (the groups and their sizes) is checked before anything changes."""
     state_dict = dict(state_dict)
     masters = state_dict.pop("master_params", None)
-    state_dict.pop("master_kind", None)
+    kind = state_dict.pop("master_kind", None)
     generator = state_dict.pop("sr_generator", None)
-    if masters is not None and len(masters) != len(opt._half_models):
-        raise ValueError(
-            f"master_params has {len(masters)} tensors but this optimizer has "
-            f"{len(opt._half_models)} half-precision parameters: the checkpoint belongs to another model."
-        )
+    check_loadable(opt, masters, kind)
+    if generator is not None and opt._sr is not None:
+        SRGenerator.values_of(generator)
     end_session(opt)
     opt.optimizer.load_state_dict(state_dict)
     rounded = restore_moments(opt.optimizer, state_dict, set(opt._index_of), opt.moments_dtype)
@@ -105,3 +113,28 @@ def load_state_dict(opt: MasterWeightOptimizer, state_dict: dict[str, Any]) -> N
     if generator is not None and opt._sr is not None:
         opt._sr.load_state_dict(generator)
     warn_rounded(rounded, opt.master, opt.moments_dtype)
+
+
+def check_loadable(opt: MasterWeightOptimizer, masters: Any, kind: Any) -> None:
+    """A ``ValueError`` naming the key, the value and what fits, for a ``master_params`` that is not one
+    floating-point tensor per half-precision parameter, shaped like it, or a ``master_kind`` no kind has."""
+    from amp_plugin.master_weights._kinds import KINDS
+
+    if kind is not None and kind not in KINDS:
+        raise ValueError(f"master_kind={kind!r} is not allowed: it must be one of {sorted(KINDS)}.")
+    if masters is None:
+        return
+    if not isinstance(masters, (list, tuple)) or len(masters) != len(opt._half_models):
+        count = f"{len(masters)} tensors" if isinstance(masters, (list, tuple)) else f"a {type(masters).__name__}"
+        raise ValueError(
+            f"master_params has {count} but this optimizer has {len(opt._half_models)} half-precision "
+            "parameters: the checkpoint belongs to another model."
+        )
+    for i, (saved, model_p) in enumerate(zip(masters, opt._half_models)):
+        if not torch.is_tensor(saved) or not saved.is_floating_point() or saved.shape != model_p.shape:
+            got = f"shape {tuple(saved.shape)} {saved.dtype}" if torch.is_tensor(saved) else type(saved).__name__
+            raise ValueError(
+                f"master_params[{i}] is {got} but the half-precision parameter it belongs to (number {i} in "
+                f"model order) has shape {tuple(model_p.shape)}: the checkpoint belongs to another model. "
+                "Nothing was loaded."
+            )

@@ -27,6 +27,7 @@ rounds its elements with the bits of their index in the whole tensor (:func:`off
 
 from __future__ import annotations
 
+import operator
 import zlib
 from typing import Any
 
@@ -129,8 +130,22 @@ class SRGenerator:
         return {"seed": self.seed, "counter": self.counter}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.seed = int(state["seed"]) & 0xFFFFFFFFFFFFFFFF
-        self.counter = int(state["counter"])
+        self.seed, self.counter = SRGenerator.values_of(state)
+
+    @staticmethod
+    def values_of(state: Any) -> tuple[int, int]:
+        """The seed (its low 64 bits) and counter of a :meth:`state_dict`, checked (``ValueError``
+        naming ``sr_generator`` and what it must hold)."""
+        allowed = "a dict with the integers 'seed' and 'counter' >= 0, as SRGenerator.state_dict() makes it"
+        if not isinstance(state, dict) or not {"seed", "counter"} <= state.keys():
+            raise ValueError(f"sr_generator={state!r} is not allowed: it must be {allowed}.")
+        try:
+            seed, counter = (operator.index(state[key]) for key in ("seed", "counter"))
+        except TypeError:
+            raise ValueError(f"sr_generator={state!r} is not allowed: it must be {allowed}.") from None
+        if counter < 0:
+            raise ValueError(f"sr_generator={state!r} is not allowed: it must be {allowed}.")
+        return seed & 0xFFFFFFFFFFFFFFFF, counter
 
 
 def as_int32(c: int) -> int:

@@ -177,6 +177,91 @@ def test_loads_a_plain_optimizer_state_dict():
     assert torch.equal(opt.master_params()[0].half(), model.weight.detach())
 
 
+def trained(master, seed, shapes=((4, 8), (8,), (2, 4), (2,))):
+    torch.manual_seed(seed)
+    params = [torch.nn.Parameter(torch.randn(shape).bfloat16()) for shape in shapes]
+    opt = MasterWeightOptimizer(
+        torch.optim.AdamW(params, lr=1e-2, fused=True),
+        master=master,
+        moments_dtype=torch.bfloat16 if master != "fp32" else None,
+        sr_seed=1 if master == "stochastic" else None,
+    )
+    for p in params:
+        p.grad = torch.randn(p.shape).bfloat16()
+    opt.step()
+    opt.zero_grad()
+    return params, opt
+
+
+def everything(params, opt):
+    state = [t for s in opt.state_dict()["state"].values() for t in s.values() if torch.is_tensor(t)]
+    return [t.clone() for t in [*params, *opt.fp32_masters(), *state]] + [opt.param_groups[0]["lr"]]
+
+
+def unchanged(before, after):
+    return all(torch.equal(a, b) if torch.is_tensor(a) else a == b for a, b in zip(before, after, strict=True))
+
+
+BAD_STATE_DICTS = {
+    "a master of the wrong shape": (
+        lambda sd: sd["master_params"].__setitem__(3, torch.zeros(3)),
+        r"master_params\[3\] is shape \(3,\) torch.float32 but the half-precision parameter .* has shape \(2,\)",
+    ),
+    "a master transposed": (
+        lambda sd: sd["master_params"].__setitem__(0, sd["master_params"][0].t()),
+        r"master_params\[0\] is shape \(8, 4\)",
+    ),
+    "a master that is not a tensor": (
+        lambda sd: sd["master_params"].__setitem__(1, [0.0] * 8),
+        r"master_params\[1\] is list",
+    ),
+    "one master too few": (lambda sd: sd["master_params"].pop(), r"master_params has 3 tensors .* 4 half-precision"),
+    "an unknown master kind": (
+        lambda sd: sd.__setitem__("master_kind", "nonsense"),
+        r"master_kind='nonsense' is not allowed: it must be one of \['bf16_split', 'fp32', 'stochastic'\]",
+    ),
+    "a generator without its counter": (
+        lambda sd: sd["sr_generator"].pop("counter"),
+        r"sr_generator=\{'seed': 1\} is not allowed: it must be a dict with the integers 'seed' and 'counter'",
+    ),
+    "a generator with a negative counter": (
+        lambda sd: sd["sr_generator"].__setitem__("counter", -1),
+        r"sr_generator=.* is not allowed",
+    ),
+    "a group of another size (torch's own check)": (
+        lambda sd: sd["param_groups"][0]["params"].pop(),
+        r"doesn't match the size of optimizer's group",
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    ("master", "bad"),
+    [  # only a kind that rounds stochastically keeps an sr_generator
+        (master, bad)
+        for master in ("fp32", "bf16_split", "stochastic")
+        for bad in BAD_STATE_DICTS
+        if master == "stochastic" or "generator" not in bad
+    ],
+)
+def test_a_state_dict_that_does_not_fit_is_refused_by_name_and_loads_nothing(master, bad):
+    """A checkpoint of another model (same count of tensors, other shapes) or a damaged one: one
+    ``ValueError`` that names the key, and the weights, masters, moments and groups as they were. The
+    masters were checked only by count: torch's ``load_state_dict`` and the moments went in, then a raw
+    size error came from the copy of the masters, half of them loaded."""
+    edit, message = BAD_STATE_DICTS[bad]
+    params, opt = trained(master, seed=0)
+    other = trained(master, seed=1)[1].state_dict()
+    other["param_groups"][0]["lr"] = 0.5
+    edit(other)
+    before = everything(params, opt)
+    with pytest.raises(ValueError, match=message):
+        opt.load_state_dict(other)
+    assert unchanged(before, everything(params, opt))
+    opt.load_state_dict(trained(master, seed=1)[1].state_dict())  # a good one still loads
+    assert not unchanged(before, everything(params, opt))
+
+
 def test_existing_state_moves_to_the_masters():
     model = torch.nn.Linear(2, 2).half()
     inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
