@@ -62,8 +62,11 @@ class MasterKind:
         return False
 
     def resync(self, model_p: torch.Tensor, record: Record) -> None:
-        """The model's weight was written: make it the master's value."""
-        record.master.copy_(model_p)
+        """The model's weight was written: make it the master's value, unless it still is the master
+        rounded (the same values written back: an EMA swap undone, the model's state loaded after the
+        optimizer's), which keeps the master's digits below the weight's precision."""
+        if not torch.equal(record.master.to(model_p.dtype).view(torch.int16), model_p.view(torch.int16)):
+            record.master.copy_(model_p)
 
     def storage(self, record: Record) -> list[torch.Tensor]:
         """The tensors holding the master beyond the model's weight (memory accounting)."""
@@ -117,7 +120,9 @@ class RemainderMaster(_Bf16Only):
         return False
 
     def resync(self, model_p: torch.Tensor, record: Record) -> None:
-        _remainder(record).zero_()  # the master is the weight, exactly
+        # the master is the weight, exactly: the weight is the master's high half, so a write of the
+        # same values cannot be told from a new value (what FP32 masters keep, a remainder cannot)
+        _remainder(record).zero_()
 
     def storage(self, record: Record) -> list[torch.Tensor]:
         return [_remainder(record)]

@@ -166,7 +166,11 @@ class MasterWeightOptimizer(Optimizer):
     ``nn.init``, ``model.load_state_dict``, an EMA/SWA swap with ``copy_``), seen through the
     parameter's ``_version``, and ``param.data = tensor``, seen through its ``data_ptr()``
     (two int reads per parameter per step). Writes through ``param.data.<op>_()`` leave no
-    trace: call :meth:`sync_masters` with the parameters written. A step writes back only the
+    trace: call :meth:`sync_masters` with the parameters written. A write that leaves the weight
+    as the FP32 master rounds to (the EMA swap undone, the model's state loaded after the
+    optimizer's) keeps the master as it is; ``master="bf16_split"`` cannot tell it from a new
+    value (the weight is its master's high half) and clears the remainder: load the model's
+    state before the optimizer's. A step writes back only the
     parameters that had a gradient (torch's optimizers leave the others alone), so a frozen
     parameter keeps whatever was written into it.
 
@@ -363,9 +367,10 @@ class MasterWeightOptimizer(Optimizer):
         """Copy half-precision model parameters into their masters.
 
         ``step()`` notices in-place writes and ``param.data = ...`` itself; call this after
-        writes it cannot see (``param.data.copy_(...)``, ``param.data.zero_()``). A re-copied
-        master loses its FP32 digits below the parameter's precision, so name the parameters
-        you wrote.
+        writes it cannot see (``param.data.copy_(...)``, ``param.data.zero_()``). A master re-copied
+        from a changed weight loses its FP32 digits below the parameter's precision (an FP32 master
+        the weight still rounds to is kept; a ``bf16_split`` remainder is cleared), so name the
+        parameters you wrote.
 
         Args:
             params: the model parameters to re-copy; ``None`` (default): all of them.

@@ -105,6 +105,66 @@ def test_a_write_to_the_model_is_where_the_next_step_starts(write, fused):
         assert torch.equal(h.detach(), r.detach().half())
 
 
+def swap_for_evaluation_and_back(model):
+    """What an EMA or SWA evaluation does: other weights copied in, then the training weights copied back."""
+    saved = [p.detach().clone() for p in model.parameters()]
+    write_ema_swap(model)
+    with torch.no_grad():
+        for p, s in zip(model.parameters(), saved):
+            p.copy_(s)
+
+
+@pytest.mark.parametrize("fused", FUSED_MODES)
+def test_the_training_weights_written_back_keep_their_fp32_masters(fused):
+    """The weights written back as they were (the master rounded) are no new values: the FP32 masters keep
+    their digits and the run goes on as the FP32 reference, bit for bit. Re-copied from the weights, every
+    swap truncated the masters to FP16 (here the masters then differed from the reference's values)."""
+    ref, half = twin_models()
+    ref_opt, opt = adamw(ref.parameters()), MasterWeightOptimizer(adamw(half.parameters()), fused=fused)
+    for step in range(4):
+        if step >= 2:
+            swap_for_evaluation_and_back(half)
+        set_grads(ref, half, step)
+        ref_opt.step()
+        opt.step()
+    assert_masters_equal(opt, ref)
+
+
+@pytest.mark.parametrize("master", ["fp32", "bf16_split"])
+@pytest.mark.parametrize("model_first", [True, False], ids=["model_first", "optimizer_first"])
+def test_a_checkpoint_loads_in_either_order_as_the_kind_can(master, model_first):
+    """Model and optimizer state loaded in either order: FP32 masters come back exactly either way. A
+    ``bf16_split`` remainder is lost when the model's state comes second (the weight is its master's
+    high half: a write of the same values cannot be told from a new one; documented, with the order
+    to use): the masters are then the weights exactly."""
+    torch.manual_seed(0)
+
+    def build():
+        torch.manual_seed(0)
+        model = torch.nn.Linear(6, 4).bfloat16()
+        return model, MasterWeightOptimizer(adamw(model.parameters()), master=master)
+
+    model, opt = build()
+    for step in range(3):
+        for i, p in enumerate(model.parameters()):
+            p.grad = half_values(*p.shape, seed=10 * step + i).bfloat16()
+        opt.step()
+    saved_model, saved_opt = model.state_dict(), opt.state_dict()
+    model2, opt2 = build()
+    if model_first:
+        model2.load_state_dict(saved_model)
+        opt2.load_state_dict(saved_opt)
+    else:
+        opt2.load_state_dict(saved_opt)
+        model2.load_state_dict(saved_model)
+    masters = opt2.fp32_masters()
+    if master == "bf16_split" and not model_first:
+        assert all(torch.equal(m, p.detach().float()) for m, p in zip(masters, model2.parameters(), strict=True))
+        assert not all(torch.equal(a, b) for a, b in zip(masters, opt.fp32_masters(), strict=True))
+    else:
+        assert all(torch.equal(a, b) for a, b in zip(masters, opt.fp32_masters(), strict=True))
+
+
 @pytest.mark.parametrize("fused", FUSED_MODES)
 def test_a_write_between_unscale_and_step_is_kept(fused):
     """A callback that sets the weights after the gradients were unscaled (Lightning's
