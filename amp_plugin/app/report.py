@@ -153,7 +153,11 @@ def summarize(run: Run, wall: float, metrics: Mapping[str, Any]) -> dict[str, An
     trainer, plugin, recorder = run.trainer, run.plugin, run.recorder
     settings, scaler = plugin.settings, plugin.scaler
     history = recorder.history()
-    scales = [recorder.start_scale] + [row.get("loss_scale", math.nan) for row in history]
+    # this process's steps, as "steps" and "skipped_steps" count them: the rows of a run resumed in
+    # place go back to its first step, from scales the start of this process did not see
+    scales = [recorder.start_scale] + [
+        row.get("loss_scale", math.nan) for row in history if row["step"] > recorder.start_step
+    ]
     scales = [s for s in scales if not math.isnan(s)]
     growths = sum(b > a for a, b in itertools.pairwise(scales))
     backoffs = sum(b < a for a, b in itertools.pairwise(scales))

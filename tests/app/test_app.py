@@ -7,7 +7,9 @@ In-process runs use a few steps (``trainer.max_steps=3``, one validation batch).
 from __future__ import annotations
 
 import csv
+import itertools
 import json
+import math
 import os
 import subprocess
 import sys
@@ -404,3 +406,29 @@ def test_non_finite_final_losses_fail_the_run():
 
     for final in ({"train/loss": float("nan"), "val/loss": 0.6}, {"train/loss": 0.5, "val/loss": float("inf")}):
         assert "non-finite" in failed_training({"steps": 3, "global_step": 3, "final_metrics": final}, _Scaler(0, 1.0))
+
+
+def scale_changes(history_rows, after_step, start, last_step=math.inf):
+    """Growths and backoffs of the loss scale over the history's rows past ``after_step`` (up to ``last_step``),
+    from ``start``."""
+    scales = [start] + [row["loss_scale"] for row in history_rows if after_step < row["step"] <= last_step]
+    pairs = list(itertools.pairwise(scales))
+    return sum(b > a for a, b in pairs), sum(b < a for a, b in pairs)
+
+
+def test_a_run_resumed_in_place_counts_the_scale_changes_of_its_own_steps(tmp_path, compose_config):
+    """Resumed in its own directory, a run's history goes back to step 1, but its summary's loss scale is this
+    process's, as ``steps`` and ``skipped_steps`` are: from the scale it resumed at to the end. The count took
+    the whole history behind the resumed scale, and so found a change at the join that never happened."""
+    overrides = ["scaler.growth_interval=2", "trainer.limit_val_batches=1", "trainer.enable_progress_bar=false"]
+    first = train(compose_config(*overrides, "trainer.max_steps=6", output_dir=tmp_path))
+    ckpt = first["paths"]["last_checkpoint"]
+    second = train(compose_config(*overrides, "trainer.max_steps=12", f"ckpt_path={ckpt}", output_dir=tmp_path))
+    rows = read_history(second["paths"]["history"])
+    assert [row["step"] for row in rows] == list(range(1, 13))  # the whole run's curves
+    growths, backoffs = scale_changes(rows, 6, first["loss_scale"]["end"])
+    assert growths > 0
+    assert second["loss_scale"]["start"] == first["loss_scale"]["end"]
+    assert (second["loss_scale"]["growths"], second["loss_scale"]["backoffs"]) == (growths, backoffs)
+    assert second["loss_scale"]["changes"] == growths + backoffs
+    assert (first["loss_scale"]["growths"], first["loss_scale"]["backoffs"]) == scale_changes(rows, 0, 2.0**16, 6)
