@@ -1,7 +1,9 @@
 """Compare runs: ``amp-compare multirun/2025-01-01/12-00-00``.
 
 Finds every run directory below the given paths (a directory holding ``summary.json``, or a
-``FAILED`` note), prints one table row per run (the overrides that distinguish it,
+``FAILED`` note, which wins over a ``summary.json`` beside it: a run that finishes removes its
+directory's ``FAILED``, so the note is the last attempt's, a resume in place that failed after an
+earlier attempt wrote its summary), prints one table row per run (the overrides that distinguish it,
 precision, scaler, final loss and metric, skipped steps, loss-scale end value, wall time)
 and writes ``compare.csv`` and ``compare.png`` (all runs' loss, loss scale and skipped
 steps on shared axes) into the first directory given, or ``--out``.
@@ -81,14 +83,14 @@ def collect_runs(paths: Sequence[str | Path]) -> list[dict[str, Any]]:
         run_dirs += _run_dirs(root)
     runs = []
     for run_dir, label in zip(run_dirs, _labels(run_dirs)):
-        summary_file = run_dir / "summary.json"
-        if summary_file.is_file():
+        summary_file, failed_file = run_dir / "summary.json", run_dir / "FAILED"
+        if failed_file.is_file():  # the last attempt failed, whatever summary an earlier one left
+            error = failed_file.read_text(errors="replace").strip()
+            run = {"status": "failed", "error": error, "history": []}
+        else:
             run = _read_summary(summary_file)
             history_file = run_dir / "training_curves.csv"
             run["history"] = _read_curves(history_file) if history_file.is_file() else []
-        else:
-            error = (run_dir / "FAILED").read_text(errors="replace").strip()
-            run = {"status": "failed", "error": error, "history": []}
         run["dir"] = str(run_dir)
         run["label"] = label
         runs.append(run)

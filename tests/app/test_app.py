@@ -246,6 +246,25 @@ def test_compare_reads_runs_and_reports_failures(tmp_path, capsys):
     assert "scaler.hysteresis=0" in capsys.readouterr().out
 
 
+def test_compare_reports_a_resume_in_place_that_failed_after_an_earlier_summary(tmp_path, compose_config):
+    """A finished run resumed in its own directory, the resume stopped by a NaN loss: the directory keeps the
+    first attempt's ``summary.json`` ("ok") beside the resume's ``FAILED``, and the comparison reads the last
+    attempt's. It read the stale summary as a good run."""
+    overrides = ["precision=bf16", "trainer.limit_val_batches=1", "trainer.enable_progress_bar=false"]
+    first = train(compose_config(*overrides, "trainer.max_steps=3", output_dir=tmp_path))
+    ckpt = first["paths"]["last_checkpoint"]
+    with pytest.raises(Exception, match="(?i)nan"):
+        train(
+            compose_config(
+                *overrides, "trainer.max_steps=6", f"ckpt_path={ckpt}", "fault.nan_loss_at=[5]", output_dir=tmp_path
+            )
+        )
+    assert json.loads((tmp_path / "summary.json").read_text())["status"] == "ok"  # the first attempt's, kept
+    (run,) = collect_runs([tmp_path])
+    assert run["status"] == "failed" and "nan" in run["error"].lower()
+    assert compare_main([str(tmp_path)]) == 1
+
+
 def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     environ = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
     return subprocess.run([sys.executable, *args], cwd=cwd, env=environ, capture_output=True, text=True, timeout=600)
