@@ -20,6 +20,7 @@ from __future__ import annotations
 import csv
 import math
 import os
+import sys
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -296,10 +297,7 @@ def keep_history(loggers: list[Any], step: int, recorder: Any = None) -> None:
         if not isinstance(logger, pl.loggers.CSVLogger):
             continue
         path = Path(logger.log_dir) / "metrics.csv"
-        rows: list[dict[str, str]] = []
-        if path.is_file():
-            with path.open(newline="") as f:
-                rows = [r for r in csv.DictReader(f) if (s := _step(r)) is not None and s < step]
+        rows = _rows_before(path, step) if path.is_file() else []
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=r".*exists and is not empty.*")
             writer = logger.experiment  # starting it deletes metrics.csv (rank 0; a no-op elsewhere)
@@ -311,6 +309,31 @@ def keep_history(loggers: list[Any], step: int, recorder: Any = None) -> None:
             out.writeheader()
             out.writerows(rows)
         writer.metrics_keys = keys
+
+
+UNREADABLE_METRICS = "metrics.csv.unreadable"
+"""Where :func:`keep_history` keeps a ``metrics.csv`` it cannot read (Lightning's logger would delete it)."""
+
+
+def _rows_before(path: Path, step: int) -> list[dict[str, str]]:
+    """The rows of ``metrics.csv`` before ``step``. A file that is not CSV text (damaged: other bytes, a
+    field beyond the csv module's limit) is kept beside as :data:`UNREADABLE_METRICS`, with a warning on
+    stderr, and the resumed run's ``metrics.csv`` starts at the checkpoint: the logs are not worth stopping
+    a resume for, nor losing."""
+    try:
+        with path.open(newline="") as f:
+            return [r for r in csv.DictReader(f) if (s := _step(r)) is not None and s < step]
+    except (ValueError, csv.Error) as err:  # UnicodeDecodeError is a ValueError
+        kept = path.with_name(UNREADABLE_METRICS)
+        os.replace(path, kept)
+        reason = " ".join(f"{type(err).__name__}: {err}".split())[:200]
+        print(
+            f"amp: {path} could not be read ({reason}): kept as {kept}; the resumed run's metrics.csv starts "
+            f"at step {step}.",
+            file=sys.stderr,
+            flush=True,
+        )
+        return []
 
 
 def _step(row: dict[str, str]) -> int | None:

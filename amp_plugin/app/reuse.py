@@ -40,6 +40,7 @@ _CLEARED = (*OUTPUTS, FAILED_FILE, RUN_FILE)
 _WRITTEN = {
     "logs": (
         "metrics.csv",
+        "metrics.csv.unreadable",  # a damaged metrics.csv a resume in place kept (resume.keep_history)
         "hparams.yaml",
         "scale_events.csv",
         "grad_health.csv",

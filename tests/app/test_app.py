@@ -265,6 +265,29 @@ def test_compare_reports_a_resume_in_place_that_failed_after_an_earlier_summary(
     assert compare_main([str(tmp_path)]) == 1
 
 
+@pytest.mark.parametrize("damage", [bytes(range(256)) * 12, b"step\n" + b"7" * 200_000], ids=["bytes", "huge_field"])
+def test_a_resume_in_place_keeps_a_damaged_metrics_csv_aside_and_goes_on(tmp_path, compose_config, capsys, damage):
+    """A ``metrics.csv`` that is not CSV text (other bytes; a field beyond the csv module's limit) stopped a
+    resume in place with a traceback, after the directory was taken over. The resume goes on: the damaged
+    file is kept byte for byte beside (Lightning's logger deletes ``metrics.csv`` when it starts), one line
+    on stderr says so, the new ``metrics.csv`` starts at the checkpoint, and ``overwrite=true`` still takes
+    the directory later (no file a run does not write)."""
+    from amp_plugin.app.reuse import foreign_files
+
+    first = train(compose_config(*QUICK, output_dir=tmp_path))
+    (tmp_path / "logs" / "metrics.csv").write_bytes(damage)
+    second = train(
+        compose_config(
+            *QUICK[1:], "trainer.max_steps=5", f"ckpt_path={first['paths']['last_checkpoint']}", output_dir=tmp_path
+        )
+    )
+    assert second["global_step"] == 5
+    assert (tmp_path / "logs" / "metrics.csv.unreadable").read_bytes() == damage
+    assert "metrics.csv could not be read" in capsys.readouterr().err
+    assert [int(row["step"]) for row in training_rows(tmp_path / "logs" / "metrics.csv")] == [3, 4]
+    assert foreign_files(tmp_path) == []
+
+
 def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     environ = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
     return subprocess.run([sys.executable, *args], cwd=cwd, env=environ, capture_output=True, text=True, timeout=600)
