@@ -22,6 +22,7 @@ Hydra's ``--config-dir DIR`` adds a directory of your own presets on top of thes
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import sys
@@ -189,9 +190,10 @@ class RunDirGuard(Callback):
             rundir.check_empty(name, "hydra.sweep.dir")
             directory = Path(name)
             rundir.claim(directory, "hydra.sweep.dir")
+            atexit.register(rundir.release, directory)  # the sweep's end (SweepFailures may exit 1 first)
             self._check_sweep(directory, bool(config.get("overwrite", False)))
         except ConfigError as err:
-            self._refuse(err)
+            self._refuse(err, name)
         # Each job overwrites only its own directory, once it has passed every check (run_job).
 
     @staticmethod
@@ -228,10 +230,12 @@ class RunDirGuard(Callback):
             rundir.claim(directory, key)
             reuse.check_reuse(directory, config.get("ckpt_path"), bool(config.get("overwrite", False)), key)
         except ConfigError as err:
-            self._refuse(err)
+            self._refuse(err, directory)
 
     @staticmethod
-    def _refuse(err: ConfigError) -> None:
+    def _refuse(err: ConfigError, directory: str) -> None:
+        """Say why, drop the lock this process took (a refused run leaves the directory as it was), exit 1."""
+        rundir.release(directory)
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise err
         kind = "Run directory refused" if isinstance(err, rundir.RunDirError) else "Invalid configuration"

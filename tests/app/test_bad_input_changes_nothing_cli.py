@@ -35,12 +35,8 @@ TINY = ["recipe=underflow_demo", "trainer.max_steps=3", "trainer.limit_val_batch
 
 
 def snapshot(directory: Path) -> dict[str, bytes]:
-    """Every file under ``directory`` (hidden ones included) with its bytes; the lock file aside."""
-    return {
-        str(p.relative_to(directory)): p.read_bytes()
-        for p in sorted(directory.rglob("*"))
-        if p.is_file() and p.name != ".lock"
-    }
+    """Every file under ``directory`` (hidden ones included, the lock file too) with its bytes."""
+    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
 
 
 def one_line_refusal(result: dict[str, Any], *named: str) -> str:
@@ -77,7 +73,7 @@ def runs(tmp_path_factory) -> tuple[Path, dict[str, dict], dict[str, dict[str, b
             "shutil.copy('b/checkpoints/last.ckpt', 'c/checkpoints/from_b.ckpt')\n"
             "Path('d/checkpoints/pretrained.ckpt').write_text('mine')\n"
             "snap = {str(p): p.read_bytes().hex() for d in ('a', 'c', 'd') for p in sorted(Path(d).rglob('*'))"
-            " if p.is_file() and p.name != '.lock'}\n"
+            " if p.is_file()}\n"
             "json.dump(snap, open('before.json', 'w'))\n",
         },
     ]

@@ -347,3 +347,20 @@ def test_the_checksum_covers_the_tensor_data(tmp_path):
     flip_bytes(tmp_path / "c.ckpt", tmp_path / "d.ckpt")
     assert verify_checksum(torch.load(tmp_path / "d.ckpt", weights_only=False)) is False  # loads fine, but damaged
     assert verify_checksum(checkpoint) is None  # written without a checksum (Lightning's own CheckpointIO)
+
+
+@pytest.mark.slow
+def test_a_refused_run_and_a_finished_sweep_leave_no_lock_file(tmp_path):
+    """The lock file lives while a run or a sweep writes (docs/runs.md). A run refused by the directory
+    check (a finished run's directory, no ``overwrite``) exited holding it, and a sweep never dropped
+    its own: a ``.lock`` stayed behind in both, one more file in a directory a refused run must leave
+    as it was."""
+    finished = tmp_path / "finished"
+    assert run([*TINY, f"hydra.run.dir={finished}"], tmp_path).returncode == 0
+    assert not (finished / ".lock").exists()
+    refused = run([*TINY, f"hydra.run.dir={finished}"], tmp_path)
+    assert refused.returncode == 1 and "already holds a finished run" in refused.stderr
+    assert not (finished / ".lock").exists()
+    sweep = tmp_path / "sweep"
+    assert run(["-m", *TINY, "seed=1,2", f"hydra.sweep.dir={sweep}"], tmp_path).returncode == 0
+    assert sorted(p.name for p in sweep.iterdir()) == ["0", "1", "multirun.yaml"]
