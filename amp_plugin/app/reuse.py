@@ -208,10 +208,11 @@ def refuse_overwrite(directory: str | os.PathLike[str], key: str = "hydra.run.di
         )
     ours = read_run_id(directory)
     if ours is None:
+        why = "it is unreadable" if (Path(directory) / RUN_FILE).exists() else "there is none"
         raise RunDirError(
-            f"overwrite=true is not allowed for {key}={directory}: its {', '.join(found)} were not written by a run "
-            f"of amp_plugin (there is no {RUN_FILE} file), so overwriting could delete files of yours. Delete them "
-            f"yourself if they can go, or give this run its own directory (drop {key}=)."
+            f"overwrite=true is not allowed for {key}={directory}: no {RUN_FILE} file says which run wrote its "
+            f"{', '.join(found)} ({why}), so overwriting could delete files of yours. Delete them yourself if they "
+            f"can go, or give this run its own directory (drop {key}=)."
         )
     others = foreign_checkpoints(directory)
     if others:

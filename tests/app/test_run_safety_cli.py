@@ -364,3 +364,19 @@ def test_a_refused_run_and_a_finished_sweep_leave_no_lock_file(tmp_path):
     sweep = tmp_path / "sweep"
     assert run(["-m", *TINY, "seed=1,2", f"hydra.sweep.dir={sweep}"], tmp_path).returncode == 0
     assert sorted(p.name for p in sweep.iterdir()) == ["0", "1", "multirun.yaml"]
+
+
+@pytest.mark.parametrize("run_file", [None, "not json", '{"run_id": 7}'], ids=["none", "garbage", "no_id"])
+def test_overwrite_of_outputs_no_run_file_vouches_for_says_why(tmp_path, run_file):
+    """``overwrite=true`` on outputs whose ``.amp_run`` is missing or unreadable is refused, and the message
+    says which of the two (it said "there is no .amp_run file" beside a damaged one)."""
+    from amp_plugin.app.reuse import check_reuse
+    from amp_plugin.app.rundir import RunDirError
+
+    (tmp_path / "summary.json").write_text("{}")
+    if run_file is not None:
+        (tmp_path / ".amp_run").write_text(run_file)
+    why = "there is none" if run_file is None else "it is unreadable"
+    with pytest.raises(RunDirError, match=rf"no \.amp_run file says which run wrote its summary\.json \({why}\)"):
+        check_reuse(tmp_path, None, overwrite=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["summary.json"] + ([".amp_run"] if run_file else []))
