@@ -84,6 +84,7 @@ def collect_runs(paths: Sequence[str | Path]) -> list[dict[str, Any]]:
     runs = []
     for run_dir, label in zip(run_dirs, _labels(run_dirs)):
         summary_file, failed_file = run_dir / "summary.json", run_dir / "FAILED"
+        run: dict[str, Any]
         if failed_file.is_file():  # the last attempt failed, whatever summary an earlier one left
             error = failed_file.read_text(errors="replace").strip()
             run = {"status": "failed", "error": error, "history": []}
