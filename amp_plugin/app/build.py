@@ -5,7 +5,8 @@ Two phases, so that a mistake on the command line costs about a second:
 1. :func:`prepare`, without importing Lightning: :func:`~amp_plugin.app.validation.validate`
    (cross-key and app-only checks), the loss scaler, and the
    :class:`~amp_plugin.settings.PrecisionSettings` that owns every precision rule.
-2. :func:`build`, with Lightning: seed, recipe, plugin
+2. :func:`build`, with Lightning: seed, recipe (with ``precision=fp8``, its ``keep_bf16`` patterns
+   checked against the recipe's linear layers), plugin
    (:meth:`~amp_plugin.lightning.MixedPrecisionPlugin.from_settings`), callbacks, loggers, fault
    injector, trainer.
 
@@ -213,6 +214,7 @@ def build(cfg: DictConfig, settings: PrecisionSettings | None = None, output_dir
             f"recipe._target_={cfg.recipe._target_!r} is not allowed: it must be a "
             f"{pl.__name__}.LightningModule subclass."
         )
+    _check_fp8_layers(module, settings, cfg.precision)
     resume_step = None
     if cfg.ckpt_path is not None:
         checkpoint = load_checkpoint(cfg.ckpt_path)
@@ -296,6 +298,26 @@ def _logger_extra(node: Any, in_place: bool, resume_step: int | None) -> dict[st
     if in_place and resume_step is not None and target.endswith("TensorBoardLogger") and "purge_step" not in node:
         return {"purge_step": resume_step}
     return {}
+
+
+def _check_fp8_layers(module: Any, settings: PrecisionSettings, node: Any) -> None:
+    """``precision.fp8.keep_bf16``: every pattern must match a linear layer of the recipe's model.
+
+    The plugin converts the model inside ``trainer.fit`` (``convert_to_fp8``), after the run has taken
+    its directory; the same check (:func:`amp_plugin.fp8.select.check_keep_bf16`) runs here on the built
+    recipe, so that a typo is refused as a bad config before anything is written. A recipe that builds
+    its linear layers later (in ``configure_model``) has none yet: ``convert_to_fp8`` checks it then.
+    """
+    if settings.fp8 is None or not settings.fp8.keep_bf16:
+        return
+    from amp_plugin.fp8.select import candidates, check_keep_bf16
+
+    if not candidates(module):
+        return
+    try:
+        check_keep_bf16(module, settings.fp8)
+    except ValueError as err:
+        raise ConfigError(naming_key("precision", plain(node), err)) from err
 
 
 def _check_float_inputs(module: Any, fault: Any) -> None:

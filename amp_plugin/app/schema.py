@@ -131,7 +131,9 @@ class PrecisionConf:
     autocast: Optional[bool] = None
     emulate: Emulate = Emulate.auto
     skip_lr_on_overflow: bool = True
-    fp8: Optional[Fp8Conf] = None  # precision=fp8 only (configs/precision/fp8.yaml)
+    # precision=fp8 only (configs/precision/fp8.yaml). Null for the other presets, where OmegaConf cannot set a
+    # precision.fp8.* key: amp_plugin.app.overrides refuses such an override before Hydra composes the run.
+    fp8: Optional[Fp8Conf] = None
     # how bf16_lean/bf16_sr store BF16 moments; "nearest" cannot shrink them at beta2 0.999 (for comparison)
     moments_rounding: MomentsRounding = MomentsRounding.stochastic
 
