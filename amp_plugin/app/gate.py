@@ -26,8 +26,10 @@ at ``beta2=0.999``; ``char_gpt``'s ``beta2=0.95`` and 100-300 steps hide it)::
 Exit status: 0 when the candidate is within noise of the reference or better; 1 when it is worse,
 when a run failed, when the runs hold no judged metric, or when the gate cannot decide (``undecided``:
 every paired difference equal, so a standard error of 0, and no ``--tolerance``); 2 on bad input
-(an unknown preset, fewer than 2 seeds, an override the gate sets itself, a config that does not
-compose or is rejected, a ``--json`` that is a directory), before anything is trained.
+(an unknown preset, fewer than 2 seeds, a ``--sigmas`` or ``--tolerance`` that is negative or not
+finite, an override the gate sets itself, a config that does not compose or is rejected, a ``--json``
+that is a directory), before anything is trained; ``128 + signal`` when SIGTERM, SIGINT or SIGHUP stopped
+it (143, 130, 129; :func:`main`): one line on stderr, no report, the finished runs kept for the next gate.
 
 Files, under ``--dir`` (default ``gate``)::
 
@@ -56,6 +58,7 @@ import argparse
 import gc
 import hashlib
 import json
+import math
 import shlex
 import sys
 import tempfile
@@ -65,6 +68,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from amp_plugin.app.gate_output import cpu_model, format_report, output_to
+from amp_plugin.app.gate_progress import Progress, signals_held
 from amp_plugin.app.gate_stats import DIRECTIONS, judge, overall
 from amp_plugin.app.rundir import FAILED_FILE
 from amp_plugin.app.validation import ConfigError, forget_checkpoints
@@ -124,8 +128,8 @@ def check_args(args: argparse.Namespace) -> tuple[str, str, list[str]]:
     if args.first_seed < 0:
         raise GateInputError(f"--first-seed={args.first_seed}: seeds are >= 0.")
     for name, value in (("--sigmas", args.sigmas), ("--tolerance", args.tolerance)):
-        if not value >= 0:  # also NaN
-            raise GateInputError(f"{name}={value}: allowed values are >= 0.")
+        if not (math.isfinite(value) and value >= 0):  # nan and inf too: an infinite band passes every run
+            raise GateInputError(f"{name}={value}: allowed values are finite numbers >= 0 (not nan or inf).")
     if args.json is not None and args.json.is_dir():
         raise GateInputError(f"--json={args.json} is a directory: give the report's file name ({args.json}/gate.json).")
     if args.dir.exists() and not args.dir.is_dir():
@@ -252,17 +256,23 @@ def _run_one(cfg: Any, out: Path, fresh: bool) -> dict[str, Any]:
         reuse.clear_outputs(out)
         record_file.unlink(missing_ok=True)
         result = train(cfg, prepare(cfg))
+        with signals_held():  # a finished run is recorded whole, so the next gate reuses it
+            summary = {k: v for k, v in result.items() if k not in ("trainer", "module", "plugin")}
+            del result
+            per_param = summary["state_bytes_per_param"]  # state_bytes.per_parameter, as the run summary states it
+            record = {"config": config_text, "bytes_per_param": per_param}
+            if summary_file.is_file():
+                record["summary_sha256"] = hashlib.sha256(summary_file.read_bytes()).hexdigest()
+            record_file.write_text(json.dumps(record, indent=1) + "\n")
     finally:
         rundir.release(out)
-    summary = {k: v for k, v in result.items() if k not in ("trainer", "module", "plugin")}
-    del result
     gc.collect()
-    per_param = summary["state_bytes_per_param"]  # state_bytes.per_parameter, as the run summary states it
-    record = {"config": config_text, "bytes_per_param": per_param}
-    if summary_file.is_file():
-        record["summary_sha256"] = hashlib.sha256(summary_file.read_bytes()).hexdigest()
-    record_file.write_text(json.dumps(record, indent=1) + "\n")
     return {**summary, "bytes_per_param": per_param, "reused": False, **({"trained_again": why} if why else {})}
+
+
+def _finished(out: Path, cfg: Any) -> bool:
+    """Whether ``out`` holds a finished run of ``cfg`` that the next gate reuses (for :class:`Progress`)."""
+    return _reusable(out, reuse_key(cfg))[0] is not None
 
 
 def _mean(values: Sequence[float]) -> float:
@@ -310,19 +320,22 @@ def _train(cfg: Any, preset: str, out: Path, fresh: bool, log: IO[str]) -> dict[
             raise
 
 
-def run_gate(args: argparse.Namespace) -> tuple[int, dict[str, Any]]:
-    """Check, train, judge; returns ``(exit status, report)`` (the report is also written).
+def run_gate(args: argparse.Namespace, progress: Progress | None = None) -> tuple[int, dict[str, Any]]:
+    """Check, train, judge; returns ``(exit status, report)`` (:func:`main` writes the report).
 
     Prints one line naming the log file that receives everything the runs print, then a line per
-    seed that grows as its two runs end (each run's wall time, or ``reused``).
+    seed that grows as its two runs end (each run's wall time, or ``reused``). A signal stops it where it
+    is (``progress`` says where, for :func:`main`'s message).
     """
     import torch
 
     candidate, reference, overrides = check_args(args)
     seeds = list(range(args.first_seed, args.first_seed + args.seeds))
     directory: Path = args.dir
+    progress = progress or Progress(directory, 2 * len(seeds), args.fresh, _finished)
     plan = [(preset, seed) for seed in seeds for preset in (reference, candidate)]
     configs = {(p, s): compose_run(overrides, p, s, directory / p / f"seed{s}") for p, s in plan}
+    progress.plan = [(p, s, directory / p / f"seed{s}", configs[(p, s)]) for p, s in plan]
     checks_output = _checked(configs, (reference, candidate), seeds[0])
     log_file = log_path(args, candidate, reference)
     report: dict[str, Any] = {
@@ -346,14 +359,14 @@ def run_gate(args: argparse.Namespace) -> tuple[int, dict[str, Any]]:
         log.write(checks_output)
         for preset, seed in plan:
             out = directory / preset / f"seed{seed}"
-            print(f"  seed {seed}:" if preset == reference else ",", end="", flush=True)
+            progress.begin(preset, seed, first=preset == reference)
             try:
                 run = _train(configs[(preset, seed)], preset, out, args.fresh, log)
             except ConfigError as err:  # raised before the run trains
-                print(flush=True)
+                progress.end("", last=True)
                 raise GateInputError(f"precision={preset}: {err}") from err
             except Exception as err:
-                print(f" {preset} failed", flush=True)
+                progress.end(f"{preset} failed", last=True)
                 message = " ".join(f"{type(err).__name__}: {err}".split())[:600]
                 report["runs"].append({"preset": preset, "seed": seed, "dir": str(out), "status": "failed"})
                 error = f"precision={preset} seed={seed} ({out}): {message} (traceback in {log_file})"
@@ -362,7 +375,7 @@ def run_gate(args: argparse.Namespace) -> tuple[int, dict[str, Any]]:
             took = "reused" if run["reused"] else f"{run['wall_time_s']:.1f} s"
             if run.get("trained_again"):
                 took += f" (trained again: {run['trained_again']})"
-            print(f" {preset} {took}", end="\n" if preset == candidate else "", flush=True)
+            progress.end(f"{preset} {took}", last=preset == candidate)
             runs[(preset, seed)] = run
             report["runs"].append(
                 {"preset": preset, "seed": seed, "dir": str(out), "status": run["status"], "reused": run["reused"]}
@@ -396,15 +409,37 @@ def run_gate(args: argparse.Namespace) -> tuple[int, dict[str, Any]]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """The ``amp-gate`` console script; returns the exit status (see the module docstring)."""
+    """The ``amp-gate`` console script; returns the exit status (see the module docstring).
+
+    SIGTERM, SIGINT and SIGHUP stop it as they stop ``train.py`` (the run under way stops after its step):
+    one line on stderr (:meth:`~amp_plugin.app.gate_progress.Progress.interrupted`), no report, exit status
+    ``128 + signal`` (143, 130, 129). The finished runs stay in ``--dir`` for the next gate to reuse.
+    """
+    from amp_plugin.app.outcome import catch_sigterm, restore_sigterm, signal_of
+
     args = parse_args(argv)
+    progress = Progress(args.dir, 2 * args.seeds, args.fresh, _finished)
+    previous = catch_sigterm()  # SIGTERM raises outcome.Terminated, SIGHUP goes where SIGTERM goes
     try:
-        status, report = run_gate(args)
+        return _gate(args, progress)
     except GateInputError as err:
         print(f"amp-gate: error: {err}", file=sys.stderr, flush=True)
         return 2
+    except BaseException as err:  # RunInterrupted, Terminated, KeyboardInterrupt, Lightning's SIGTERMException
+        signum = signal_of(err)
+        if signum is None:
+            raise
+        print(progress.interrupted(signum, err), file=sys.stderr, flush=True)
+        return 128 + signum
+    finally:
+        restore_sigterm(previous)
+
+
+def _gate(args: argparse.Namespace, progress: Progress) -> int:
+    """:func:`run_gate`, then write the report and print it; the exit status."""
     from amp_plugin.app.report import to_json
 
+    status, report = run_gate(args, progress)
     path = report_path(args, report["candidate"], report["reference"])
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(to_json(report) + "\n")

@@ -11,7 +11,10 @@ For each judged metric the gate has one value per seed for the candidate (A) and
   (default 2, about a 95% interval), or a relative tolerance where that is wider (default 0);
 - the verdict is ``within noise`` when ``|harm| <= band``, ``worse`` when ``harm > band`` and
   ``better`` when ``harm < -band``; ``undecided`` when the band is 0 (every ``d_i`` equal, so
-  ``SE = 0``, and no tolerance) while the difference is not: there is no noise estimate to judge by.
+  ``SE = 0``, and no tolerance) while the difference is not: there is no noise estimate to judge by;
+  also ``undecided`` when the difference, the SE or the band is not finite (values so large that
+  their differences overflow): a NaN compares false with everything, and must not pass the gate.
+  ``sigmas`` and ``tolerance`` are finite and ``>= 0`` (an infinite band would pass any candidate).
 
 A metric that is not finite in a run of A is ``worse``; one not finite in B (while A's are) is
 ``better``. The gate's overall verdict is ``worse`` when any metric is, else ``undecided`` when any
@@ -119,13 +122,15 @@ def judge(
         tolerance: the noise band relative to ``|mean(b)|`` where that is wider.
 
     Raises:
-        ValueError: an unknown metric, unpaired values, or a negative ``sigmas``/``tolerance``.
+        ValueError: an unknown metric, unpaired values, or a ``sigmas``/``tolerance`` that is negative or
+            not finite (an infinite band would pass every candidate; ``inf * 0`` is NaN).
     """
     direction = direction_of(metric)
     if direction is None:
         raise ValueError(f"metric={metric!r} is not judged; allowed: {sorted(DIRECTIONS)}.")
-    if sigmas < 0 or tolerance < 0:
-        raise ValueError(f"sigmas={sigmas} and tolerance={tolerance} must both be >= 0.")
+    for name, value in (("sigmas", sigmas), ("tolerance", tolerance)):
+        if not (math.isfinite(value) and value >= 0):
+            raise ValueError(f"{name}={value}: allowed values are finite numbers >= 0 (not nan or inf).")
     a, b = list(a), list(b)
     if not (_finite(a) and _finite(b)):
         bad, values = ("A", a) if not _finite(a) else ("B", b)
@@ -137,12 +142,25 @@ def judge(
     mean_a, mean_b = math.fsum(fa) / len(fa), math.fsum(fb) / len(fb)
     harm = diff if direction == "lower" else -diff
     band = max(sigmas * se, tolerance * abs(mean_b))
-    verdict = "within noise" if abs(harm) <= band else "worse" if harm > 0 else "better"
-    notes = []
-    if band == 0 and harm != 0:
-        verdict = "undecided"
-        notes.append("every paired difference is the same: SE 0, no noise band")
+    verdict, notes = _verdict(harm, se, band)
     return MetricVerdict(metric, direction, a, b, mean_a, mean_b, diff, se, band, harm, verdict, notes)
+
+
+def _verdict(harm: float, se: float, band: float) -> tuple[Verdict, list[str]]:
+    """The verdict on ``harm`` against ``band``, and its notes. Each verdict needs its own comparison to hold
+    (a NaN holds none): a difference, SE or band that is not finite (finite values so large that their
+    differences overflow) is ``undecided``, which fails the gate, never ``within noise`` or ``better``."""
+    if not all(math.isfinite(x) for x in (harm, se, band)):
+        return "undecided", [f"the difference ({harm:g}), its SE ({se:g}) or the band ({band:g}) is not finite"]
+    if band == 0 and harm != 0:
+        return "undecided", ["every paired difference is the same: SE 0, no noise band"]
+    if abs(harm) <= band:
+        return "within noise", []
+    if harm > band:
+        return "worse", []
+    if harm < -band:
+        return "better", []
+    return "undecided", [f"the difference ({harm:g}) cannot be compared with the band ({band:g})"]
 
 
 def overall(verdicts: Sequence[MetricVerdict]) -> Verdict:

@@ -56,6 +56,7 @@ __all__ = [
     "report_end",
     "restore_sigterm",
     "resume_command",
+    "signal_of",
 ]
 
 
@@ -126,7 +127,7 @@ _DISK = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, err
 
 def report_end(err: BaseException, cfg: DictConfig, out: Path | None, multirun: bool) -> None:
     """Say why the job ended (see the module docstring), write ``FAILED``, then exit, re-raise or return."""
-    signum = _signal_of(err)
+    signum = signal_of(err)
     if signum is not None:
         step, checkpoint = getattr(err, "step", None), getattr(err, "checkpoint", None)
         note = _interrupted_note(signum, step, checkpoint, cfg, out)
@@ -199,7 +200,7 @@ def _wait_for_launcher(timeout: float = 15.0) -> None:
         time.sleep(0.1)
 
 
-def _signal_of(err: BaseException) -> int | None:
+def signal_of(err: BaseException) -> int | None:
     """The signal that stopped the run: ours (RunInterrupted), Lightning's SIGTERM, or Ctrl+C."""
     if type(err).__name__ == "RunInterrupted":  # amp_plugin.lightning.interrupt (not imported before training)
         return int(cast("RunInterrupted", err).signum)

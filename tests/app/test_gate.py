@@ -35,8 +35,15 @@ def _error(capsys) -> str:
         (["precision=fp16", "precision=bf16", "--against", "bf16"], "precision=PRESET must be given once (got 2"),
         (["precision=bf16", "--against", "bf16"], "precision=bf16 and --against=bf16 are the same preset"),
         (["precision=fp16", "--against", "bf16", "--seeds", "1"], "--seeds=1: a standard error needs at least 2"),
-        (["precision=fp16", "--against", "bf16", "--tolerance", "-0.1"], "--tolerance=-0.1: allowed values are >= 0"),
-        (["precision=fp16", "--against", "bf16", "--sigmas", "nan"], "--sigmas=nan: allowed values are >= 0"),
+        (
+            ["precision=fp16", "--against", "bf16", "--tolerance", "-0.1"],
+            "--tolerance=-0.1: allowed values are finite numbers >= 0 (not nan or inf).",
+        ),
+        (["precision=fp16", "--against", "bf16", "--sigmas", "nan"], "--sigmas=nan: allowed values are finite numbers"),
+        # an infinite band passes every candidate (and inf * SE 0 is a NaN band, which read as "better")
+        (["precision=fp16", "--against", "bf16", "--sigmas", "inf"], "--sigmas=inf: allowed values are finite numbers"),
+        (["precision=fp16", "--against", "bf16", "--tolerance", "inf"], "--tolerance=inf: allowed values are finite"),
+        (["precision=fp16", "--against", "bf16", "--tolerance=-inf"], "--tolerance=-inf: allowed values are"),
         (["precision=fp16", "--against", "bf16", "--first-seed", "-1"], "--first-seed=-1: seeds are >= 0"),
         (["precision=fp16", "--against", "bf16", "seed=3"], "'seed=3': the gate sets seed itself"),
         (["precision=fp16", "--against", "bf16", "hydra.run.dir=x"], "the gate sets hydra.run.dir itself"),

@@ -83,8 +83,27 @@ def test_a_non_finite_metric_of_the_candidate_is_worse_and_of_the_reference_bett
 def test_judge_refuses_unknown_metrics_and_negative_bands():
     with pytest.raises(ValueError, match=r"metric='train/loss' is not judged; allowed: \['val/acc', 'val/loss'\]"):
         judge("train/loss", [1.0, 1.0], [1.0, 1.0])
-    with pytest.raises(ValueError, match="sigmas=-1 and tolerance=0.0 must both be >= 0"):
+    with pytest.raises(ValueError, match=r"sigmas=-1: allowed values are finite numbers >= 0 \(not nan or inf\)"):
         judge("val/loss", [1.0, 1.0], [1.0, 1.0], sigmas=-1)
+
+
+@pytest.mark.parametrize(("key", "value"), [("sigmas", math.inf), ("sigmas", math.nan), ("tolerance", math.inf)])
+def test_judge_refuses_bands_that_are_not_finite(key, value):
+    # sigmas=inf with SE 0 made a NaN band (inf * 0) and a difference of 0 "better"; tolerance=inf passed anything
+    with pytest.raises(ValueError, match=rf"{key}={value}: allowed values are finite numbers >= 0"):
+        judge("val/loss", [1.0, 1.0], [1.0, 1.0], **{key: value})
+
+
+@pytest.mark.parametrize(("diff", "se"), [(0.0, math.nan), (math.nan, 0.1), (math.inf, math.nan), (-1.0, math.inf)])
+@pytest.mark.parametrize("metric", ["val/loss", "val/acc"])
+def test_a_difference_se_or_band_that_is_not_finite_is_undecided_never_a_pass(monkeypatch, metric, diff, se):
+    import amp_plugin.app.gate_stats as stats
+
+    monkeypatch.setattr(stats, "paired_difference", lambda a, b: (diff, se))  # as an overflow would leave them
+    v = judge(metric, [1.0, 2.0], [1.0, 2.0], tolerance=0.01)
+    assert v.verdict == "undecided", v
+    assert v.describe().startswith("undecided (the difference (") and "is not finite" in v.describe()
+    assert overall([v, judge("val/loss", [1.0, 2.0], [1.0, 2.0])]) == "undecided"  # the gate fails (exit 1)
 
 
 def test_the_overall_verdict_is_the_worst_metric():
