@@ -64,9 +64,7 @@ def wrap_optimizers(
         for o in optimizers:
             if is_wrapped(o) and not isinstance(o, MasterWeightOptimizer):
                 raise ValueError(_wrapped_again(type(o).__name__, settings.preset))
-        # one backward per step (automatic optimization, no accumulation): no FP32 accumulation hooks
-        trainer = getattr(model, "_trainer", None)
-        single = getattr(model, "automatic_optimization", False) and getattr(trainer, "accumulate_grad_batches", 0) == 1
+        single = _one_backward_per_step(model)  # then no FP32 accumulation hooks
         optimizers = [
             o
             if isinstance(o, MasterWeightOptimizer)
@@ -81,6 +79,21 @@ def wrap_optimizers(
             for o in optimizers
         ]
     return optimizers
+
+
+def _one_backward_per_step(model: torch.nn.Module) -> bool:
+    """Whether every step of this fit sees one backward: automatic optimization, no gradient accumulation,
+    and none scheduled. Lightning's ``GradientAccumulationScheduler`` sets ``accumulate_grad_batches`` at
+    each epoch's start, after the optimizers were wrapped here, so its presence alone means accumulation
+    (its micro-batches were summed in the half dtype: only the window's last gradient had FP32 digits)."""
+    trainer = getattr(model, "_trainer", None)
+    if not getattr(model, "automatic_optimization", False) or getattr(trainer, "accumulate_grad_batches", 0) != 1:
+        return False
+    scheduled = (
+        any(c.__name__ == "GradientAccumulationScheduler" for c in type(callback).__mro__)  # either package's
+        for callback in getattr(trainer, "callbacks", [])
+    )
+    return not any(scheduled)
 
 
 def unwrap(optimizer: Any) -> Any:

@@ -21,6 +21,7 @@ from amp_plugin import (
     StaticLossScaler,
 )
 from amp_plugin.lightning.namespace import Callback
+from amp_plugin.lightning.optimizers import unwrap
 from amp_plugin.settings import PRESETS
 
 
@@ -227,6 +228,35 @@ def test_accumulation_steps_once_per_optimizer_step_and_matches_fp32(pl):
         results[precision] = [p.detach().float() for p in model.parameters()]
     for a, b in zip(results["fp32"], results["fp16"]):
         torch.testing.assert_close(a, b, atol=4e-3, rtol=0)
+
+
+def micro_batch_grads_summed_in_fp32(pl, plugin, **trainer_kwargs):
+    """The FP32 master gradient of the first step over 3 micro-batches, and whether it holds FP32 digits."""
+    seen = {}
+
+    class Probe(Callback):
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            seen.setdefault("grad", unwrap(optimizer).master_params()[0].grad.clone())
+
+    pl.seed_everything(0)
+    model = as_lightning(pl, TinyClassifier)(lr=1e-2)
+    callbacks = [Probe(), *trainer_kwargs.pop("callbacks", [])]
+    fit(pl, model, plugin, max_steps=1, callbacks=callbacks, **trainer_kwargs)
+    grad = seen["grad"]
+    return grad, not torch.equal(grad, grad.bfloat16().float())
+
+
+@pytest.mark.parametrize("preset", ["bf16", "bf16_lean"])
+def test_a_scheduled_accumulation_sums_the_micro_batches_in_fp32_as_the_trainers(pl, preset):
+    """Accumulation asked for with Lightning's ``GradientAccumulationScheduler`` (which sets
+    ``accumulate_grad_batches`` at each epoch's start, after the plugin wrapped the optimizers) sums in FP32
+    as ``Trainer(accumulate_grad_batches=3)`` does: the same master gradient, bit for bit. It was summed in
+    the BF16 gradient: the master gradient held only BF16 values."""
+    expected, digits = micro_batch_grads_summed_in_fp32(pl, MixedPrecisionPlugin(preset), accumulate_grad_batches=3)
+    assert digits
+    scheduler = pl.callbacks.GradientAccumulationScheduler({0: 3})
+    got, _ = micro_batch_grads_summed_in_fp32(pl, MixedPrecisionPlugin(preset), callbacks=[scheduler])
+    assert torch.equal(got, expected)
 
 
 class TwoOptimizers:
