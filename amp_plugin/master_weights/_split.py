@@ -8,8 +8,9 @@ value exact. Together they are the master, bit for bit, at 2 bytes per parameter
 The rounding is to nearest with ties away from zero (in magnitude), the only tie rule whose
 remainder always fits 16 bits: a master exactly halfway between two BF16 numbers whose lower
 one (in magnitude) is even gets the upper one, where ``master.to(torch.bfloat16)`` (ties to
-even) gives the lower. Everywhere else the weight is ``master.to(torch.bfloat16)``; in
-training a tie is one element in 2**17 per step.
+even) gives the lower. Everywhere else the weight is ``master.to(torch.bfloat16)``. With Adam's
+updates (random low bits) a tie is about one element in 2**17 per step; more often while masters are
+still BF16 values and updates have few significant bits (SGD's first steps).
 
 On the bits ``u`` of the master (as uint32): ``low = u & 0xFFFF``, ``weight = (u >> 16) +
 (low >> 15)`` (the high half, plus one when the low half is at least half an ulp),
