@@ -25,8 +25,14 @@ def _setup(settings: PrecisionSettings) -> dict[str, Any]:
         "master_weights": settings.master_weights,
         "autocast": settings.autocast,
         "master": settings.master,
+        "moments": settings.moments,
+        "fp8_gemms": settings.fp8 is not None,  # (the FP8 layers' own state is under "fp8")
         "scaler_type": type(scaler).__name__ if scaler.is_enabled() else None,
     }
+
+
+_ADDED = ("moments",)
+"""A key a checkpoint written before it lacks: compared only where it has it."""
 
 
 def section(settings: PrecisionSettings) -> dict[str, Any]:
@@ -42,14 +48,16 @@ def section(settings: PrecisionSettings) -> dict[str, Any]:
 def restore(settings: PrecisionSettings, saved: dict[str, Any]) -> None:
     """Continue from a checkpoint's entry under the settings configured now.
 
-    A different precision, master-weight or autocast setup, or another scaler type, warns and
-    keeps the configured scaler as it is. Otherwise the saved scale and its trackers are
+    A different precision, master-weight, moment or autocast setup, FP8 on one side only (its amax
+    histories are then dropped or start afresh), or another scaler type, warns and keeps the
+    configured scaler as it is. Otherwise the saved scale and its trackers are
     restored; changed scaler settings (say a new ``hysteresis``) warn and take effect from the
     next update.
     """
     ours = _setup(settings)
-    saved = {"master": "fp32", **saved}  # checkpoints from before split masters existed
-    differs = {k: (saved.get(k), v) for k, v in ours.items() if saved.get(k) != v}
+    # checkpoints from before split masters, or before this record of FP8 (its layers' state says it)
+    saved = {"master": "fp32", "fp8_gemms": "fp8" in saved, **saved}
+    differs = {k: (saved.get(k), v) for k, v in ours.items() if saved.get(k) != v and (k in saved or k not in _ADDED)}
     if differs:
         detail = ", ".join(f"{k}: checkpoint {a!r}, now {b!r}" for k, (a, b) in differs.items())
         warnings.warn(

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+import warnings
+
 import pytest
 import torch
 from _models import TinyClassifier, as_lightning, quiet_trainer
@@ -99,6 +102,46 @@ def test_resuming_with_another_precision_warns_and_keeps_the_new_scaler(pl, tmp_
     trainer = quiet_trainer(pl, plugins=[plugin], max_steps=4)
     with pytest.warns(UserWarning, match=r"precision: checkpoint 'fp16', now 'bf16'.*not restored"):
         trainer.fit(model, ckpt_path=tmp_path / "c.ckpt")
+
+
+@pytest.mark.parametrize(
+    "saved, now, named",
+    [
+        ("bf16_lean", "bf16_split", "moments: checkpoint 'bf16', now 'fp32'"),  # exact, but not the same setup
+        ("bf16", "fp8", "fp8_gemms: checkpoint False, now True"),  # the FP8 scales start afresh
+        ("fp8", "bf16", "fp8_gemms: checkpoint True, now False"),  # the FP8 amax histories are dropped
+    ],
+)
+def test_resuming_across_moments_or_fp8_warns_as_other_setups_do(pl, tmp_path, saved, now, named):
+    """A resume with another moments dtype or with FP8 on one side only changes the setup as another
+    precision does, and warns alike; the checkpoint's record said neither, and these went silently."""
+    model, plugin = make(pl, saved)
+    trainer = quiet_trainer(pl, plugins=[plugin], max_steps=2)
+    trainer.fit(model)
+    trainer.save_checkpoint(tmp_path / "c.ckpt")
+    model, plugin = make(pl, now)
+    trainer = quiet_trainer(pl, plugins=[plugin], max_steps=3)
+    with pytest.warns(UserWarning, match="Resuming with a different mixed-precision setup .*" + re.escape(named)):
+        trainer.fit(model, ckpt_path=tmp_path / "c.ckpt")
+
+
+@pytest.mark.parametrize("preset", ["bf16_lean", "fp8"])
+def test_a_checkpoint_written_before_the_moments_and_fp8_record_resumes_without_a_warning(pl, tmp_path, preset):
+    """A checkpoint of the same setup written before the record held ``moments`` and ``fp8_gemms``: no
+    warning (FP8 is told by its layers' state, which such a checkpoint holds)."""
+    model, plugin = make(pl, preset)
+    trainer = quiet_trainer(pl, plugins=[plugin], max_steps=2)
+    trainer.fit(model)
+    trainer.save_checkpoint(tmp_path / "c.ckpt")
+    checkpoint = torch.load(tmp_path / "c.ckpt", weights_only=False)
+    for key in ("moments", "fp8_gemms"):  # what a checkpoint written before these keys holds
+        del checkpoint[CHECKPOINT_KEY][key]
+    torch.save(checkpoint, tmp_path / "old.ckpt")
+    model, plugin = make(pl, preset)
+    trainer = quiet_trainer(pl, plugins=[plugin], max_steps=3)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="Resuming with a different mixed-precision setup")
+        trainer.fit(model, ckpt_path=tmp_path / "old.ckpt")
 
 
 def test_changed_scaler_settings_warn_and_win(pl, tmp_path):
