@@ -159,7 +159,7 @@ def run_job(cfg: DictConfig) -> dict[str, Any] | None:
 
         route_lightning_logs()
         result = train(cfg, settings, clear_outputs=clear)
-        return {k: v for k, v in result.items() if k not in ("trainer", "module", "plugin")}
+        return {k: v for k, v in result.items() if k not in ("trainer", "module", "plugin", "late_signals")}
     except BaseException as err:
         report_end(err, cfg, out, multirun)
         return None

@@ -70,6 +70,7 @@ from typing import IO, Any
 from amp_plugin.app.gate_output import cpu_model, format_report, output_to
 from amp_plugin.app.gate_progress import Progress, signals_held
 from amp_plugin.app.gate_stats import DIRECTIONS, judge, overall
+from amp_plugin.app.outcome import Terminated
 from amp_plugin.app.rundir import FAILED_FILE
 from amp_plugin.app.validation import ConfigError, forget_checkpoints
 
@@ -257,7 +258,8 @@ def _run_one(cfg: Any, out: Path, fresh: bool) -> dict[str, Any]:
         record_file.unlink(missing_ok=True)
         result = train(cfg, prepare(cfg))
         with signals_held():  # a finished run is recorded whole, so the next gate reuses it
-            summary = {k: v for k, v in result.items() if k not in ("trainer", "module", "plugin")}
+            late = result.get("late_signals") or []
+            summary = {k: v for k, v in result.items() if k not in ("trainer", "module", "plugin", "late_signals")}
             del result
             per_param = summary["state_bytes_per_param"]  # state_bytes.per_parameter, as the run summary states it
             record = {"config": config_text, "bytes_per_param": per_param}
@@ -267,6 +269,8 @@ def _run_one(cfg: Any, out: Path, fresh: bool) -> dict[str, Any]:
     finally:
         rundir.release(out)
     gc.collect()
+    if late:  # a signal in the run's last step: the run finished and is recorded; the gate stops here
+        raise Terminated(late[0])
     return {**summary, "bytes_per_param": per_param, "reused": False, **({"trained_again": why} if why else {})}
 
 

@@ -136,7 +136,9 @@ def train(cfg: DictConfig, settings: PrecisionSettings | None = None, *, clear_o
         stopped = RunFailed(failure)
         mark_failed(output_dir, stopped)
         raise stopped
-    return {**summary, "trainer": run.trainer, "module": run.module, "plugin": run.plugin}
+    # late_signals: what LateSignals held (the run finished): a caller that runs more (amp-gate) stops there
+    live = {"trainer": run.trainer, "module": run.module, "plugin": run.plugin, "late_signals": list(late.received)}
+    return {**summary, **live}
 
 
 def take_over(output_dir: Path, cfg: DictConfig, clear_outputs: bool, spawned: bool = False) -> None:

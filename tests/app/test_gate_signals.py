@@ -24,9 +24,12 @@ ARGV = ["precision=bf16_split", "--against", "bf16", "--seeds", "2", *TINY]
 STALL_ENV = "AMP_GATE_TEST_STALL"
 
 
-def _fake_train(monkeypatch, stop: dict[tuple[str, int], BaseException]) -> list[tuple[str, int]]:
+def _fake_train(
+    monkeypatch, stop: dict[tuple[str, int], BaseException], late: dict[tuple[str, int], int] | None = None
+) -> list[tuple[str, int]]:
     """Replace ``run.train`` with one that writes a finished run's ``summary.json``, or raises ``stop[(preset,
-    seed)]``; record which runs trained. ``_run_one`` around it is the gate's own (records, reuse)."""
+    seed)]``, and returns ``late[(preset, seed)]`` as a signal held in its last step; record which runs
+    trained. ``_run_one`` around it is the gate's own (records, reuse)."""
     import amp_plugin.app.run
 
     trained: list[tuple[str, int]] = []
@@ -47,7 +50,7 @@ def _fake_train(monkeypatch, stop: dict[tuple[str, int], BaseException]) -> list
         }
         Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
         (Path(cfg.output_dir) / "summary.json").write_text(json.dumps(summary) + "\n")
-        return summary
+        return {**summary, "late_signals": [late[(preset, seed)]] if (preset, seed) in (late or {}) else []}
 
     monkeypatch.setattr(amp_plugin.app.run, "train", train)
     return trained
@@ -121,6 +124,18 @@ def test_a_signal_between_runs_and_with_fresh_says_so(tmp_path, monkeypatch, cap
     assert captured.out.splitlines()[1:] == ["  seed 0: bf16 1.0 s, bf16_split 1.0 s", "  seed 1: bf16 interrupted"]
     assert "2 of 4 runs are finished" in captured.err and "run the same command without --fresh" in captured.err
     assert "trains the other 2 (precision=bf16 seed=1 from step 0)" in captured.err
+
+
+def test_a_signal_in_a_runs_last_step_stops_the_gate_once_the_run_is_recorded(tmp_path, monkeypatch, capsys):
+    """SIGTERM in a run's last step lets the run finish (train.py's rule); the gate then stops after recording
+    it, as for a signal between runs. It went on to the next run, and a second signal was needed."""
+    trained = _fake_train(monkeypatch, {}, late={("bf16_split", 0): signal.SIGTERM})
+    assert _main([*ARGV, "--dir", str(tmp_path)]) == 143
+    captured = capsys.readouterr()
+    assert trained == [("bf16", 0), ("bf16_split", 0)]
+    assert captured.out.splitlines()[1:] == ["  seed 0: bf16 1.0 s, bf16_split finished"]
+    assert "interrupted by SIGTERM between two runs; 2 of 4 runs are finished" in captured.err
+    assert (tmp_path / "bf16_split" / "seed0" / "gate_run.json").is_file()  # kept: the next gate reuses it
 
 
 def test_a_signal_while_a_finished_run_is_recorded_waits_until_it_is_recorded(tmp_path, monkeypatch, capsys):
