@@ -35,7 +35,16 @@ if TYPE_CHECKING:
 else:
     from amp_plugin.lightning import pl
 
-__all__ = ["FAILED_FILE", "RunRecorder", "format_summary", "mark_failed", "summarize", "to_json", "write_outputs"]
+__all__ = [
+    "FAILED_FILE",
+    "RunRecorder",
+    "format_summary",
+    "mark_failed",
+    "summarize",
+    "to_json",
+    "write_outputs",
+    "write_summary",
+]
 
 
 HISTORY_FILE = "training_curves.csv"
@@ -266,6 +275,11 @@ def write_outputs(run: Run, summary: dict[str, Any]) -> None:
     if run.plot:
         title = f"{summary['recipe']} | precision={summary['precision']} | scaler={summary['scaler']}"
         plots.plot_run(history, run.output_dir / PLOT_FILE, title=title)
+    write_summary(run, summary)
+
+
+def write_summary(run: Run, summary: dict[str, Any]) -> None:
+    """``summary.json`` (the last of the outputs :func:`write_outputs` writes)."""
     (run.output_dir / SUMMARY_FILE).write_text(to_json(summary) + "\n")
 
 

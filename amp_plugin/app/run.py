@@ -42,7 +42,7 @@ from amp_plugin.app import rundir
 from amp_plugin.app.build import Run, build, resolve_output_dir
 from amp_plugin.app.config_nodes import entries, naming_key, plain
 from amp_plugin.app.outcome import RunFailed
-from amp_plugin.app.report import FAILED_FILE, format_summary, mark_failed, summarize, write_outputs
+from amp_plugin.app.report import FAILED_FILE, format_summary, mark_failed, summarize, write_outputs, write_summary
 from amp_plugin.app.resume import keep_history
 from amp_plugin.app.validation import ConfigError, forget_checkpoints
 from amp_plugin.fused import build_seconds
@@ -122,11 +122,15 @@ def train(cfg: DictConfig, settings: PrecisionSettings | None = None, *, clear_o
         failure = failed_training(summary, run.plugin.scaler)
         if failure is not None:
             summary["status"], summary["failure"] = "failed", failure
-        if late.received:
+        noted = bool(late.received)
+        if noted:
             summary["notes"] = [*summary.get("notes", []), late.note(summary)]
         if run.trainer.is_global_zero:
             (output_dir / FAILED_FILE).unlink(missing_ok=True)  # a stale note from an earlier attempt here
             write_outputs(run, summary)
+            if late.received and not noted:  # a signal while the outputs were written: summary.json says it too
+                summary["notes"] = [*summary.get("notes", []), late.note(summary)]
+                write_summary(run, summary)
             print(format_summary(summary), flush=True)
     finally:
         late.release()

@@ -474,3 +474,23 @@ def test_a_run_resumed_in_place_counts_the_scale_changes_of_its_own_steps(tmp_pa
     assert (second["loss_scale"]["growths"], second["loss_scale"]["backoffs"]) == (growths, backoffs)
     assert second["loss_scale"]["changes"] == growths + backoffs
     assert (first["loss_scale"]["growths"], first["loss_scale"]["backoffs"]) == scale_changes(rows, 0, 2.0**16, 6)
+
+
+def test_a_signal_while_the_outputs_are_written_is_noted_in_the_summary_too(tmp_path, compose_config, monkeypatch):
+    """SIGTERM after the last step began lets the run finish and says so in ``summary.json``'s ``notes``
+    (docs/runs.md); one that came while the curves and the plot were written was said on stderr only."""
+    import signal
+
+    import amp_plugin.app.run as run_module
+
+    written = run_module.write_outputs
+
+    def write_then_signal(run, summary):
+        written(run, summary)
+        signal.raise_signal(signal.SIGTERM)  # held by the run until its outputs are written
+
+    monkeypatch.setattr(run_module, "write_outputs", write_then_signal)
+    result = train(compose_config(*QUICK, "precision=bf16", output_dir=tmp_path))
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["status"] == "ok" and result["late_signals"] == [signal.SIGTERM]
+    assert any(note.startswith("SIGTERM received after the last step began") for note in summary["notes"])
