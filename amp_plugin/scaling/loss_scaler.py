@@ -205,7 +205,7 @@ class LossScaler(SavedState, Retries):
         """
         if not self._enabled:
             return optimizer.step(*args, **kwargs)
-        if "closure" in kwargs:
+        if "closure" in kwargs or (args and callable(args[0])):  # torch's step(closure=None), by name or place
             raise RuntimeError("Closure use is not supported: run the closure, then call step(optimizer).")
         state = self._state(optimizer)
         if state.stage is Stage.STEPPED:

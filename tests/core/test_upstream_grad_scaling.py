@@ -535,6 +535,30 @@ def test_step_returns_none_on_a_skip_and_rejects_closures(make_scaler):
         scaler.step(opt, closure=lambda: 0.0)
 
 
+@pytest.mark.parametrize("scaler_class", [DynamicLossScaler, StaticLossScaler])
+@pytest.mark.parametrize("earlier_backward", [False, True])
+def test_a_closure_passed_by_position_is_refused_as_one_by_name(scaler_class, earlier_backward):
+    """``scaler.step(opt, closure)``: the closure would run inside ``opt.step()``, after the unscale and the inf
+    check, so its backward's scaled gradients were stepped (65536 times the update at the default scale),
+    with or without gradients of an earlier backward. Refused, as a closure given by name is (torch's
+    GradScaler fails too: "No inf checks were recorded"), and nothing changes."""
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([p], lr=0.1)
+    scaler = scaler_class(2.0**16) if scaler_class is StaticLossScaler else scaler_class()
+    if earlier_backward:
+        scaler.scale((p * 2).sum()).backward()
+
+    def closure():
+        opt.zero_grad()
+        loss = scaler.scale((p * 2).sum())
+        loss.backward()
+        return loss
+
+    with pytest.raises(RuntimeError, match="Closure use is not supported"):
+        scaler.step(opt, closure)
+    assert torch.equal(p.detach(), torch.ones(3))
+
+
 @SCALERS
 def test_update_with_a_new_scale(make_scaler):
     """Both set a manual scale. Design difference: ours requires it to lie in
