@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["attach", "detach_sum", "sum_for"]
+__all__ = ["attach", "by_backward", "detach_sum", "sum_for"]
 
 
 class _Sum:
@@ -121,6 +121,15 @@ def attach(param: torch.Tensor, record: Any, holder: Any, keep: list[Any]) -> No
             param.requires_grad_(False)
     keep.append(node)
     acc.holders.add(holder)
+
+
+def by_backward(record: Any, grad: torch.Tensor) -> bool | None:
+    """Whether a backward wrote ``grad`` as it is now (the hooks' sum went into it and nothing changed it
+    since); ``None`` when the parameter has no live hooks to tell (``accumulate_fp32=False``)."""
+    acc = record.acc
+    if acc is None or not len(acc.holders):
+        return None
+    return acc.ours(grad)
 
 
 def sum_for(record: Any, grad: torch.Tensor | None) -> torch.Tensor | None:

@@ -156,9 +156,12 @@ class MasterWeightOptimizer(Optimizer):
     them, scaled; changing them then after the step began (``sync_grads()``, a master
     gradient read) is almost always a mistake: the step warns once (:class:`MasterGradWarning`);
     it then uses a master gradient that was already read as it is, and otherwise the changed
-    model gradient, still scaled. A sparse half gradient (``nn.Embedding(sparse=True)``) becomes a
-    coalesced sparse FP32 master gradient (duplicates summed in FP32), for optimizers that
-    take sparse gradients (SGD, SparseAdam).
+    model gradient, still scaled. ``torch.amp.GradScaler`` is such a case: its ``unscale_``
+    reads and unscales the masters' gradients only, so the recipe's
+    ``clip_grad_norm_(model.parameters(), c)`` clips scaled values and changes nothing the step
+    uses (warned); clip ``opt.master_params()`` with it. A sparse half gradient
+    (``nn.Embedding(sparse=True)``) becomes a coalesced sparse FP32 master gradient (duplicates
+    summed in FP32), for optimizers that take sparse gradients (SGD, SparseAdam).
 
     The masters follow the model. Every ``step()`` (and :meth:`master_params`,
     :meth:`state_dict`) first re-copies the master of any half-precision parameter written

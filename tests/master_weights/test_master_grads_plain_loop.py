@@ -63,3 +63,34 @@ def test_a_read_after_a_step_then_another_backward_steps_the_new_gradient():
     opt.step()
     assert torch.equal(opt.fp32_masters()[0], before - summed)
     assert not torch.equal(summed, model[0].weight.grad.float() * 0)  # a real gradient was stepped
+
+
+@pytest.mark.parametrize("fused", [None, False])
+@pytest.mark.parametrize("master", ["fp32", "bf16_split"])
+def test_torch_grad_scaler_then_the_recipes_clip_of_the_model_steps_the_unscaled_gradients(fused, master):
+    """torch.amp.GradScaler with the AMP recipe's ``clip_grad_norm_(model.parameters(), max_norm)`` after
+    ``unscale_``: GradScaler unscales the masters' gradients (it reads them, then unscales in place) and the
+    clip scales the model's, which stay multiplied by the loss scale. The step uses the unscaled master
+    gradients, with the warning that says to clip ``opt.master_params()``; it took the model's changed
+    gradients, still scaled: an update 1024 times too large. Oracle: SGD on the FP32 copy given the
+    gradients upcast, unscaled."""
+    from amp_plugin.master_weights import MasterGradWarning
+
+    model, ref = bf16_model_and_reference()
+    opt = MasterWeightOptimizer(torch.optim.SGD(model.parameters(), lr=1e-2), master=master, fused=fused)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    torch.manual_seed(1)
+    h = model[0](torch.randn(8, 32).bfloat16()).float()
+    scaler.scale(model[2](model[1](h).bfloat16()).float().pow(2).mean()).backward()
+    for p, r in zip(model.parameters(), ref.parameters()):
+        r.grad = p.grad.float() / 1024.0
+    scaler.unscale_(opt)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1e9)  # clips nothing, but writes the gradients
+    with pytest.warns(MasterGradWarning, match=r"clip_grad_norm_\(optimizer.master_params\(\), max_norm\)"):
+        scaler.step(opt)
+    scaler.update()
+    ref_opt.step()
+    halves = [r for p, r in zip(model.parameters(), ref.parameters()) if p.dtype == torch.bfloat16]
+    for m, r in zip(opt.fp32_masters(), halves, strict=True):
+        assert torch.equal(m, r.detach())
