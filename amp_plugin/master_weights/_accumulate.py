@@ -123,7 +123,7 @@ def attach(param: torch.Tensor, record: Any, holder: Any, keep: list[Any]) -> No
     acc.holders.add(holder)
 
 
-def by_backward(record: Any, grad: torch.Tensor) -> bool | None:
+def by_backward(record: Any, grad: torch.Tensor | None) -> bool | None:
     """Whether a backward wrote ``grad`` as it is now (the hooks' sum went into it and nothing changed it
     since); ``None`` when the parameter has no live hooks to tell (``accumulate_fp32=False``)."""
     acc = record.acc
