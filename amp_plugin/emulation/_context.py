@@ -76,7 +76,9 @@ class CpuHalfEmulation:
                 f"backend='kernel' needs torch.library.get_kernel (torch {torch.__version__} lacks it); "
                 "use backend='mode'"
             )
-        self.enabled = bool(enabled)
+        if not isinstance(enabled, bool):
+            raise TypeError(f"enabled={enabled!r} is not allowed: enabled must be True or False.")
+        self.enabled = enabled
         self.backend = backend
         self.dtypes: frozenset = _parse_dtypes(dtypes)
         # one entry per __enter__ still open: (kind, pushed mode or None, counts snapshot or None)

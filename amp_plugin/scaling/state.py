@@ -18,7 +18,7 @@ from amp_plugin.checks import check_int, check_scale
 from amp_plugin.scaling.scale_update import to_float32
 from amp_plugin.scaling.settings import Setting, check_settings
 
-__all__ = ["SavedState", "state_bool", "state_int"]
+__all__ = ["SavedState", "state_bool", "state_int", "state_scale"]
 
 
 def state_int(state_dict: dict[str, Any], key: str, default: int) -> int:
@@ -29,6 +29,18 @@ def state_int(state_dict: dict[str, Any], key: str, default: int) -> int:
         value = int(value.item())
     try:
         return check_int(key, value, ge=0)
+    except TypeError as err:
+        raise ValueError(str(err)) from None
+
+
+def state_scale(state_dict: dict[str, Any]) -> float:
+    """``state_dict["scale"]`` as the float32 scale it must be; a one-element floating tensor (what
+    ``torch.amp.GradScaler`` accepts) is read as a float. ``ValueError`` names the key."""
+    value = state_dict["scale"]
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and value.is_floating_point():
+        value = float(value.item())
+    try:
+        return to_float32(check_scale("scale", value))
     except TypeError as err:
         raise ValueError(str(err)) from None
 
@@ -138,7 +150,7 @@ class SavedState:
                 "needs at least 'scale'. Pass what a scaler's state_dict() returned."
             )
         return {
-            "scale": to_float32(check_scale("scale", state_dict["scale"])),
+            "scale": state_scale(state_dict),
             "skipped_steps": state_int(state_dict, "skipped_steps", 0),
             "retried_steps": state_int(state_dict, "retried_steps", 0),
             "consecutive_skips": state_int(state_dict, "consecutive_skips", 0),

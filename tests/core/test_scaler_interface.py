@@ -354,6 +354,8 @@ def test_fused_adamw_steps_as_under_grad_scaler():
         ("_growth_tracker", -1),
         ("skipped_steps", "3"),
         ("last_step_skipped", 1),
+        ("scale", "big"),  # a TypeError before: the docstring promises a ValueError for a bad entry
+        ("scale", torch.tensor([1.0, 2.0])),
     ],
 )
 def test_load_state_dict_checks_like_the_constructor(key, value):
@@ -373,6 +375,16 @@ def test_a_state_dict_without_a_scale_names_the_key(scaler):
         scaler.load_state_dict({"growth_factor": 2.0})
     with pytest.raises(ValueError, match="^scale=nan"):
         scaler.load_state_dict({"scale": math.nan})
+
+
+@pytest.mark.parametrize("scaler", [DynamicLossScaler(), StaticLossScaler()], ids=["dynamic", "static"])
+def test_a_one_element_tensor_scale_loads_as_torchs_grad_scaler_takes_it(scaler):
+    """``torch.amp.GradScaler.load_state_dict`` takes a 0-dim tensor scale (its own ``state_dict`` holds a
+    float); so do ours, as the integer trackers already took one-element tensors."""
+    reference = torch.amp.GradScaler("cpu")
+    reference.load_state_dict({**reference.state_dict(), "scale": torch.tensor(1024.0)})
+    scaler.load_state_dict({**scaler.state_dict(), "scale": torch.tensor(1024.0)})
+    assert scaler.get_scale() == reference.get_scale() == 1024.0
 
 
 def test_static_and_dynamic_state_dicts_load_into_each_other():

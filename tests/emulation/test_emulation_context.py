@@ -427,3 +427,11 @@ def test_exported_names():
         "aten.convolution_backward.default",
     ):
         assert name in EMULATED_OPS
+
+
+@pytest.mark.parametrize("enabled", ["no", 0, None])
+def test_enabled_must_be_a_bool_as_the_scalers_say(enabled):
+    """``CpuHalfEmulation(enabled="no")`` turned emulation on (``bool("no")``); refused, as the scalers refuse
+    the same argument."""
+    with pytest.raises(TypeError, match=rf"^enabled={enabled!r} is not allowed: enabled must be True or False"):
+        CpuHalfEmulation(enabled=enabled)
