@@ -124,10 +124,15 @@ class ResumableLoader(DataLoader):
         epoch, done = state["epoch"], state["batches"]
         if done >= state["epoch_batches"]:  # the checkpoint's epoch was finished
             epoch, done = epoch + 1, 0
-        elif (state["batch_size"], state["length"]) != (self.batch_size, len(self.dataset)):  # type: ignore[arg-type]
+        elif (state["batch_size"], state["length"], state["epoch_batches"]) != (
+            self.batch_size,
+            len(self.dataset),  # type: ignore[arg-type]
+            len(self),
+        ):  # another batch size, dataset, or share of it per process (a resume with another process count)
             warnings.warn(
                 f"The checkpoint's training loader read {state['length']} samples in batches of "
-                f"{state['batch_size']}, this one {len(self.dataset)} in batches of {self.batch_size}: "  # type: ignore[arg-type]
+                f"{state['batch_size']}, {state['epoch_batches']} batches an epoch in this process, this one "
+                f"{len(self.dataset)} in batches of {self.batch_size}, {len(self)} batches an epoch: "  # type: ignore[arg-type]
                 "the resumed epoch restarts its order.",
                 RuntimeWarning,
                 stacklevel=2,

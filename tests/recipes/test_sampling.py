@@ -82,8 +82,21 @@ def test_another_batch_size_restarts_the_epochs_order_with_a_warning():
     read(first, 3)
     resumed = train_loader(Counted(22), 8)
     resumed.load_state_dict(first.state_dict())
-    with pytest.warns(RuntimeWarning, match="22 samples in batches of 4, this one 22 in batches of 8: .*restarts"):
+    with pytest.warns(RuntimeWarning, match="22 samples in batches of 4, .* this one 22 in batches of 8, .*restarts"):
         assert read(resumed) == epoch_order(22, 8, epoch=0)
+
+
+def test_another_share_of_the_epoch_per_process_restarts_the_epochs_order_with_a_warning():
+    """A checkpoint of one process resumed under DDP (each rank reads its share: fewer batches an epoch) with
+    more batches done than the share holds: it ran past the end of the sampler ("generator raised
+    StopIteration" in both ranks). The epoch's order restarts, with the warning of another batch size."""
+    first = train_loader(Counted(44), 4)  # 11 batches an epoch
+    read(first, 9)
+    resumed = train_loader(Counted(44), 4)
+    # the checkpoint's process read twice this one's share, and was 15 batches into it
+    resumed.load_state_dict({**first.state_dict(), "epoch_batches": 22, "batches": 15})
+    with pytest.warns(RuntimeWarning, match="22 batches an epoch in this process, this one .* 11 batches an epoch"):
+        assert read(resumed) == epoch_order(44, 4, epoch=0)
 
 
 def test_a_finished_epoch_resumes_with_the_next_even_in_other_batches():
