@@ -196,6 +196,13 @@ def process_count(trainer: DictConfig) -> int | None:
 
 def _check_strategy(trainer: DictConfig) -> None:
     strategy = str(trainer.strategy)
+    if any(word in strategy for word in ("spawn", "fork", "notebook")):
+        raise ConfigError(
+            f"trainer.strategy={strategy!r} is not allowed: its worker processes train while this one waits, and "
+            "Lightning gives this one back no step count, so the app's summary, failure checks and resume "
+            "command would see a run that took no step. Use strategy=ddp (its processes start with this command "
+            "line and each runs the app)."
+        )
     for prefix, reason in _OWN_PRECISION.items():
         if strategy.startswith(prefix):
             raise ConfigError(

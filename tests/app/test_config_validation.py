@@ -208,6 +208,8 @@ BAD_VALUES = [
     (["+trainer.precision=16-mixed"], ["trainer.precision='16-mixed'", "precision=fp32|fp16|bf16", "bf16_split"]),
     (["trainer.strategy=fsdp_cpu_offload"], ["trainer.strategy='fsdp_cpu_offload'", "FSDP1", "Use strategy=fsdp"]),
     (["trainer.strategy=deepspeed_stage_2"], ["trainer.strategy='deepspeed_stage_2'", "its own loss scaler"]),
+    (["trainer.strategy=ddp_spawn"], ["trainer.strategy='ddp_spawn' is not allowed", "Use strategy=ddp"]),
+    (["trainer.strategy=ddp_fork"], ["trainer.strategy='ddp_fork' is not allowed", "took no step"]),
     (
         ["trainer.accelerator=cpu", "trainer.devices=4096"],
         ["trainer.devices=4096", "each device is a process", "Use at most trainer.devices="],
