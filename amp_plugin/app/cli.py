@@ -37,7 +37,7 @@ from amp_plugin.app import reuse, rundir
 from amp_plugin.app.build import prepare
 from amp_plugin.app.outcome import catch_sigterm, refused_jobs, report_end, restore_sigterm
 from amp_plugin.app.schema import register_configs
-from amp_plugin.app.validation import ConfigError
+from amp_plugin.app.validation import ConfigError, show
 
 __all__ = [
     "LIGHTNING_LOGGERS",
@@ -89,6 +89,26 @@ def _hydra_runtime() -> tuple[Path | None, bool]:
     except ValueError:  # not running under @hydra.main
         return None, False
     return Path(hydra_cfg.runtime.output_dir), hydra_cfg.mode == RunMode.MULTIRUN
+
+
+def check_sweep_job(cfg: DictConfig) -> None:
+    """A job of a local sweep (Hydra's basic launcher runs the jobs one after another in this process) must be
+    one process: Lightning starts a job's other ranks with this process's command line, ``-m`` included, so
+    each of them started the sweep again (refused by the sweep's lock, and Lightning then killed the sweep:
+    exit status 137). A launcher that runs each job elsewhere (submitit on SLURM) starts its ranks itself."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from amp_plugin.app.validation import CLUSTER_ENV, process_count
+
+    launcher = str(HydraConfig.get().launcher.get("_target_", ""))
+    processes = (process_count(cfg.trainer) or 1) * cfg.trainer.num_nodes
+    if launcher.endswith(".BasicLauncher") and processes > 1 and not any(os.environ.get(k) for k in CLUSTER_ENV):
+        raise ConfigError(
+            f"trainer.devices={show(cfg.trainer.devices)} is not allowed in a sweep (-m) run by Hydra's local "
+            f"launcher: the job would run {processes} processes, and Lightning starts the others with this command "
+            "line, -m included, so each would start the sweep again. Run the multi-process jobs one by one "
+            "(without -m), or sweep with a launcher that starts each job itself (hydra/launcher=submitit_slurm)."
+        )
 
 
 def check_environment() -> None:
@@ -144,6 +164,8 @@ def run_job(cfg: DictConfig) -> dict[str, Any] | None:
     previous = catch_sigterm()
     try:
         check_environment()
+        if multirun:
+            check_sweep_job(cfg)
         clear = False
         if out is not None:
             try:

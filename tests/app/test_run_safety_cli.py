@@ -380,3 +380,30 @@ def test_overwrite_of_outputs_no_run_file_vouches_for_says_why(tmp_path, run_fil
     with pytest.raises(RunDirError, match=rf"no \.amp_run file says which run wrote its summary\.json \({why}\)"):
         check_reuse(tmp_path, None, overwrite=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["summary.json"] + ([".amp_run"] if run_file else []))
+
+
+@pytest.mark.slow
+def test_a_local_sweep_of_multi_process_jobs_fails_each_job_in_one_line(tmp_path):
+    """``-m`` with ``trainer.devices=2``: Lightning starts a job's second process with the sweep's command line,
+    ``-m`` included, which started the sweep again, was refused by the sweep's lock, and Lightning killed the
+    sweep (exit 137, no FAILED note). Each job is refused before it starts a process, and the sweep goes on."""
+    sweep = tmp_path / "sweep"
+    result = run(
+        [
+            "-m",
+            *TINY,
+            "seed=1,2",
+            "strategy=ddp",
+            "trainer.accelerator=cpu",
+            "trainer.devices=2",
+            f"hydra.sweep.dir={sweep}",
+        ],
+        tmp_path,
+    )
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    assert "2 job(s) of this sweep failed" in result.stderr
+    for job in ("0", "1"):
+        note = (sweep / job / "FAILED").read_text()
+        assert "trainer.devices=2 is not allowed in a sweep (-m) run by Hydra's local launcher" in note
+        assert not (sweep / job / "checkpoints").exists()
