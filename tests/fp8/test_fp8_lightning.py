@@ -175,3 +175,28 @@ def test_the_app_names_a_bad_fp8_setting(compose_config):
     ]:
         with pytest.raises(ConfigError, match=message):
             train(compose_config("precision=fp8", override))
+
+
+def test_a_resume_in_place_keeps_the_fp8_rows_of_the_checkpoints_step(tmp_path, compose_config):
+    """Resumed in place from step 3, the run's ``fp8_stats.csv`` and the ``fp8/*`` rows of ``metrics.csv`` are
+    those of an uninterrupted run. The rows of the checkpoint's own step were dropped: ``fp8_stats.csv``
+    counts a row's step as the steps done (the row of step 3 is the checkpoint's), and ``metrics.csv``
+    had the ``fp8/*`` values one step after Lightning's row of the same optimizer step."""
+    quick = ["precision=fp8", "trainer.log_every_n_steps=1", "trainer.limit_val_batches=1", "plot=false"]
+
+    def fp8_files(out):
+        with open(out / "logs" / "fp8_stats.csv", newline="") as f:
+            stats = list(csv.reader(f))
+        with open(out / "logs" / "metrics.csv", newline="") as f:
+            rows = list(csv.DictReader(f))
+        losses = [r["step"] for r in rows if r.get("train/loss")]
+        return stats, [(r["step"], r["fp8/min_scale"]) for r in rows if r.get("fp8/fp8_layers")], losses
+
+    train(compose_config(*quick, "trainer.max_steps=6", output_dir=tmp_path / "straight"))
+    first = train(compose_config(*quick, "trainer.max_steps=3", output_dir=tmp_path / "resumed"))
+    ckpt = first["paths"]["last_checkpoint"]
+    train(compose_config(*quick, "trainer.max_steps=6", f"ckpt_path={ckpt}", output_dir=tmp_path / "resumed"))
+    stats, metrics, losses = fp8_files(tmp_path / "straight")
+    assert sorted({row[0] for row in stats[1:]}) == ["1", "2", "3", "4", "5", "6"]
+    assert [step for step, _ in metrics] == losses == ["0", "1", "2", "3", "4", "5"]  # an optimizer step's rows
+    assert fp8_files(tmp_path / "resumed") == (stats, metrics, losses)

@@ -29,7 +29,8 @@ class FP8Monitor(Callback):
     ``fp8_stats.csv`` in the run's log dir, with a header row:
     ``step,layer,operand,amax,scale,saturated_frac,flushed_frac,numel`` (``amax``: the largest
     ``|x|`` of the window; ``scale``: the one in use; the fractions are over the window's
-    values), and logs to every logger at that step:
+    values; ``step``: the optimizer steps done, the one read included), and logs to every logger at
+    Lightning's step of that optimizer step (``step - 1``, the row of its ``train/loss``):
 
     - ``fp8/max_saturated_frac``, ``fp8/max_flushed_frac``: the worst layer and operand;
     - ``fp8/min_scale``: the smallest scale in use;
@@ -40,7 +41,8 @@ class FP8Monitor(Callback):
     (:meth:`~amp_plugin.fp8.Fp8Layers.describe`). A layer's fallback to BF16 is also printed once
     when this callback first sees it. Without ``precision="fp8"`` the callback does nothing.
 
-    Resuming: rows of an existing ``fp8_stats.csv`` from before the resume point are kept.
+    Resuming: rows of an existing ``fp8_stats.csv`` up to the checkpoint's step are kept (the resumed
+    run reads from the step after it).
 
     Args:
         every_n_steps: read when ``trainer.global_step % every_n_steps == 0`` (after the step).
@@ -65,8 +67,8 @@ class FP8Monitor(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         plugin = find_plugin(trainer, self, "It has no FP8 layers to read.")
         self._layers = plugin.fp8_layers if plugin is not None else None
-        start = trainer.global_step
-        self._csv.start(trainer, keep_existing=lambda row: start > 0 and int(row["step"]) < start)
+        start = trainer.global_step  # a row's step counts the steps done with it: the checkpoint's own kept
+        self._csv.start(trainer, keep_existing=lambda row: start > 0 and int(row["step"]) <= start)
         self._reported = len(self._layers.fallbacks) if self._layers is not None else 0
         if self._layers is not None:
             rank_zero_info(f"amp: FP8: {self._layers.describe()}")
@@ -99,5 +101,5 @@ class FP8Monitor(Callback):
                     "fp8/min_scale": min(s.scale for s in stats),
                 }
             )
-        for logger in trainer.loggers:
-            logger.log_metrics(self.last_summary, step=step)
+        for logger in trainer.loggers:  # at Lightning's step of this optimizer step, with its train/loss
+            logger.log_metrics(self.last_summary, step=step - 1)
