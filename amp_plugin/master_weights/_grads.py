@@ -140,7 +140,7 @@ class GradSession:
     """One step's gradients for one :class:`~amp_plugin.MasterWeightOptimizer` (see the module
     docstring). Indices are positions in the optimizer's half-precision pairs."""
 
-    __slots__ = ("auto", "eager", "grads", "inv", "made", "ops", "owner", "touched", "versions")
+    __slots__ = ("auto", "eager", "grads", "inv", "ops", "owner", "touched", "versions")
 
     def __init__(
         self,
@@ -155,7 +155,6 @@ class GradSession:
         self.versions = [0 if g is None else g._version for g in grads]
         self.eager: dict[int, torch.Tensor] = {}  # index -> FP32 gradient computed ahead
         self.touched: set[int] = set()  # indices whose master's grad slot was filled (read or set)
-        self.made: set[int] = set()  # indices whose master gradient a read made (materialize)
         self.ops = ops
         self.auto = False  # started by reading a master's gradient, not by unscale_/sync_grads/the step
 
@@ -164,8 +163,8 @@ class GradSession:
         since (a backward ran after the read), take the new one, as if the session began now.
 
         Unless no backward wrote it: a model gradient changed in place while the FP32 accumulation hooks saw
-        no backward (:func:`~amp_plugin.master_weights._accumulate.by_backward`) was edited, after a read
-        made its master's gradient. That is ``torch.amp.GradScaler``'s flow: its ``unscale_`` reads the
+        no backward (:func:`~amp_plugin.master_weights._accumulate.by_backward`) was edited, after its master's
+        gradient was read or set. That is ``torch.amp.GradScaler``'s flow: its ``unscale_`` reads the
         masters' gradients and unscales them in place, then the AMP recipe's
         ``clip_grad_norm_(model.parameters())`` scales the still-scaled model gradients. The step then uses
         the master gradient as it is, with the warning of such a change; taking the model gradient applied
@@ -175,12 +174,11 @@ class GradSession:
             return
         master = self.owner._half_masters[index]
         edited = grad is self.grads[index] and _accumulate.by_backward(self.owner._records[index], grad) is False
-        if index in self.made and master._amp_grad is not None and edited:
+        if index in self.touched and master._amp_grad is not None and edited:
             self.owner._warn_grads_changed()
             self.grads[index] = grad
             self.versions[index] = 0 if grad is None else grad._version
             return
-        self.made.discard(index)
         set_grad(master, None)
         self.touched.discard(index)
         self.eager.pop(index, None)
@@ -225,7 +223,6 @@ class GradSession:
         out = self.fp32(index, grad)
         set_grad(master, out)
         self.touched.add(index)
-        self.made.add(index)
         return out
 
     def materialize_all(self) -> None:
@@ -261,7 +258,6 @@ class GradSession:
                     master._amp_pending = None
         self.eager.clear()
         self.touched.clear()
-        self.made.clear()
 
 
 def warn_grads_changed(stacklevel: int) -> None:
